@@ -1,0 +1,153 @@
+-- Switchboard schema. Applied by `init` and at every start; every statement is idempotent.
+-- PRAGMA user_version records the schema version; switchboard.py migrates older files step by step.
+-- Times are integer milliseconds since the Unix epoch (UTC); the API renders them as ISO-8601.
+-- Invariants live here as constraints so that no code path can break them.
+
+CREATE TABLE IF NOT EXISTS humans (
+    id            TEXT PRIMARY KEY CHECK (id LIKE 'hu\_%' ESCAPE '\'),
+    name          TEXT NOT NULL UNIQUE CHECK (length(name) BETWEEN 1 AND 64),
+    token_hash    TEXT NOT NULL UNIQUE CHECK (length(token_hash) = 64),
+    token_prefix  TEXT NOT NULL,
+    created_at    INTEGER NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS endpoints (
+    id                     TEXT PRIMARY KEY CHECK (id LIKE 'ep\_%' ESCAPE '\'),
+    human_id               TEXT NOT NULL REFERENCES humans(id),
+    name                   TEXT NOT NULL CHECK (length(name) BETWEEN 1 AND 64),
+    token_hash             TEXT NOT NULL UNIQUE CHECK (length(token_hash) = 64),
+    token_prefix           TEXT NOT NULL,
+    queues                 TEXT NOT NULL CHECK (json_valid(queues) AND json_type(queues) = 'array'),
+    verbs                  TEXT NOT NULL CHECK (json_valid(verbs) AND json_type(verbs) = 'array'),
+    default_lease_seconds  INTEGER CHECK (default_lease_seconds BETWEEN 60 AND 86400),
+    webhook_max            INTEGER NOT NULL DEFAULT 5 CHECK (webhook_max >= 0),
+    created_at             INTEGER NOT NULL,
+    revoked_at             INTEGER,
+    UNIQUE (human_id, name)
+);
+
+-- A human may route webhooks to another human's endpoints once that human approved the edge.
+CREATE TABLE IF NOT EXISTS friend_edges (
+    id            TEXT PRIMARY KEY CHECK (id LIKE 'fr\_%' ESCAPE '\'),
+    requester_id  TEXT NOT NULL REFERENCES humans(id),
+    approver_id   TEXT NOT NULL REFERENCES humans(id),
+    requested_at  INTEGER NOT NULL,
+    approved_at   INTEGER,
+    CHECK (requester_id <> approver_id),
+    UNIQUE (requester_id, approver_id)
+);
+
+-- Events: every accepted delivery and every operator-authored todo, with its routing decision.
+CREATE TABLE IF NOT EXISTS events (
+    id            TEXT PRIMARY KEY CHECK (id LIKE 'ev\_%' ESCAPE '\'),
+    webhook_id    TEXT,
+    human_id      TEXT NOT NULL REFERENCES humans(id),
+    source        TEXT NOT NULL,
+    kind          TEXT,
+    trust_mode    TEXT NOT NULL CHECK (trust_mode IN ('signed', 'token', 'operator')),
+    verified      INTEGER NOT NULL CHECK (verified IN (0, 1)),
+    delivery_key  TEXT,
+    body_hash     TEXT,
+    headers       TEXT NOT NULL DEFAULT '{}' CHECK (json_valid(headers)),
+    body          BLOB,
+    envelope      TEXT CHECK (envelope IS NULL OR json_valid(envelope)),
+    disposition   TEXT NOT NULL CHECK (disposition IN ('routed', 'dropped', 'repeat', 'quarantined')),
+    trace         TEXT CHECK (trace IS NULL OR json_valid(trace)),
+    outcome       TEXT CHECK (outcome IS NULL OR json_valid(outcome)),
+    received_at   INTEGER NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS events_delivery ON events(webhook_id, delivery_key) WHERE webhook_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS events_body ON events(webhook_id, body_hash) WHERE webhook_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS events_received ON events(received_at);
+
+CREATE TABLE IF NOT EXISTS todos (
+    id               TEXT PRIMARY KEY CHECK (id LIKE 'td\_%' ESCAPE '\'),
+    endpoint_id      TEXT NOT NULL REFERENCES endpoints(id),
+    queue            TEXT NOT NULL CHECK (length(queue) BETWEEN 1 AND 64),
+    state            TEXT NOT NULL CHECK (state IN ('pending', 'claimed', 'needs_input', 'blocked', 'review',
+                                                    'deferred', 'done', 'failed', 'cancelled', 'quarantined')),
+    outcome          TEXT CHECK (outcome IN ('completed', 'approved', 'absorbed', 'discarded')),
+    title            TEXT NOT NULL CHECK (length(title) BETWEEN 1 AND 512),
+    source           TEXT NOT NULL,
+    kind             TEXT,
+    subject_key      TEXT,
+    payload          TEXT CHECK (payload IS NULL OR json_valid(payload)),
+    work_order       TEXT CHECK (work_order IS NULL OR json_valid(work_order)),
+    work_item        TEXT CHECK (work_item IS NULL OR json_valid(work_item)),
+    trace            TEXT CHECK (trace IS NULL OR json_valid(trace)),
+    event_id         TEXT REFERENCES events(id) ON DELETE SET NULL,
+    idempotency_key  TEXT CHECK (idempotency_key IS NULL OR length(idempotency_key) BETWEEN 1 AND 256),
+    priority         INTEGER NOT NULL DEFAULT 0,
+    gated            INTEGER NOT NULL DEFAULT 0 CHECK (gated IN (0, 1)),
+    attempt          INTEGER NOT NULL DEFAULT 0 CHECK (attempt >= 0),
+    max_attempts     INTEGER NOT NULL DEFAULT 5 CHECK (max_attempts >= 1),
+    lease_expires_at INTEGER,
+    lease_token_hash TEXT,
+    available_at     INTEGER NOT NULL,
+    state_reason     TEXT,
+    answer           TEXT,
+    deferred_until   INTEGER,
+    result           TEXT CHECK (result IS NULL OR json_valid(result)),
+    last_error       TEXT,
+    dead_letter      INTEGER NOT NULL DEFAULT 0 CHECK (dead_letter IN (0, 1)),
+    silent           INTEGER NOT NULL DEFAULT 0 CHECK (silent IN (0, 1)),
+    ring_count       INTEGER NOT NULL DEFAULT 0,
+    last_ring_at     INTEGER,
+    created_at       INTEGER NOT NULL,
+    updated_at       INTEGER NOT NULL,
+    -- A claimed todo always has a lease; any other state never does.
+    CHECK ((state = 'claimed') = (lease_expires_at IS NOT NULL AND lease_token_hash IS NOT NULL)),
+    -- Only done carries an outcome, and done always does.
+    CHECK ((state = 'done') = (outcome IS NOT NULL)),
+    CHECK (dead_letter = 0 OR state = 'failed'),
+    CHECK ((state = 'quarantined') = (queue = 'quarantine'))
+);
+CREATE INDEX IF NOT EXISTS todos_claimable ON todos(endpoint_id, queue, priority DESC, created_at)
+    WHERE state = 'pending';
+CREATE INDEX IF NOT EXISTS todos_lapsed ON todos(lease_expires_at) WHERE state = 'claimed';
+CREATE INDEX IF NOT EXISTS todos_unrung ON todos(available_at) WHERE state = 'pending';
+CREATE INDEX IF NOT EXISTS todos_deferred ON todos(deferred_until) WHERE state = 'deferred';
+CREATE INDEX IF NOT EXISTS todos_by_endpoint ON todos(endpoint_id, created_at);
+CREATE INDEX IF NOT EXISTS todos_by_event ON todos(event_id);
+CREATE INDEX IF NOT EXISTS todos_finished ON todos(updated_at) WHERE state IN ('done', 'failed', 'cancelled');
+-- Idempotency: one live todo per (endpoint, key); a finished one frees the key.
+CREATE UNIQUE INDEX IF NOT EXISTS todos_idempotency ON todos(endpoint_id, idempotency_key)
+    WHERE idempotency_key IS NOT NULL AND state NOT IN ('done', 'failed', 'cancelled');
+
+CREATE TABLE IF NOT EXISTS todo_deps (
+    todo_id        TEXT NOT NULL REFERENCES todos(id) ON DELETE CASCADE,
+    depends_on_id  TEXT NOT NULL REFERENCES todos(id) ON DELETE CASCADE,
+    PRIMARY KEY (todo_id, depends_on_id),
+    CHECK (todo_id <> depends_on_id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS todo_deps_reverse ON todo_deps(depends_on_id);
+
+CREATE TABLE IF NOT EXISTS attempts (
+    todo_id           TEXT NOT NULL REFERENCES todos(id) ON DELETE CASCADE,
+    seq               INTEGER NOT NULL CHECK (seq >= 1),
+    endpoint_id       TEXT NOT NULL REFERENCES endpoints(id),
+    claimant          TEXT NOT NULL,
+    claimed_at        INTEGER NOT NULL,
+    lease_expires_at  INTEGER NOT NULL,
+    lease_seconds     INTEGER NOT NULL CHECK (lease_seconds BETWEEN 1 AND 86400),
+    heartbeats        INTEGER NOT NULL DEFAULT 0,
+    ended_at          INTEGER,
+    outcome           TEXT CHECK (outcome IN ('completed', 'failed', 'released', 'lease_expired', 'needs_input',
+                                              'blocked', 'absorbed_into_other', 'cancelled')),
+    summary           TEXT,
+    artifact          TEXT,
+    CHECK ((ended_at IS NULL) = (outcome IS NULL)),
+    PRIMARY KEY (todo_id, seq)
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS todo_history (
+    id          INTEGER PRIMARY KEY,
+    todo_id     TEXT NOT NULL REFERENCES todos(id) ON DELETE CASCADE,
+    at          INTEGER NOT NULL,
+    actor       TEXT NOT NULL CHECK (actor = 'system' OR actor LIKE 'endpoint:ep\_%' ESCAPE '\'
+                                     OR actor LIKE 'human:hu\_%' ESCAPE '\'),
+    from_state  TEXT,
+    to_state    TEXT NOT NULL,
+    evidence    TEXT CHECK (evidence IS NULL OR json_valid(evidence))
+);
+CREATE INDEX IF NOT EXISTS todo_history_by_todo ON todo_history(todo_id, id);

@@ -1,0 +1,1594 @@
+"""Switchboard: signed webhooks in, durable leased work for AI agents out.
+
+One process (Starlette under uvicorn) and one SQLite file. The contract is SPEC.md; decisions it leaves
+open are written down in README.md.
+
+Contents, in dependency order (each section uses only those above it):
+  1. Configuration   constants, limits, the clock, errors
+  2. Storage         schema application and migrations, connections, the single writer, readers
+  3. Crypto          tokens and their hashes
+  4. Models          request bodies and work items (pydantic, extra="forbid")
+  5. Store           principals, endpoints, todos, attempts, history: the transaction bodies
+  6. Doorbell        waking exactly one waiting session when work becomes claimable
+  7. HTTP            REST routes, authentication, error bodies, the app and its background loops
+  8. CLI             the operator's commands
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import hmac
+import itertools
+import json
+import logging
+import os
+import queue as queue_module
+import re
+import secrets
+import sqlite3
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import anyio.to_thread
+import uvicorn
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+# ======================================================================================================
+# 1. Configuration
+# ======================================================================================================
+
+VERSION = "0.1.0"
+SCHEMA_PATH = Path(__file__).with_name("schema.sql")
+SCHEMA_VERSION = 1
+# Explicit, ordered migrations: MIGRATIONS[v] upgrades a database from user_version v to v + 1.
+MIGRATIONS: dict[int, str] = {}
+
+DEFAULT_LEASE_SECONDS = 300
+DEFAULT_MAX_ATTEMPTS = 5
+MAX_REQUEST_BYTES = 1 << 20
+MAX_RESULT_BYTES = 64 << 10
+MAX_SUMMARY_BYTES = 2048
+BACKOFF_BASE_SECONDS = 30
+BACKOFF_CAP_SECONDS = 15 * 60
+SCHEDULER_TICK_SECONDS = 1.0
+WRITER_BATCH = 64
+
+QUEUE_PATTERN = r"^[a-z0-9][a-z0-9._:-]{0,63}$"
+RESERVED_QUEUES = frozenset({"quarantine"})
+
+DRAIN_VERBS = ("list_todos", "get_todo", "claim_next", "claim", "heartbeat", "complete", "fail", "release",
+               "needs_input", "block", "absorb")
+WEBHOOK_VERBS = ("create_webhook", "list_webhooks", "rotate_webhook", "delete_webhook", "set_webhook_secret",
+                 "get_webhook_rules", "set_webhook_rules", "test_webhook_rules", "add_webhook_route",
+                 "list_webhook_routes", "remove_webhook_route", "list_webhook_events", "get_webhook_event")
+VERB_PRESETS = {"drain": DRAIN_VERBS, "webhooks": WEBHOOK_VERBS, "all": DRAIN_VERBS + WEBHOOK_VERBS}
+ALL_VERBS = frozenset(VERB_PRESETS["all"])
+
+TERMINAL_STATES = ("done", "failed", "cancelled")
+TODO_STATES = ("pending", "claimed", "needs_input", "blocked", "review", "deferred", *TERMINAL_STATES,
+               "quarantined")
+
+log = logging.getLogger("switchboard")
+
+
+class Clock:
+    """Wall-clock milliseconds; tests substitute a clock they move by hand."""
+
+    def now_ms(self) -> int:
+        return time.time_ns() // 1_000_000
+
+
+class ApiError(Exception):
+    """An answer with the spec's error body: {"error": code, "message": one line}."""
+
+    STATUS = {"invalid_argument": 400, "unauthenticated": 401, "forbidden": 403, "not_found": 404,
+              "conflict": 409, "too_large": 413, "rate_limited": 429, "internal": 500, "unavailable": 503}
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message.splitlines()[0] if message else code
+
+    @property
+    def status(self) -> int:
+        return self.STATUS[self.code]
+
+    def body(self) -> dict:
+        return {"error": self.code, "message": self.message}
+
+
+def iso(ms: int | None) -> str | None:
+    if ms is None:
+        return None
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def to_ms(moment: datetime) -> int:
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1000)
+
+
+def default_db_path() -> str:
+    return os.environ.get("SWITCHBOARD_DB") or "./switchboard.db"
+
+
+# ======================================================================================================
+# 2. Storage: schema, connections, the single writer
+# ======================================================================================================
+
+def connect(path: str, synchronous: str = "FULL") -> sqlite3.Connection:
+    """A connection with the pragmas every Switchboard connection runs under."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5.0)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute(f"PRAGMA synchronous={'NORMAL' if synchronous.upper() == 'NORMAL' else 'FULL'}")
+    conn.execute("PRAGMA foreign_keys=ON")
+    conn.execute("PRAGMA busy_timeout=5000")
+    conn.execute("PRAGMA journal_size_limit=67108864")
+    return conn
+
+
+def apply_schema(conn: sqlite3.Connection) -> int:
+    """Create a fresh database or migrate an older one; refuse a newer one. Returns the version."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise ApiError("unavailable", f"database schema {version} is newer than this program ({SCHEMA_VERSION})")
+    if version == 0:
+        conn.execute("BEGIN IMMEDIATE")
+        for statement in _split_sql(SCHEMA_PATH.read_text()):
+            conn.execute(statement)
+        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+        return SCHEMA_VERSION
+    while version < SCHEMA_VERSION:
+        conn.execute("BEGIN IMMEDIATE")
+        for statement in _split_sql(MIGRATIONS[version]):
+            conn.execute(statement)
+        version += 1
+        conn.execute(f"PRAGMA user_version={version}")
+        conn.execute("COMMIT")
+    return version
+
+
+def _split_sql(script: str) -> list[str]:
+    """Split a schema script into statements (sqlite3.complete_statement knows where each ends)."""
+    statements, current = [], []
+    for line in script.splitlines():
+        current.append(line)
+        text = "\n".join(current)
+        if sqlite3.complete_statement(text):
+            if text.strip() and not all(l.strip().startswith("--") or not l.strip() for l in current):
+                statements.append(text)
+            current = []
+    return statements
+
+
+class Txn:
+    """What a transaction body sees: the connection, one fixed `now`, and what to do after commit."""
+
+    def __init__(self, conn: sqlite3.Connection, now: int, inline_rings: bool):
+        self.conn = conn
+        self.now = now
+        self.inline_rings = inline_rings
+        self.rings: list[dict] = []
+        self.logs: list[str] = []
+
+    def execute(self, sql: str, params: Iterable = ()) -> sqlite3.Cursor:
+        return self.conn.execute(sql, tuple(params))
+
+    def one(self, sql: str, params: Iterable = ()) -> sqlite3.Row | None:
+        return self.conn.execute(sql, tuple(params)).fetchone()
+
+    def all(self, sql: str, params: Iterable = ()) -> list[sqlite3.Row]:
+        return self.conn.execute(sql, tuple(params)).fetchall()
+
+
+class Database:
+    """One writer thread that owns the only writing connection, plus a pool of reader connections.
+
+    Writes are transaction bodies `fn(txn, *args)`. The writer runs whatever is queued as one
+    `BEGIN IMMEDIATE` transaction with a savepoint per body (group commit: one fsync for many
+    callers, each body still all-or-nothing), and answers every caller only after COMMIT returned.
+    """
+
+    def __init__(self, path: str, *, synchronous: str = "FULL", clock: Clock | None = None,
+                 inline_rings: bool = True):
+        self.path = path
+        self.synchronous = synchronous
+        self.clock = clock or Clock()
+        self.inline_rings = inline_rings
+        self.on_rings: Callable[[list[dict]], None] | None = None
+        writer = connect(path, synchronous)
+        apply_schema(writer)
+        self._writer = writer
+        self._jobs: queue_module.SimpleQueue = queue_module.SimpleQueue()
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._write_loop, name="switchboard-writer", daemon=True)
+        self._thread.start()
+
+    # -- writing ---------------------------------------------------------------------------------
+    def write_sync(self, fn: Callable, *args) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, args, future))
+        return future.result()[0]
+
+    async def write(self, fn: Callable, *args) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, args, future))
+        result, rings = await asyncio.wrap_future(future)
+        if rings and self.on_rings:
+            self.on_rings(rings)
+        return result
+
+    def _write_loop(self) -> None:
+        conn = self._writer
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            batch = [job]
+            while len(batch) < WRITER_BATCH:
+                try:
+                    nxt = self._jobs.get_nowait()
+                except queue_module.Empty:
+                    break
+                if nxt is None:
+                    self._jobs.put(None)
+                    break
+                batch.append(nxt)
+            self._run_batch(conn, batch)
+        conn.close()
+
+    def _run_batch(self, conn: sqlite3.Connection, batch: list) -> None:
+        outcomes: list[tuple[bool, Any, Txn | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            for _, _, future in batch:
+                future.set_exception(ApiError("unavailable", f"database is busy: {exc}"))
+            return
+        for fn, args, future in batch:
+            txn = Txn(conn, self.clock.now_ms(), self.inline_rings)
+            conn.execute("SAVEPOINT job")
+            try:
+                result = fn(txn, *args)
+            except BaseException as exc:  # noqa: BLE001 - every failure must roll back its own savepoint
+                conn.execute("ROLLBACK TO job")
+                conn.execute("RELEASE job")
+                outcomes.append((False, exc, None))
+            else:
+                conn.execute("RELEASE job")
+                outcomes.append((True, result, txn))
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            for _, _, future in batch:
+                future.set_exception(ApiError("unavailable", f"commit failed: {exc}"))
+            return
+        for (fn, args, future), (ok, value, txn) in zip(batch, outcomes):
+            if ok:
+                for line in txn.logs:
+                    log.info(line)
+                future.set_result((value, txn.rings))
+            else:
+                future.set_exception(value)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _reader(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = connect(self.path, self.synchronous)
+            self._local.conn = conn
+            with self._readers_lock:
+                self._readers.append(conn)
+        return conn
+
+    def read_sync(self, fn: Callable, *args) -> Any:
+        conn = self._reader()
+        conn.execute("BEGIN")
+        try:
+            return fn(Txn(conn, self.clock.now_ms(), False), *args)
+        finally:
+            conn.execute("COMMIT")
+
+    async def read(self, fn: Callable, *args) -> Any:
+        return await anyio.to_thread.run_sync(self.read_sync, fn, *args)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+        with self._readers_lock:
+            for conn in self._readers:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+            self._readers.clear()
+
+    def backup(self, out_path: str) -> None:
+        """A consistent single-file copy through SQLite's online backup, safe while serving."""
+        source = connect(self.path, self.synchronous)
+        target = sqlite3.connect(out_path)
+        try:
+            source.backup(target)
+        finally:
+            target.close()
+            source.close()
+
+
+# ======================================================================================================
+# 3. Crypto: tokens
+# ======================================================================================================
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(10)}"
+
+
+def new_token(prefix: str) -> str:
+    """A bearer token with 256 bits of randomness; only its SHA-256 is ever stored."""
+    return f"{prefix}_{secrets.token_urlsafe(32)}"
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def hashes_match(stored: str | None, presented: str) -> bool:
+    return stored is not None and hmac.compare_digest(stored, token_hash(presented))
+
+
+# ======================================================================================================
+# 4. Models: request bodies and work items
+# ======================================================================================================
+
+QueueName = Annotated[str, StringConstraints(pattern=QUEUE_PATTERN)]
+TodoId = Annotated[str, StringConstraints(pattern=r"^td_[0-9a-f]{1,64}$")]
+EndpointId = Annotated[str, StringConstraints(pattern=r"^ep_[0-9a-f]{1,64}$")]
+ShortText = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+Note = Annotated[str, StringConstraints(max_length=4096)]
+LeaseSeconds = Annotated[int, Field(ge=1, le=86400)]
+
+
+class Body(BaseModel):
+    """Every request body: unknown fields are refused and types are not coerced."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class EndpointCreate(Body):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+    queues: Annotated[list[QueueName], Field(min_length=1, max_length=64)]
+    verbs: Annotated[list[str], Field(min_length=1, max_length=64)] = ["drain"]
+    default_lease_seconds: Annotated[int, Field(ge=60, le=86400)] | None = None
+    webhook_max: Annotated[int, Field(ge=0, le=1000)] = 5
+
+    @model_validator(mode="after")
+    def _scope(self) -> EndpointCreate:
+        reserved = sorted(set(self.queues) & RESERVED_QUEUES)
+        if reserved:
+            raise ValueError(f"queue {reserved[0]!r} is reserved")
+        unknown = [v for v in self.verbs if v not in VERB_PRESETS and v not in ALL_VERBS]
+        if unknown:
+            raise ValueError(f"unknown verb {unknown[0]!r}")
+        return self
+
+    def expanded_verbs(self) -> list[str]:
+        verbs: list[str] = []
+        for name in self.verbs:
+            for verb in VERB_PRESETS.get(name, (name,)):
+                if verb not in verbs:
+                    verbs.append(verb)
+        return verbs
+
+
+class WorkItem(Body):
+    """Structured work attached to an operator-authored todo."""
+    schema_: Literal["switchboard.work_item.v1"] = Field(alias="schema")
+    objective: Annotated[str, StringConstraints(min_length=1, max_length=8192)]
+    constraints: Annotated[list[ShortText], Field(max_length=64)] | None = None
+    definition_of_done: Annotated[list[ShortText], Field(max_length=64)] | None = None
+    validation_commands: Annotated[list[ShortText], Field(max_length=64)] | None = None
+    approval_gates: Annotated[list[Literal["review"]], Field(max_length=4)] | None = None
+    depends_on: Annotated[list[TodoId], Field(max_length=64)] | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=False)
+
+
+class TodoPush(Body):
+    title: Annotated[str, StringConstraints(min_length=1, max_length=512)]
+    queue: QueueName
+    payload: Any = None
+    key: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+    priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
+    work_item: WorkItem | None = None
+
+
+class ClaimNext(Body):
+    queue: QueueName | None = None
+    queues: Annotated[list[QueueName], Field(min_length=1, max_length=64)] | None = None
+    lease_seconds: LeaseSeconds | None = None
+    wait_seconds: Annotated[float, Field(ge=0, le=60)] = 0
+    claimant: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+
+    @model_validator(mode="after")
+    def _one_filter(self) -> ClaimNext:
+        if self.queue is not None and self.queues is not None:
+            raise ValueError("give queue or queues, not both")
+        return self
+
+    def queue_filter(self) -> list[str] | None:
+        return [self.queue] if self.queue else self.queues
+
+
+class ClaimById(Body):
+    lease_seconds: LeaseSeconds | None = None
+    claimant: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+
+
+class Leased(Body):
+    lease_token: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+
+
+class Heartbeat(Leased):
+    note: Note | None = None
+    lease_seconds: LeaseSeconds | None = None
+
+
+class Complete(Leased):
+    result: Any = None
+    summary: str | None = None
+    artifact: Annotated[str, StringConstraints(max_length=2048)] | None = None
+
+    @model_validator(mode="after")
+    def _artifact(self) -> Complete:
+        if self.artifact is not None and not re.match(r"^(https://[^\s/]+\S*|mcp://\S+)$", self.artifact):
+            raise ValueError("artifact must be an https URL or an mcp:// handle")
+        return self
+
+
+class Fail(Leased):
+    error: ShortText
+    retry: bool = True
+    retry_in_seconds: Annotated[int, Field(ge=0, le=86400)] | None = None
+
+
+class Release(Leased):
+    note: Note | None = None
+
+
+class NeedsInput(Leased):
+    question: ShortText
+
+
+class Block(Leased):
+    reason: ShortText
+
+
+class HumanNote(Body):
+    note: Note | None = None
+
+
+class RequestChanges(Body):
+    note: ShortText
+
+
+class Answer(Body):
+    answer: Annotated[str, StringConstraints(min_length=1, max_length=16384)]
+
+
+class Defer(Body):
+    reason: ShortText
+    until: datetime | None = None
+
+
+class Cancel(Body):
+    reason: ShortText
+
+
+class Reroute(Body):
+    queue: QueueName
+
+
+class TodoListQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    queue: QueueName | None = None
+    state: Literal[TODO_STATES] | None = None  # type: ignore[valid-type]
+    endpoint: EndpointId | None = None
+    limit: Annotated[int, Field(ge=1, le=200)] = 50
+
+
+def parse_model(model: type[BaseModel], raw: bytes | str | dict) -> Any:
+    """Validate a body against its model; any failure is one-line 400 invalid_argument."""
+    try:
+        if isinstance(raw, dict):
+            return model.model_validate(raw)
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ())) or "body"
+        message = first.get("msg", "invalid").removeprefix("Value error, ")
+        raise ApiError("invalid_argument", f"{where}: {message}") from None
+
+
+# ======================================================================================================
+# 5. Store: principals, endpoints, todos, attempts, history
+# ======================================================================================================
+# Every function here is a transaction body `fn(txn, ...)` run by Database.write or Database.read.
+# Isolation lives here: every query a caller can reach is filtered by the caller's principal.
+
+@dataclass(frozen=True)
+class Principal:
+    kind: Literal["endpoint", "human", "operator"]
+    id: str
+    human_id: str | None = None
+    name: str = ""
+    queues: tuple[str, ...] = ()
+    verbs: frozenset[str] = frozenset()
+    default_lease_seconds: int | None = None
+
+    @property
+    def actor(self) -> str:
+        return {"endpoint": f"endpoint:{self.id}", "human": f"human:{self.id}"}.get(self.kind, "system")
+
+    def require_verb(self, verb: str) -> None:
+        if self.kind != "endpoint":
+            raise ApiError("forbidden", f"{verb} is an endpoint verb; use an endpoint token")
+        if verb not in self.verbs:
+            raise ApiError("forbidden", f"verb {verb} is outside this endpoint's scope")
+
+    def require_human(self, action: str) -> None:
+        if self.kind == "endpoint":
+            raise ApiError("forbidden", f"{action} needs a human token")
+
+
+OPERATOR = Principal(kind="operator", id="operator")
+
+
+def authenticate(txn: Txn, token: str) -> Principal | None:
+    digest = token_hash(token)
+    if token.startswith("sbk_"):
+        row = txn.one("SELECT * FROM endpoints WHERE token_hash = ? AND revoked_at IS NULL", (digest,))
+        if row is None or not hmac.compare_digest(row["token_hash"], digest):
+            return None
+        return Principal(kind="endpoint", id=row["id"], human_id=row["human_id"], name=row["name"],
+                         queues=tuple(json.loads(row["queues"])), verbs=frozenset(json.loads(row["verbs"])),
+                         default_lease_seconds=row["default_lease_seconds"])
+    if token.startswith("sbh_"):
+        row = txn.one("SELECT * FROM humans WHERE token_hash = ?", (digest,))
+        if row is None or not hmac.compare_digest(row["token_hash"], digest):
+            return None
+        return Principal(kind="human", id=row["id"], human_id=row["id"], name=row["name"])
+    return None
+
+
+# -- humans and endpoints --------------------------------------------------------------------------
+
+def human_view(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "name": row["name"], "token_prefix": row["token_prefix"],
+            "created_at": iso(row["created_at"])}
+
+
+def add_human(txn: Txn, name: str) -> dict:
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", name):
+        raise ApiError("invalid_argument", "name: letters, digits, '.', '_' and '-', at most 64")
+    if txn.one("SELECT 1 FROM humans WHERE name = ?", (name,)):
+        raise ApiError("conflict", f"human {name!r} already exists")
+    token = new_token("sbh")
+    human_id = new_id("hu")
+    txn.execute("INSERT INTO humans (id, name, token_hash, token_prefix, created_at) VALUES (?, ?, ?, ?, ?)",
+                (human_id, name, token_hash(token), token[:12], txn.now))
+    txn.logs.append(f"human {human_id} added")
+    return {"id": human_id, "name": name, "token": token}
+
+
+def list_humans(txn: Txn) -> dict:
+    return {"humans": [human_view(r) for r in txn.all("SELECT * FROM humans ORDER BY created_at, id")]}
+
+
+def find_human(txn: Txn, name_or_id: str) -> sqlite3.Row:
+    row = txn.one("SELECT * FROM humans WHERE id = ? OR name = ?", (name_or_id, name_or_id))
+    if row is None:
+        raise ApiError("not_found", f"no human {name_or_id!r}")
+    return row
+
+
+def endpoint_view(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "human_id": row["human_id"], "name": row["name"],
+            "queues": json.loads(row["queues"]), "verbs": json.loads(row["verbs"]),
+            "default_lease_seconds": row["default_lease_seconds"], "webhook_max": row["webhook_max"],
+            "token_prefix": row["token_prefix"], "created_at": iso(row["created_at"]),
+            "revoked_at": iso(row["revoked_at"])}
+
+
+def vend_endpoint(txn: Txn, human_id: str, spec: EndpointCreate) -> dict:
+    if txn.one("SELECT 1 FROM endpoints WHERE human_id = ? AND name = ?", (human_id, spec.name)):
+        raise ApiError("conflict", f"endpoint name {spec.name!r} is taken")
+    token = new_token("sbk")
+    endpoint_id = new_id("ep")
+    txn.execute(
+        "INSERT INTO endpoints (id, human_id, name, token_hash, token_prefix, queues, verbs,"
+        " default_lease_seconds, webhook_max, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (endpoint_id, human_id, spec.name, token_hash(token), token[:12], json.dumps(spec.queues),
+         json.dumps(spec.expanded_verbs()), spec.default_lease_seconds, spec.webhook_max, txn.now))
+    txn.logs.append(f"endpoint {endpoint_id} vended for {human_id}")
+    view = endpoint_view(txn.one("SELECT * FROM endpoints WHERE id = ?", (endpoint_id,)))
+    return {**view, "token": token}
+
+
+def _own_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> sqlite3.Row:
+    if principal.kind == "operator":
+        row = txn.one("SELECT * FROM endpoints WHERE id = ?", (endpoint_id,))
+    else:
+        row = txn.one("SELECT * FROM endpoints WHERE id = ? AND human_id = ?", (endpoint_id, principal.human_id))
+    if row is None:
+        raise ApiError("not_found", f"no endpoint {endpoint_id}")
+    return row
+
+
+def list_endpoints(txn: Txn, principal: Principal) -> dict:
+    if principal.kind == "operator":
+        rows = txn.all("SELECT * FROM endpoints ORDER BY created_at, id")
+    else:
+        rows = txn.all("SELECT * FROM endpoints WHERE human_id = ? ORDER BY created_at, id", (principal.human_id,))
+    return {"endpoints": [endpoint_view(r) for r in rows]}
+
+
+def revoke_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> dict:
+    """Revocation is immediate: the token stops working and every open todo fails `endpoint_revoked`."""
+    row = _own_endpoint(txn, principal, endpoint_id)
+    if row["revoked_at"] is not None:
+        return endpoint_view(row)
+    txn.execute("UPDATE endpoints SET revoked_at = ? WHERE id = ?", (txn.now, endpoint_id))
+    open_todos = txn.all(f"SELECT * FROM todos WHERE endpoint_id = ? AND state NOT IN {TERMINAL_STATES}",
+                         (endpoint_id,))
+    for todo in open_todos:
+        if todo["state"] == "claimed":
+            _end_attempt(txn, todo, "failed", "endpoint revoked")
+        _transition(txn, todo, "failed", principal.actor, {"reason": "endpoint_revoked"},
+                    dead_letter=1, last_error="endpoint_revoked")
+    txn.logs.append(f"endpoint {endpoint_id} revoked; {len(open_todos)} open todos failed")
+    return endpoint_view(txn.one("SELECT * FROM endpoints WHERE id = ?", (endpoint_id,)))
+
+
+def me(txn: Txn, principal: Principal) -> dict:
+    if principal.kind == "endpoint":
+        return {"kind": "endpoint", **endpoint_view(txn.one("SELECT * FROM endpoints WHERE id = ?", (principal.id,)))}
+    return {"kind": "human", **human_view(txn.one("SELECT * FROM humans WHERE id = ?", (principal.id,)))}
+
+
+# -- todos: views and visibility --------------------------------------------------------------------
+
+def _json(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def todo_view(row: sqlite3.Row) -> dict:
+    return {
+        "id": row["id"], "endpoint_id": row["endpoint_id"], "queue": row["queue"], "state": row["state"],
+        "outcome": row["outcome"], "title": row["title"], "source": row["source"], "kind": row["kind"],
+        "subject_key": row["subject_key"], "priority": row["priority"], "attempt": row["attempt"],
+        "max_attempts": row["max_attempts"], "dead_letter": bool(row["dead_letter"]),
+        "lease_expires_at": iso(row["lease_expires_at"]), "available_at": iso(row["available_at"]),
+        "created_at": iso(row["created_at"]), "updated_at": iso(row["updated_at"]),
+        "payload": _json(row["payload"]), "work_order": _json(row["work_order"]),
+        "work_item": _json(row["work_item"]), "trace": _json(row["trace"]), "result": _json(row["result"]),
+        "last_error": row["last_error"], "key": row["idempotency_key"], "state_reason": row["state_reason"],
+        "answer": row["answer"], "deferred_until": iso(row["deferred_until"]), "event_id": row["event_id"],
+    }
+
+
+def attempt_view(row: sqlite3.Row) -> dict:
+    return {"seq": row["seq"], "claimant": row["claimant"], "claimed_at": iso(row["claimed_at"]),
+            "lease_expires_at": iso(row["lease_expires_at"]), "heartbeats": row["heartbeats"],
+            "ended_at": iso(row["ended_at"]), "outcome": row["outcome"], "summary": row["summary"],
+            "artifact": row["artifact"]}
+
+
+def _scope_clause(principal: Principal) -> tuple[str, tuple]:
+    """The WHERE fragment that confines a query on `todos` to what the principal may see."""
+    if principal.kind == "endpoint":
+        return "endpoint_id = ? AND state <> 'quarantined'", (principal.id,)
+    if principal.kind == "human":
+        return "endpoint_id IN (SELECT id FROM endpoints WHERE human_id = ?)", (principal.human_id,)
+    return "1 = 1", ()
+
+
+def _load_todo(txn: Txn, principal: Principal, todo_id: str) -> sqlite3.Row:
+    clause, params = _scope_clause(principal)
+    row = txn.one(f"SELECT * FROM todos WHERE id = ? AND {clause}", (todo_id, *params))
+    if row is None:
+        raise ApiError("not_found", f"no todo {todo_id}")
+    return row
+
+
+def _reload(txn: Txn, todo_id: str) -> sqlite3.Row:
+    return txn.one("SELECT * FROM todos WHERE id = ?", (todo_id,))
+
+
+def list_todos(txn: Txn, principal: Principal, query: TodoListQuery) -> dict:
+    if principal.kind == "endpoint":
+        principal.require_verb("list_todos")
+    clause, params = _scope_clause(principal)
+    sql, args = f"SELECT * FROM todos WHERE {clause}", list(params)
+    for column, value in (("queue", query.queue), ("state", query.state), ("endpoint_id", query.endpoint)):
+        if value is not None:
+            sql += f" AND {column} = ?"
+            args.append(value)
+    sql += " ORDER BY created_at DESC, id DESC LIMIT ?"
+    args.append(query.limit)
+    return {"todos": [todo_view(r) for r in txn.all(sql, args)]}
+
+
+def get_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
+    if principal.kind == "endpoint":
+        principal.require_verb("get_todo")
+    row = _load_todo(txn, principal, todo_id)
+    view = todo_view(row)
+    view["attempts"] = [attempt_view(a) for a in txn.all(
+        "SELECT * FROM attempts WHERE todo_id = ? ORDER BY seq", (todo_id,))]
+    view["history"] = [
+        {"at": iso(h["at"]), "actor": h["actor"], "from": h["from_state"], "to": h["to_state"],
+         "evidence": _json(h["evidence"])}
+        for h in txn.all("SELECT * FROM todo_history WHERE todo_id = ? ORDER BY id", (todo_id,))]
+    view["depends_on"] = [d["depends_on_id"] for d in txn.all(
+        "SELECT depends_on_id FROM todo_deps WHERE todo_id = ? ORDER BY depends_on_id", (todo_id,))]
+    view["receipt"] = None
+    return view
+
+
+# -- todos: transitions -----------------------------------------------------------------------------
+
+_UNBLOCKED = ("NOT EXISTS (SELECT 1 FROM todo_deps d JOIN todos p ON p.id = d.depends_on_id"
+              " WHERE d.todo_id = todos.id AND p.state <> 'done')")
+
+
+def _transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence: dict | None,
+                **changes: Any) -> None:
+    """The one place a todo changes state: the row, its history line, the log line, and what follows."""
+    columns = {"state": to_state, "updated_at": txn.now, **changes}
+    if to_state != "claimed":
+        columns.update(lease_expires_at=None, lease_token_hash=None)
+    if to_state == "pending":
+        columns.setdefault("available_at", txn.now)
+        columns.update(ring_count=0, last_ring_at=None)
+    assignments = ", ".join(f"{name} = ?" for name in columns)
+    txn.execute(f"UPDATE todos SET {assignments} WHERE id = ?", (*columns.values(), todo["id"]))
+    txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence) VALUES (?, ?, ?, ?, ?, ?)",
+                (todo["id"], txn.now, actor, todo["state"], to_state,
+                 json.dumps(evidence) if evidence is not None else None))
+    txn.logs.append(f"todo {todo['id']} {todo['state']} -> {to_state} by {actor}")
+    if to_state == "pending":
+        _became_pending(txn, todo["id"])
+    elif to_state == "done":
+        for dependent in txn.all("SELECT todo_id FROM todo_deps WHERE depends_on_id = ?", (todo["id"],)):
+            _became_pending(txn, dependent["todo_id"])
+    elif to_state in ("failed", "cancelled"):
+        for dependent in txn.all(
+                "SELECT t.* FROM todo_deps d JOIN todos t ON t.id = d.todo_id"
+                " WHERE d.depends_on_id = ? AND t.state IN ('pending', 'deferred')", (todo["id"],)):
+            _transition(txn, dependent, "blocked", "system", {"dependency": todo["id"], "state": to_state},
+                        state_reason=f"dependency {todo['id']} {to_state}")
+
+
+def _became_pending(txn: Txn, todo_id: str) -> None:
+    """Ring now for a todo that is claimable now; the scheduler rings the rest when they come due."""
+    if not txn.inline_rings:
+        return
+    row = txn.one(f"SELECT * FROM todos WHERE id = ? AND state = 'pending' AND available_at <= ? AND silent = 0"
+                  f" AND {_UNBLOCKED}", (todo_id, txn.now))
+    if row is not None:
+        _mark_rung(txn, row)
+
+
+def _mark_rung(txn: Txn, row: sqlite3.Row) -> None:
+    txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ?", (txn.now, row["id"]))
+    txn.rings.append({"todo_id": row["id"], "endpoint_id": row["endpoint_id"], "queue": row["queue"],
+                      "kind": row["kind"], "source": row["source"], "title": row["title"]})
+
+
+def _end_attempt(txn: Txn, todo: sqlite3.Row, outcome: str, summary: str | None, artifact: str | None = None) -> None:
+    txn.execute("UPDATE attempts SET ended_at = ?, outcome = ?, summary = ?, artifact = ? WHERE todo_id = ? AND seq = ?",
+                (txn.now, outcome, summary, artifact, todo["id"], todo["attempt"]))
+
+
+def _expire_lease(txn: Txn, todo: sqlite3.Row) -> None:
+    """A lapsed lease is a failed attempt (lease_expired), retried at once or dead-lettered at the cap."""
+    _end_attempt(txn, todo, "lease_expired", None)
+    evidence = {"attempt": todo["attempt"], "outcome": "lease_expired"}
+    if todo["attempt"] >= todo["max_attempts"]:
+        _transition(txn, todo, "failed", "system", evidence, dead_letter=1, last_error="lease_expired")
+    else:
+        _transition(txn, todo, "pending", "system", evidence, last_error="lease_expired")
+
+
+def _reap_endpoint(txn: Txn, endpoint_id: str) -> None:
+    for todo in txn.all("SELECT * FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at <= ?",
+                        (endpoint_id, txn.now)):
+        _expire_lease(txn, todo)
+
+
+def _claim_row(txn: Txn, principal: Principal, todo: sqlite3.Row, lease_seconds: int | None,
+               claimant: str | None) -> dict:
+    lease = lease_seconds or principal.default_lease_seconds or DEFAULT_LEASE_SECONDS
+    lease_token = secrets.token_urlsafe(16)
+    seq = todo["attempt"] + 1
+    expires = txn.now + lease * 1000
+    who = claimant or principal.actor
+    _transition(txn, todo, "claimed", principal.actor, {"attempt": seq, "claimant": who},
+                attempt=seq, lease_expires_at=expires, lease_token_hash=token_hash(lease_token))
+    txn.execute("INSERT INTO attempts (todo_id, seq, endpoint_id, claimant, claimed_at, lease_expires_at, lease_seconds)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)", (todo["id"], seq, principal.id, who, txn.now, expires, lease))
+    prior = txn.all("SELECT * FROM (SELECT * FROM attempts WHERE todo_id = ? AND seq < ? ORDER BY seq DESC LIMIT 5)"
+                    " ORDER BY seq", (todo["id"], seq))
+    return {"todo": todo_view(_reload(txn, todo["id"])), "lease_token": lease_token,
+            "prior_attempts": [attempt_view(a) for a in prior]}
+
+
+def _claim_queues(principal: Principal, wanted: list[str] | None) -> list[str]:
+    if wanted is None:
+        return list(principal.queues)
+    outside = [q for q in wanted if q not in principal.queues]
+    if outside:
+        raise ApiError("forbidden", f"queue {outside[0]} is outside this endpoint's scope")
+    return wanted
+
+
+def claim_next(txn: Txn, principal: Principal, body: ClaimNext) -> dict:
+    """Claim the best claimable todo of the caller's endpoint: highest priority, then oldest."""
+    principal.require_verb("claim_next")
+    queues = _claim_queues(principal, body.queue_filter())
+    _reap_endpoint(txn, principal.id)
+    marks = ",".join("?" * len(queues))
+    row = txn.one(f"SELECT * FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks})"
+                  f" AND available_at <= ? AND {_UNBLOCKED} ORDER BY priority DESC, created_at, id LIMIT 1",
+                  (principal.id, *queues, txn.now))
+    if row is None:
+        return {"empty": True}
+    return _claim_row(txn, principal, row, body.lease_seconds, body.claimant)
+
+
+def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) -> dict:
+    principal.require_verb("claim")
+    todo = _load_todo(txn, principal, todo_id)
+    if todo["queue"] not in principal.queues:
+        raise ApiError("forbidden", f"queue {todo['queue']} is outside this endpoint's scope")
+    if todo["state"] == "claimed" and todo["lease_expires_at"] <= txn.now:
+        _expire_lease(txn, todo)
+        todo = _reload(txn, todo_id)
+    if todo["state"] != "pending":
+        raise ApiError("conflict", f"todo is {todo['state']}, not claimable")
+    if todo["available_at"] > txn.now:
+        raise ApiError("conflict", f"todo is not available until {iso(todo['available_at'])}")
+    if txn.one(f"SELECT 1 FROM todos WHERE id = ? AND NOT {_UNBLOCKED}", (todo_id,)):
+        raise ApiError("conflict", "todo waits for its dependencies")
+    return _claim_row(txn, principal, todo, body.lease_seconds, body.claimant)
+
+
+def _held(txn: Txn, principal: Principal, verb: str, todo_id: str, lease_token: str) -> sqlite3.Row:
+    """Fencing: the todo must be claimed under this exact, unexpired lease token."""
+    principal.require_verb(verb)
+    todo = _load_todo(txn, principal, todo_id)
+    if todo["state"] != "claimed" or not hashes_match(todo["lease_token_hash"], lease_token):
+        raise ApiError("conflict", "lease token is stale or wrong for this todo")
+    if todo["lease_expires_at"] <= txn.now:
+        raise ApiError("conflict", "lease has expired")
+    return todo
+
+
+def heartbeat(txn: Txn, principal: Principal, todo_id: str, body: Heartbeat) -> dict:
+    todo = _held(txn, principal, "heartbeat", todo_id, body.lease_token)
+    attempt = txn.one("SELECT * FROM attempts WHERE todo_id = ? AND seq = ?", (todo_id, todo["attempt"]))
+    lease = body.lease_seconds or attempt["lease_seconds"]
+    expires = txn.now + lease * 1000
+    txn.execute("UPDATE todos SET lease_expires_at = ?, updated_at = ? WHERE id = ?", (expires, txn.now, todo_id))
+    txn.execute("UPDATE attempts SET lease_expires_at = ?, heartbeats = heartbeats + 1, lease_seconds = ?,"
+                " summary = COALESCE(?, summary) WHERE todo_id = ? AND seq = ?",
+                (expires, lease, body.note, todo_id, todo["attempt"]))
+    return todo_view(_reload(txn, todo_id))
+
+
+def _truncate_utf8(text: str | None, limit: int) -> str | None:
+    if text is None:
+        return None
+    return text.encode()[:limit].decode("utf-8", "ignore")
+
+
+def complete(txn: Txn, principal: Principal, todo_id: str, body: Complete) -> dict:
+    todo = _held(txn, principal, "complete", todo_id, body.lease_token)
+    result = json.dumps(body.result) if body.result is not None else None
+    if result is not None and len(result.encode()) > MAX_RESULT_BYTES:
+        raise ApiError("too_large", f"result is over {MAX_RESULT_BYTES} bytes")
+    summary = _truncate_utf8(body.summary, MAX_SUMMARY_BYTES)
+    evidence = {"attempt": todo["attempt"], "summary": summary, "artifact": body.artifact}
+    if todo["gated"]:
+        if not summary:
+            raise ApiError("invalid_argument", "summary: a gated todo needs a summary for its reviewer")
+        _end_attempt(txn, todo, "completed", summary, body.artifact)
+        _transition(txn, todo, "review", principal.actor, evidence, result=result, state_reason=summary)
+    else:
+        _end_attempt(txn, todo, "completed", summary, body.artifact)
+        _transition(txn, todo, "done", principal.actor, evidence, result=result, outcome="completed")
+    return todo_view(_reload(txn, todo_id))
+
+
+def backoff_ms(attempt: int) -> int:
+    return min(BACKOFF_BASE_SECONDS * 2 ** max(attempt - 1, 0), BACKOFF_CAP_SECONDS) * 1000
+
+
+def fail(txn: Txn, principal: Principal, todo_id: str, body: Fail) -> dict:
+    todo = _held(txn, principal, "fail", todo_id, body.lease_token)
+    _end_attempt(txn, todo, "failed", _truncate_utf8(body.error, MAX_SUMMARY_BYTES))
+    evidence = {"attempt": todo["attempt"], "error": body.error, "retry": body.retry}
+    if body.retry and todo["attempt"] < todo["max_attempts"]:
+        delay = body.retry_in_seconds * 1000 if body.retry_in_seconds is not None else backoff_ms(todo["attempt"])
+        _transition(txn, todo, "pending", principal.actor, evidence, last_error=body.error,
+                    available_at=txn.now + delay)
+    else:
+        _transition(txn, todo, "failed", principal.actor, evidence, last_error=body.error, dead_letter=1)
+    return todo_view(_reload(txn, todo_id))
+
+
+def release(txn: Txn, principal: Principal, todo_id: str, body: Release) -> dict:
+    """Hand the todo back untouched: pending at once, and the attempt does not count."""
+    todo = _held(txn, principal, "release", todo_id, body.lease_token)
+    _end_attempt(txn, todo, "released", body.note)
+    _transition(txn, todo, "pending", principal.actor, {"attempt": todo["attempt"], "note": body.note},
+                attempt=todo["attempt"] - 1)
+    return todo_view(_reload(txn, todo_id))
+
+
+def needs_input(txn: Txn, principal: Principal, todo_id: str, body: NeedsInput) -> dict:
+    todo = _held(txn, principal, "needs_input", todo_id, body.lease_token)
+    _end_attempt(txn, todo, "needs_input", body.question)
+    _transition(txn, todo, "needs_input", principal.actor, {"question": body.question},
+                state_reason=body.question)
+    return todo_view(_reload(txn, todo_id))
+
+
+def block(txn: Txn, principal: Principal, todo_id: str, body: Block) -> dict:
+    todo = _held(txn, principal, "block", todo_id, body.lease_token)
+    _end_attempt(txn, todo, "blocked", body.reason)
+    _transition(txn, todo, "blocked", principal.actor, {"reason": body.reason}, state_reason=body.reason)
+    return todo_view(_reload(txn, todo_id))
+
+
+# -- human actions ----------------------------------------------------------------------------------
+
+def _human_todo(txn: Txn, principal: Principal, action: str, todo_id: str, allowed: tuple[str, ...]) -> sqlite3.Row:
+    principal.require_human(action)
+    todo = _load_todo(txn, principal, todo_id)
+    if todo["state"] not in allowed:
+        raise ApiError("conflict", f"cannot {action} a todo that is {todo['state']}")
+    return todo
+
+
+def approve(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+    todo = _human_todo(txn, principal, "approve", todo_id, ("review",))
+    _transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="approved", state_reason=None)
+    return todo_view(_reload(txn, todo_id))
+
+
+def request_changes(txn: Txn, principal: Principal, todo_id: str, body: RequestChanges) -> dict:
+    todo = _human_todo(txn, principal, "request changes on", todo_id, ("review",))
+    _transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=body.note)
+    return todo_view(_reload(txn, todo_id))
+
+
+def answer(txn: Txn, principal: Principal, todo_id: str, body: Answer) -> dict:
+    todo = _human_todo(txn, principal, "answer", todo_id, ("needs_input",))
+    _transition(txn, todo, "pending", principal.actor, {"question": todo["state_reason"], "answer": body.answer},
+                answer=body.answer)
+    return todo_view(_reload(txn, todo_id))
+
+
+def resume(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+    todo = _human_todo(txn, principal, "resume", todo_id, ("blocked",))
+    _transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=None)
+    return todo_view(_reload(txn, todo_id))
+
+
+def retry(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+    todo = _human_todo(txn, principal, "retry", todo_id, ("failed",))
+    if txn.one("SELECT 1 FROM endpoints WHERE id = ? AND revoked_at IS NOT NULL", (todo["endpoint_id"],)):
+        raise ApiError("conflict", "the todo's endpoint is revoked; reroute it instead")
+    _transition(txn, todo, "pending", principal.actor, {"note": body.note}, attempt=0, dead_letter=0)
+    return todo_view(_reload(txn, todo_id))
+
+
+def defer(txn: Txn, principal: Principal, todo_id: str, body: Defer) -> dict:
+    todo = _human_todo(txn, principal, "defer", todo_id, ("pending",))
+    until = to_ms(body.until) if body.until else None
+    _transition(txn, todo, "deferred", principal.actor, {"reason": body.reason, "until": iso(until)},
+                state_reason=body.reason, deferred_until=until)
+    return todo_view(_reload(txn, todo_id))
+
+
+def undefer(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+    todo = _human_todo(txn, principal, "undefer", todo_id, ("deferred",))
+    _transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=None, deferred_until=None)
+    return todo_view(_reload(txn, todo_id))
+
+
+def cancel(txn: Txn, principal: Principal, todo_id: str, body: Cancel) -> dict:
+    todo = _human_todo(txn, principal, "cancel", todo_id,
+                       ("pending", "claimed", "needs_input", "blocked", "review", "deferred"))
+    if todo["state"] == "claimed":
+        _end_attempt(txn, todo, "cancelled", body.reason)
+    _transition(txn, todo, "cancelled", principal.actor, {"reason": body.reason}, state_reason=body.reason)
+    return todo_view(_reload(txn, todo_id))
+
+
+def discard(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+    todo = _human_todo(txn, principal, "discard", todo_id, ("quarantined",))
+    _transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="discarded")
+    return todo_view(_reload(txn, todo_id))
+
+
+def _reroute_target(txn: Txn, todo: sqlite3.Row, queue: str) -> str:
+    """Choose the endpoint as exclusive delivery would: the first live endpoint of the same human,
+    in creation order, whose scope grants the queue."""
+    human_id = txn.one("SELECT human_id FROM endpoints WHERE id = ?", (todo["endpoint_id"],))["human_id"]
+    for row in txn.all("SELECT id, queues FROM endpoints WHERE human_id = ? AND revoked_at IS NULL"
+                       " ORDER BY created_at, id", (human_id,)):
+        if queue in json.loads(row["queues"]):
+            return row["id"]
+    raise ApiError("invalid_argument", f"queue: no live endpoint of this human is scoped to {queue}")
+
+
+def reroute(txn: Txn, principal: Principal, todo_id: str, body: Reroute) -> dict:
+    if body.queue in RESERVED_QUEUES:
+        raise ApiError("invalid_argument", f"queue: {body.queue} is reserved")
+    todo = _human_todo(txn, principal, "reroute", todo_id, ("pending", "needs_input", "blocked", "deferred", "failed"))
+    endpoint_id = _reroute_target(txn, todo, body.queue)
+    _transition(txn, todo, "pending", principal.actor,
+                {"from_queue": todo["queue"], "to_queue": body.queue, "endpoint_id": endpoint_id},
+                queue=body.queue, endpoint_id=endpoint_id, attempt=0, dead_letter=0, state_reason=None,
+                deferred_until=None)
+    return todo_view(_reload(txn, todo_id))
+
+
+# -- operator-authored todos ------------------------------------------------------------------------
+
+def push_todo(txn: Txn, principal: Principal, endpoint_id: str, body: TodoPush) -> dict:
+    """A todo written by a human or the operator, recorded as an event of trust mode `operator`."""
+    if principal.kind == "endpoint":
+        raise ApiError("forbidden", "pushing todos needs a human token")
+    endpoint = _own_endpoint(txn, principal, endpoint_id)
+    if endpoint["revoked_at"] is not None:
+        raise ApiError("conflict", f"endpoint {endpoint_id} is revoked")
+    if body.queue not in json.loads(endpoint["queues"]):
+        raise ApiError("invalid_argument", f"queue: {body.queue} is outside the endpoint's scope")
+    if body.key is not None:
+        existing = txn.one(f"SELECT * FROM todos WHERE endpoint_id = ? AND idempotency_key = ?"
+                           f" AND state NOT IN {TERMINAL_STATES}", (endpoint_id, body.key))
+        if existing is not None:
+            return {**todo_view(existing), "created": False}
+    work_item = body.work_item
+    deps = list(dict.fromkeys(work_item.depends_on or [])) if work_item else []
+    human_id = endpoint["human_id"]
+    dep_states = []
+    for dep in deps:
+        row = txn.one("SELECT t.state FROM todos t JOIN endpoints e ON e.id = t.endpoint_id"
+                      " WHERE t.id = ? AND e.human_id = ?", (dep, human_id))
+        if row is None:
+            raise ApiError("not_found", f"work_item.depends_on: no todo {dep}")
+        dep_states.append((dep, row["state"]))
+    payload = json.dumps(body.payload) if body.payload is not None else None
+    event_id = new_id("ev")
+    actor = principal.actor
+    txn.execute("INSERT INTO events (id, human_id, source, kind, trust_mode, verified, headers, body, disposition,"
+                " trace, received_at) VALUES (?, ?, 'operator', 'todo', 'operator', 1, '{}', ?, 'routed', ?, ?)",
+                (event_id, human_id, payload, json.dumps({"stage": "operator", "actor": actor}), txn.now))
+    todo_id = new_id("td")
+    gated = int(bool(work_item and "review" in (work_item.approval_gates or [])))
+    txn.execute(
+        "INSERT INTO todos (id, endpoint_id, queue, state, title, source, kind, payload, work_item, trace, event_id,"
+        " idempotency_key, priority, gated, available_at, created_at, updated_at)"
+        " VALUES (?, ?, ?, 'pending', ?, 'operator', 'todo', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (todo_id, endpoint_id, body.queue, body.title, payload,
+         work_item.model_dump_json(by_alias=True, exclude_none=True) if work_item else None,
+         json.dumps({"stage": "operator", "actor": actor}), event_id, body.key, body.priority, gated,
+         txn.now, txn.now, txn.now))
+    for dep, _ in dep_states:
+        txn.execute("INSERT INTO todo_deps (todo_id, depends_on_id) VALUES (?, ?)", (todo_id, dep))
+    txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence) VALUES (?, ?, ?, NULL,"
+                " 'pending', ?)", (todo_id, txn.now, actor, json.dumps({"event_id": event_id})))
+    txn.logs.append(f"todo {todo_id} created on {endpoint_id} by {actor}")
+    dead = [(dep, state) for dep, state in dep_states if state in ("failed", "cancelled")]
+    if dead:
+        _transition(txn, _reload(txn, todo_id), "blocked", "system", {"dependency": dead[0][0], "state": dead[0][1]},
+                    state_reason=f"dependency {dead[0][0]} {dead[0][1]}")
+    else:
+        _became_pending(txn, todo_id)
+    return {**todo_view(_reload(txn, todo_id)), "created": True}
+
+
+# -- background work --------------------------------------------------------------------------------
+
+def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
+    """Return lapsed leases, wake due deferrals, and ring todos that came due since they went pending."""
+    lapsed = txn.all("SELECT * FROM todos WHERE state = 'claimed' AND lease_expires_at <= ? LIMIT ?",
+                     (txn.now, limit))
+    for todo in lapsed:
+        _expire_lease(txn, todo)
+    due = txn.all("SELECT * FROM todos WHERE state = 'deferred' AND deferred_until <= ? LIMIT ?", (txn.now, limit))
+    for todo in due:
+        _transition(txn, todo, "pending", "system", {"until": iso(todo["deferred_until"])},
+                    state_reason=None, deferred_until=None)
+    unrung = txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count = 0 AND available_at <= ?"
+                     f" AND silent = 0 AND {_UNBLOCKED} ORDER BY available_at LIMIT ?", (txn.now, limit))
+    if txn.inline_rings:
+        for todo in unrung:
+            _mark_rung(txn, todo)
+    return {"lapsed": len(lapsed), "undeferred": len(due), "rung": len(unrung)}
+
+
+def check_database(txn: Txn) -> dict:
+    integrity = [r[0] for r in txn.all("PRAGMA integrity_check")]
+    foreign = txn.all("PRAGMA foreign_key_check")
+    return {"integrity": "ok" if integrity == ["ok"] else integrity, "foreign_keys": "ok" if not foreign else len(foreign),
+            "schema_version": txn.one("PRAGMA user_version")[0], "program_schema_version": SCHEMA_VERSION,
+            "journal_mode": txn.one("PRAGMA journal_mode")[0]}
+
+
+# ======================================================================================================
+# 6. Doorbell
+# ======================================================================================================
+# The queue is the ledger; the doorbell is a hint. A ring goes to exactly one session of the todo's
+# endpoint whose queue filter covers it: the oldest waiting claim first, else the streams in turn.
+
+@dataclass(eq=False)
+class Session:
+    endpoint_id: str
+    queues: frozenset[str] | None
+    kind: Literal["wait", "stream"]
+    notify: Callable[[dict], None]
+
+    def covers(self, queue: str) -> bool:
+        return self.queues is None or queue in self.queues
+
+
+class Doorbell:
+    def __init__(self) -> None:
+        self._sessions: dict[str, list[Session]] = {}
+        self._turn: dict[str, int] = {}
+        self.rung = 0
+
+    def attach(self, session: Session) -> Session:
+        self._sessions.setdefault(session.endpoint_id, []).append(session)
+        return session
+
+    def detach(self, session: Session) -> None:
+        sessions = self._sessions.get(session.endpoint_id, [])
+        if session in sessions:
+            sessions.remove(session)
+
+    def ring(self, rings: list[dict]) -> None:
+        for ring in rings:
+            self._ring_one(ring)
+
+    def _ring_one(self, ring: dict) -> bool:
+        endpoint_id = ring["endpoint_id"]
+        candidates = [s for s in self._sessions.get(endpoint_id, ()) if s.covers(ring["queue"])]
+        if not candidates:
+            return False
+        waiting = [s for s in candidates if s.kind == "wait"]
+        if waiting:
+            chosen = waiting[0]
+            self.detach(chosen)
+        else:
+            turn = self._turn.get(endpoint_id, 0)
+            chosen = candidates[turn % len(candidates)]
+            self._turn[endpoint_id] = turn + 1
+        self.rung += 1
+        chosen.notify({k: ring[k] for k in ("todo_id", "queue", "kind", "source", "title")})
+        return True
+
+    def waiter(self, endpoint_id: str, queues: Iterable[str]) -> tuple[Session, asyncio.Future]:
+        """A one-shot session for a waiting claim: its future resolves on the first ring it receives."""
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def notify(ring: dict) -> None:
+            if not future.done():
+                future.set_result(ring)
+
+        return self.attach(Session(endpoint_id, frozenset(queues), "wait", notify)), future
+
+
+# ======================================================================================================
+# 7. HTTP: REST routes, authentication, error bodies, the app
+# ======================================================================================================
+
+def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def read_capped(request: Request, cap: int) -> bytes:
+    """Read a request body as a stream, refusing it as soon as it passes `cap` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > cap):
+        raise ApiError("too_large" if declared.isdigit() else "invalid_argument",
+                       f"request body is over {cap} bytes" if declared.isdigit() else "bad Content-Length")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > cap:
+            raise ApiError("too_large", f"request body is over {cap} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class Api:
+    """The REST surface. Handlers authenticate, validate the body against its model, and run one store
+    function as one transaction; everything they answer comes from the store's views."""
+
+    AGENT_ACTIONS: dict[str, tuple[type[Body], Callable]] = {
+        "claim": (ClaimById, claim_todo), "heartbeat": (Heartbeat, heartbeat), "complete": (Complete, complete),
+        "fail": (Fail, fail), "release": (Release, release), "needs-input": (NeedsInput, needs_input),
+        "block": (Block, block),
+    }
+    HUMAN_ACTIONS: dict[str, tuple[type[Body], Callable]] = {
+        "approve": (HumanNote, approve), "request-changes": (RequestChanges, request_changes),
+        "answer": (Answer, answer), "resume": (HumanNote, resume), "retry": (HumanNote, retry),
+        "defer": (Defer, defer), "undefer": (HumanNote, undefer), "cancel": (Cancel, cancel),
+        "reroute": (Reroute, reroute), "discard": (HumanNote, discard),
+    }
+
+    def __init__(self, db: Database, doorbell: Doorbell):
+        self.db = db
+        self.doorbell = doorbell
+
+    async def principal(self, request: Request) -> Principal:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError("unauthenticated", "send Authorization: Bearer <token>")
+        principal = await self.db.read(authenticate, token.strip())
+        if principal is None:
+            raise ApiError("unauthenticated", "unknown or revoked token")
+        return principal
+
+    async def body(self, request: Request, model: type[BaseModel]) -> Any:
+        return parse_model(model, await read_capped(request, MAX_REQUEST_BYTES))
+
+    # -- routes ----------------------------------------------------------------------------------
+    async def healthz(self, request: Request) -> Response:
+        try:
+            await self.db.read(lambda txn: txn.one("SELECT 1"))
+        except sqlite3.Error:
+            return PlainTextResponse("unavailable", status_code=503)
+        return PlainTextResponse(f"ok {VERSION}")
+
+    async def get_me(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        return JSONResponse(await self.db.read(me, principal))
+
+    async def list_todos(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        query = parse_model(TodoListQuery, dict(request.query_params))
+        return JSONResponse(await self.db.read(list_todos, principal, query))
+
+    async def claim_next(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        body = await self.body(request, ClaimNext)
+        return JSONResponse(await self.claim_waiting(principal, body))
+
+    async def claim_waiting(self, principal: Principal, body: ClaimNext) -> dict:
+        """Claim now, or wait up to `wait_seconds` for a ring. The waiter is attached before each
+        attempt, so a todo that arrives between the attempt and the wait still wakes it."""
+        principal.require_verb("claim_next")
+        queues = _claim_queues(principal, body.queue_filter())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + body.wait_seconds
+        while True:
+            session, rung = self.doorbell.waiter(principal.id, queues) if body.wait_seconds else (None, None)
+            try:
+                result = await self.db.write(claim_next, principal, body)
+                remaining = deadline - loop.time()
+                if not result.get("empty") or session is None or remaining <= 0:
+                    return result
+                try:
+                    await asyncio.wait_for(rung, remaining)
+                except TimeoutError:
+                    return {"empty": True}
+            finally:
+                if session is not None:
+                    self.doorbell.detach(session)
+
+    async def get_todo(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        return JSONResponse(await self.db.read(get_todo, principal, request.path_params["todo_id"]))
+
+    async def todo_action(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        action = request.path_params["action"]
+        entry = self.AGENT_ACTIONS.get(action) or self.HUMAN_ACTIONS.get(action)
+        if entry is None:
+            raise ApiError("not_found", f"no todo action {action!r}")
+        model, fn = entry
+        body = await self.body(request, model)
+        return JSONResponse(await self.db.write(fn, principal, request.path_params["todo_id"], body))
+
+    async def endpoints(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        principal.require_human("managing endpoints")
+        if request.method == "GET":
+            return JSONResponse(await self.db.read(list_endpoints, principal))
+        body = await self.body(request, EndpointCreate)
+        return JSONResponse(await self.db.write(vend_endpoint, principal.human_id, body), status_code=201)
+
+    async def revoke(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        principal.require_human("revoking endpoints")
+        await self.body(request, HumanNote)
+        return JSONResponse(await self.db.write(revoke_endpoint, principal, request.path_params["endpoint_id"]))
+
+    async def push(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        principal.require_human("pushing todos")
+        body = await self.body(request, TodoPush)
+        todo = await self.db.write(push_todo, principal, request.path_params["endpoint_id"], body)
+        return JSONResponse(todo, status_code=201 if todo["created"] else 200)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/healthz", self.healthz, methods=["GET"]),
+            Route("/api/v1/me", self.get_me, methods=["GET"]),
+            Route("/api/v1/todos", self.list_todos, methods=["GET"]),
+            Route("/api/v1/todos/claim", self.claim_next, methods=["POST"]),
+            Route("/api/v1/todos/{todo_id}", self.get_todo, methods=["GET"]),
+            Route("/api/v1/todos/{todo_id}/{action}", self.todo_action, methods=["POST"]),
+            Route("/api/v1/endpoints", self.endpoints, methods=["GET", "POST"]),
+            Route("/api/v1/endpoints/{endpoint_id}/revoke", self.revoke, methods=["POST"]),
+            Route("/api/v1/endpoints/{endpoint_id}/todos", self.push, methods=["POST"]),
+        ]
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "invalid_argument"}.get(exc.status_code, "invalid_argument")
+    return JSONResponse({"error": code, "message": str(exc.detail)}, status_code=exc.status_code)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.error("internal error on %s %s: %s", request.method, request.url.path.split("/hooks/")[0],
+              type(exc).__name__)
+    return JSONResponse({"error": "internal", "message": "internal error"}, status_code=500)
+
+
+async def _scheduler(db: Database) -> None:
+    while True:
+        await asyncio.sleep(SCHEDULER_TICK_SECONDS)
+        try:
+            await db.write(scheduler_tick)
+        except Exception:  # noqa: BLE001 - the loop must outlive one bad tick; the cause is logged
+            log.exception("scheduler tick failed")
+
+
+def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None = None,
+               background: bool = True) -> Starlette:
+    """The ASGI app. `background=False` leaves the scheduler to the caller (tests drive it by hand)."""
+    db = Database(db_path, synchronous=synchronous, clock=clock)
+    doorbell = Doorbell()
+    db.on_rings = doorbell.ring
+    api = Api(db, doorbell)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        task = asyncio.create_task(_scheduler(db)) if background else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            db.close()
+
+    app = Starlette(routes=api.routes(), lifespan=lifespan,
+                    exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected})
+    app.state.db = db
+    app.state.doorbell = doorbell
+    app.state.api = api
+    return app
+
+
+# ======================================================================================================
+# 8. CLI
+# ======================================================================================================
+
+def _print(args: argparse.Namespace, obj: dict) -> None:
+    if args.json:
+        print(json.dumps(obj))
+        return
+    for key, value in obj.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            for item in value:
+                print("  ".join(f"{k}={v}" for k, v in item.items()
+                                if k in ("id", "name", "queue", "state", "title", "queues", "revoked_at")
+                                and v is not None))
+        elif value is not None:
+            print(f"{key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+
+
+def _read_json_file(path: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ApiError("invalid_argument", f"{path}: {exc}") from None
+
+
+def _cli_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    app = create_app(args.db, synchronous=args.synchronous)
+    # The access log is off because ingest URLs carry credentials; Switchboard logs its own lines.
+    uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_level="info")
+    return 0
+
+
+def _cli_todo_action(db: Database, args: argparse.Namespace) -> dict:
+    fields = {name: getattr(args, name) for name in ("note", "answer", "reason", "until", "queue")
+              if getattr(args, name, None) is not None}
+    model, fn = Api.HUMAN_ACTIONS[args.action]
+    return db.write_sync(fn, OPERATOR, args.id, parse_model(model, json.dumps(fields)))
+
+
+def _cli_run(args: argparse.Namespace) -> dict:
+    db = Database(args.db, inline_rings=False)
+    try:
+        command = (args.command, getattr(args, "sub", None))
+        if command == ("init", None):
+            return {"path": str(Path(args.db).resolve()), "schema_version": SCHEMA_VERSION}
+        if command == ("human", "add"):
+            return db.write_sync(add_human, args.name)
+        if command == ("human", "list"):
+            return db.read_sync(list_humans)
+        if command == ("endpoint", "vend"):
+            spec = parse_model(EndpointCreate, {
+                "name": args.name, "queues": [q for q in args.queues.split(",") if q],
+                "verbs": [v for v in args.verbs.split(",") if v],
+                **({"default_lease_seconds": args.lease} if args.lease is not None else {})})
+            human = db.read_sync(find_human, args.human)
+            vended = db.write_sync(vend_endpoint, human["id"], spec)
+            return {k: vended[k] for k in ("id", "name", "token", "queues", "verbs")}
+        if command == ("endpoint", "list"):
+            return db.read_sync(list_endpoints, OPERATOR)
+        if command == ("endpoint", "revoke"):
+            return db.write_sync(revoke_endpoint, OPERATOR, args.id)
+        if command == ("todo", "push"):
+            fields: dict[str, Any] = {"title": args.title, "queue": args.queue, "priority": args.priority}
+            if args.payload is not None:
+                try:
+                    fields["payload"] = json.loads(args.payload)
+                except json.JSONDecodeError as exc:
+                    raise ApiError("invalid_argument", f"--payload is not JSON: {exc}") from None
+            if args.key is not None:
+                fields["key"] = args.key
+            if args.work_item is not None:
+                fields["work_item"] = _read_json_file(args.work_item)
+            return db.write_sync(push_todo, OPERATOR, args.endpoint, parse_model(TodoPush, json.dumps(fields)))
+        if command == ("todo", "list"):
+            query = parse_model(TodoListQuery, {k: v for k, v in
+                                                (("queue", args.queue), ("state", args.state),
+                                                 ("endpoint", args.endpoint), ("limit", args.limit))
+                                                if v is not None})
+            return db.read_sync(list_todos, OPERATOR, query)
+        if command == ("todo", "show"):
+            return db.read_sync(get_todo, OPERATOR, args.id)
+        if args.command == "todo":
+            return _cli_todo_action(db, args)
+        if command == ("backup", None):
+            if Path(args.out).exists():
+                raise ApiError("conflict", f"{args.out} exists; choose a new file")
+            db.backup(args.out)
+            return {"backup": str(Path(args.out).resolve())}
+        if command == ("check", None):
+            report = db.read_sync(check_database)
+            if report["integrity"] != "ok" or report["foreign_keys"] != "ok":
+                raise ApiError("internal", f"database check failed: {json.dumps(report)}")
+            return report
+        raise ApiError("invalid_argument", f"unknown command {args.command}")
+    finally:
+        db.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--db", default=argparse.SUPPRESS, help="database file (default $SWITCHBOARD_DB or ./switchboard.db)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON object")
+    parser = argparse.ArgumentParser(prog="switchboard.py", parents=[common],
+                                     description="Signed webhooks in, durable leased work for AI agents out.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", parents=[common], help="run the server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--synchronous", choices=["full", "normal"], default="full")
+    commands.add_parser("init", parents=[common], help="create or migrate the database")
+
+    human = commands.add_parser("human", parents=[common], help="humans").add_subparsers(dest="sub", required=True)
+    human.add_parser("add", parents=[common]).add_argument("name")
+    human.add_parser("list", parents=[common])
+
+    endpoint = commands.add_parser("endpoint", parents=[common], help="endpoints").add_subparsers(dest="sub", required=True)
+    vend = endpoint.add_parser("vend", parents=[common])
+    vend.add_argument("--human", required=True)
+    vend.add_argument("--name", required=True)
+    vend.add_argument("--queues", required=True, help="comma-separated queue names")
+    vend.add_argument("--verbs", default="drain", help="comma-separated verbs or presets (drain, webhooks, all)")
+    vend.add_argument("--lease", type=int, help="default lease seconds (60..86400)")
+    endpoint.add_parser("list", parents=[common])
+    endpoint.add_parser("revoke", parents=[common]).add_argument("id")
+
+    todo = commands.add_parser("todo", parents=[common], help="todos").add_subparsers(dest="sub", required=True)
+    push = todo.add_parser("push", parents=[common])
+    push.add_argument("endpoint")
+    push.add_argument("--queue", required=True)
+    push.add_argument("--title", required=True)
+    push.add_argument("--payload", help="JSON value")
+    push.add_argument("--key", help="idempotency key")
+    push.add_argument("--priority", type=int, default=0)
+    push.add_argument("--work-item", dest="work_item", help="work item JSON file")
+    listing = todo.add_parser("list", parents=[common])
+    listing.add_argument("--queue")
+    listing.add_argument("--state")
+    listing.add_argument("--endpoint")
+    listing.add_argument("--limit", type=int)
+    todo.add_parser("show", parents=[common]).add_argument("id")
+    action_options = {"approve": ["--note"], "request-changes": ["--note!"], "answer": ["--answer!"],
+                      "resume": ["--note"], "retry": ["--note"], "defer": ["--reason!", "--until"],
+                      "undefer": ["--note"], "cancel": ["--reason!"], "reroute": ["--queue!"], "discard": ["--note"]}
+    for action, options in action_options.items():
+        sub = todo.add_parser(action, parents=[common])
+        sub.set_defaults(action=action)
+        sub.add_argument("id")
+        for option in options:
+            sub.add_argument(option.rstrip("!"), required=option.endswith("!"))
+
+    commands.add_parser("backup", parents=[common], help="online backup to a new file").add_argument("out")
+    commands.add_parser("check", parents=[common], help="integrity and schema report")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.db = getattr(args, "db", None) or default_db_path()
+    args.json = getattr(args, "json", False)
+    if args.command == "serve":
+        return _cli_serve(args)
+    try:
+        _print(args, _cli_run(args))
+        return 0
+    except ApiError as exc:
+        if args.json:
+            print(json.dumps(exc.body()))
+        else:
+            print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except sqlite3.Error as exc:
+        body = {"error": "unavailable", "message": f"database: {exc}"}
+        print(json.dumps(body) if args.json else f"error: {body['message']}", file=sys.stdout if args.json else sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
