@@ -139,6 +139,8 @@ CREATE TABLE IF NOT EXISTS attempts (
     CHECK ((ended_at IS NULL) = (outcome IS NULL)),
     PRIMARY KEY (todo_id, seq)
 ) WITHOUT ROWID;
+-- At most one open attempt per todo: the one holding the lease.
+CREATE UNIQUE INDEX IF NOT EXISTS attempts_open ON attempts(todo_id) WHERE ended_at IS NULL;
 
 CREATE TABLE IF NOT EXISTS todo_history (
     id          INTEGER PRIMARY KEY,

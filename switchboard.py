@@ -804,8 +804,8 @@ def _mark_rung(txn: Txn, row: sqlite3.Row) -> None:
 
 
 def _end_attempt(txn: Txn, todo: sqlite3.Row, outcome: str, summary: str | None, artifact: str | None = None) -> None:
-    txn.execute("UPDATE attempts SET ended_at = ?, outcome = ?, summary = ?, artifact = ? WHERE todo_id = ? AND seq = ?",
-                (txn.now, outcome, summary, artifact, todo["id"], todo["attempt"]))
+    txn.execute("UPDATE attempts SET ended_at = ?, outcome = ?, summary = ?, artifact = ?"
+                " WHERE todo_id = ? AND ended_at IS NULL", (txn.now, outcome, summary, artifact, todo["id"]))
 
 
 def _expire_lease(txn: Txn, todo: sqlite3.Row) -> None:
@@ -828,11 +828,13 @@ def _claim_row(txn: Txn, principal: Principal, todo: sqlite3.Row, lease_seconds:
                claimant: str | None) -> dict:
     lease = lease_seconds or principal.default_lease_seconds or DEFAULT_LEASE_SECONDS
     lease_token = secrets.token_urlsafe(16)
-    seq = todo["attempt"] + 1
+    # `attempt` counts against the retry budget (a release refunds it, a human retry resets it);
+    # `seq` numbers attempt rows for the todo's whole life.
+    seq = txn.one("SELECT COALESCE(MAX(seq), 0) + 1 FROM attempts WHERE todo_id = ?", (todo["id"],))[0]
     expires = txn.now + lease * 1000
     who = claimant or principal.actor
-    _transition(txn, todo, "claimed", principal.actor, {"attempt": seq, "claimant": who},
-                attempt=seq, lease_expires_at=expires, lease_token_hash=token_hash(lease_token))
+    _transition(txn, todo, "claimed", principal.actor, {"attempt": todo["attempt"] + 1, "seq": seq, "claimant": who},
+                attempt=todo["attempt"] + 1, lease_expires_at=expires, lease_token_hash=token_hash(lease_token))
     txn.execute("INSERT INTO attempts (todo_id, seq, endpoint_id, claimant, claimed_at, lease_expires_at, lease_seconds)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)", (todo["id"], seq, principal.id, who, txn.now, expires, lease))
     prior = txn.all("SELECT * FROM (SELECT * FROM attempts WHERE todo_id = ? AND seq < ? ORDER BY seq DESC LIMIT 5)"
@@ -894,13 +896,13 @@ def _held(txn: Txn, principal: Principal, verb: str, todo_id: str, lease_token: 
 
 def heartbeat(txn: Txn, principal: Principal, todo_id: str, body: Heartbeat) -> dict:
     todo = _held(txn, principal, "heartbeat", todo_id, body.lease_token)
-    attempt = txn.one("SELECT * FROM attempts WHERE todo_id = ? AND seq = ?", (todo_id, todo["attempt"]))
+    attempt = txn.one("SELECT * FROM attempts WHERE todo_id = ? AND ended_at IS NULL", (todo_id,))
     lease = body.lease_seconds or attempt["lease_seconds"]
     expires = txn.now + lease * 1000
     txn.execute("UPDATE todos SET lease_expires_at = ?, updated_at = ? WHERE id = ?", (expires, txn.now, todo_id))
     txn.execute("UPDATE attempts SET lease_expires_at = ?, heartbeats = heartbeats + 1, lease_seconds = ?,"
                 " summary = COALESCE(?, summary) WHERE todo_id = ? AND seq = ?",
-                (expires, lease, body.note, todo_id, todo["attempt"]))
+                (expires, lease, body.note, todo_id, attempt["seq"]))
     return todo_view(_reload(txn, todo_id))
 
 

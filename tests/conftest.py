@@ -1,0 +1,183 @@
+"""Shared fixtures: a real SQLite file per test, the real app (through Starlette's test client or a real
+uvicorn process on a free loopback port), and principals made through the store itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+import switchboard as sb
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ManualClock(sb.Clock):
+    """A clock the test moves by hand, so leases and backoff are tested without sleeping."""
+
+    def __init__(self, start_ms: int = 1_800_000_000_000):
+        self.ms = start_ms
+
+    def now_ms(self) -> int:
+        return self.ms
+
+    def advance(self, seconds: float) -> None:
+        self.ms += int(seconds * 1000)
+
+
+@dataclass
+class Endpoint:
+    id: str
+    token: str
+    human_id: str
+
+    @property
+    def auth(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+@dataclass
+class Human:
+    id: str
+    name: str
+    token: str
+
+    @property
+    def auth(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+class World:
+    """Principals and helpers over one app's database."""
+
+    def __init__(self, client, db: sb.Database):
+        self.client = client
+        self.db = db
+
+    def human(self, name: str) -> Human:
+        made = self.db.write_sync(sb.add_human, name)
+        return Human(made["id"], name, made["token"])
+
+    def endpoint(self, human: Human, queues: list[str], name: str | None = None, verbs: list[str] | None = None,
+                 lease: int | None = None) -> Endpoint:
+        body = {"name": name or f"ep-{len(queues)}-{os.urandom(3).hex()}", "queues": queues}
+        if verbs is not None:
+            body["verbs"] = verbs
+        if lease is not None:
+            body["default_lease_seconds"] = lease
+        r = self.client.post("/api/v1/endpoints", headers=human.auth, json=body)
+        assert r.status_code == 201, r.text
+        made = r.json()
+        return Endpoint(made["id"], made["token"], human.id)
+
+    def push(self, human: Human, endpoint: Endpoint, queue: str, title: str = "work", **extra) -> dict:
+        r = self.client.post(f"/api/v1/endpoints/{endpoint.id}/todos", headers=human.auth,
+                             json={"title": title, "queue": queue, **extra})
+        assert r.status_code in (200, 201), r.text
+        return r.json()
+
+    def claim(self, endpoint: Endpoint, **body) -> dict:
+        r = self.client.post("/api/v1/todos/claim", headers=endpoint.auth, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def act(self, principal, todo_id: str, action: str, **body) -> httpx.Response:
+        return self.client.post(f"/api/v1/todos/{todo_id}/{action}", headers=principal.auth, json=body)
+
+    def tick(self) -> dict:
+        return self.db.write_sync(sb.scheduler_tick)
+
+
+@pytest.fixture
+def db_path(tmp_path) -> str:
+    return str(tmp_path / "switchboard.db")
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def app(db_path, clock):
+    return sb.create_app(db_path, clock=clock, background=False)
+
+
+@pytest.fixture
+def client(app):
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.fixture
+def world(client, app) -> World:
+    return World(client, app.state.db)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """`python switchboard.py serve` as a child process on a free loopback port."""
+
+    def __init__(self, db_path: str, *extra: str):
+        self.db_path = db_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(Path(db_path).with_suffix(".log"), "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "switchboard.py"), "serve", "--db", db_path, "--port", str(self.port), *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=str(Path(db_path).parent))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("server did not start")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def live_server(db_path):
+    servers: list[LiveServer] = []
+
+    def start(*extra: str) -> LiveServer:
+        server = LiveServer(db_path, *extra)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def cli(db_path: str, *args: str) -> tuple[int, dict]:
+    """Run the real CLI with --json and parse its one JSON object."""
+    done = subprocess.run([sys.executable, str(ROOT / "switchboard.py"), *args, "--db", db_path, "--json"],
+                          capture_output=True, text=True, timeout=60)
+    return done.returncode, json.loads(done.stdout) if done.stdout.strip() else {}
