@@ -37,6 +37,34 @@ CREATE TABLE IF NOT EXISTS friend_edges (
     UNIQUE (requester_id, approver_id)
 );
 
+-- A webhook belongs to one owner endpoint. Its ingest URL token and its secret are credentials: the token is
+-- stored only as SHA-256, the secret only encrypted (AES-256-GCM, the webhook id as associated data).
+CREATE TABLE IF NOT EXISTS webhooks (
+    id                TEXT PRIMARY KEY CHECK (id LIKE 'wh\_%' ESCAPE '\'),
+    endpoint_id       TEXT NOT NULL REFERENCES endpoints(id),
+    provider          TEXT NOT NULL CHECK (provider IN ('github', 'gitea', 'cairn', 'stripe', 'slack', 'generic')),
+    queue             TEXT NOT NULL CHECK (length(queue) BETWEEN 1 AND 64 AND queue <> 'quarantine'),
+    trust_mode        TEXT NOT NULL CHECK (trust_mode IN ('signed', 'token')),
+    token_hash        TEXT NOT NULL UNIQUE CHECK (length(token_hash) = 64),
+    secret_sealed     BLOB,
+    rules             TEXT CHECK (rules IS NULL OR json_valid(rules)),
+    params            TEXT NOT NULL DEFAULT '{}' CHECK (json_valid(params) AND json_type(params) = 'object'),
+    created_at        INTEGER NOT NULL,
+    rotated_at        INTEGER,
+    CHECK ((trust_mode = 'token') = (provider = 'generic')),
+    CHECK (provider <> 'generic' OR secret_sealed IS NULL)
+);
+CREATE INDEX IF NOT EXISTS webhooks_by_endpoint ON webhooks(endpoint_id);
+
+-- Extra targets of a webhook, in grant order after the owner endpoint.
+CREATE TABLE IF NOT EXISTS webhook_routes (
+    webhook_id   TEXT NOT NULL REFERENCES webhooks(id) ON DELETE CASCADE,
+    endpoint_id  TEXT NOT NULL REFERENCES endpoints(id),
+    granted_at   INTEGER NOT NULL,
+    granted_by   TEXT NOT NULL,
+    PRIMARY KEY (webhook_id, endpoint_id)
+) WITHOUT ROWID;
+
 -- Events: every accepted delivery and every operator-authored todo, with its routing decision.
 CREATE TABLE IF NOT EXISTS events (
     id            TEXT PRIMARY KEY CHECK (id LIKE 'ev\_%' ESCAPE '\'),
@@ -100,11 +128,14 @@ CREATE TABLE IF NOT EXISTS todos (
     -- Only done carries an outcome, and done always does.
     CHECK ((state = 'done') = (outcome IS NOT NULL)),
     CHECK (dead_letter = 0 OR state = 'failed'),
-    CHECK ((state = 'quarantined') = (queue = 'quarantine'))
+    -- Held items live only on the reserved queue, and nothing on it is ever claimable.
+    CHECK (state <> 'quarantined' OR queue = 'quarantine'),
+    CHECK (queue <> 'quarantine' OR state IN ('quarantined', 'done', 'cancelled'))
 );
 CREATE INDEX IF NOT EXISTS todos_claimable ON todos(endpoint_id, queue, priority DESC, created_at)
     WHERE state = 'pending';
 CREATE INDEX IF NOT EXISTS todos_lapsed ON todos(lease_expires_at) WHERE state = 'claimed';
+CREATE INDEX IF NOT EXISTS todos_lapsed_by_endpoint ON todos(endpoint_id, lease_expires_at) WHERE state = 'claimed';
 CREATE INDEX IF NOT EXISTS todos_unrung ON todos(available_at) WHERE state = 'pending';
 CREATE INDEX IF NOT EXISTS todos_deferred ON todos(deferred_until) WHERE state = 'deferred';
 CREATE INDEX IF NOT EXISTS todos_by_endpoint ON todos(endpoint_id, created_at);

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import hashlib
@@ -41,6 +42,9 @@ from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -61,6 +65,9 @@ MIGRATIONS: dict[int, str] = {}
 DEFAULT_LEASE_SECONDS = 300
 DEFAULT_MAX_ATTEMPTS = 5
 MAX_REQUEST_BYTES = 1 << 20
+MAX_DELIVERY_BYTES = 5 << 20
+DEFAULT_INGEST_RATE = 50.0
+DEFAULT_INGEST_BURST = 100
 MAX_RESULT_BYTES = 64 << 10
 MAX_SUMMARY_BYTES = 2048
 BACKOFF_BASE_SECONDS = 30
@@ -355,15 +362,77 @@ def hashes_match(stored: str | None, presented: str) -> bool:
     return stored is not None and hmac.compare_digest(stored, token_hash(presented))
 
 
+class SecretBox:
+    """AES-256-GCM for webhook secrets at rest. The key comes from $SWITCHBOARD_SECRET_KEY (32 bytes, base64
+    or hex) or from a key file beside the database, created with mode 0600 on first use."""
+
+    NONCE_BYTES = 12
+
+    def __init__(self, key: bytes):
+        self._aead = AESGCM(key)
+
+    @classmethod
+    def for_database(cls, db_path: str) -> SecretBox:
+        configured = os.environ.get("SWITCHBOARD_SECRET_KEY")
+        if configured:
+            return cls(parse_key(configured))
+        return cls(load_or_create_key_file(key_file_path(db_path)))
+
+    def seal(self, secret: str, bound_to: str) -> bytes:
+        nonce = secrets.token_bytes(self.NONCE_BYTES)
+        return nonce + self._aead.encrypt(nonce, secret.encode(), bound_to.encode())
+
+    def open(self, sealed: bytes, bound_to: str) -> bytes:
+        try:
+            return self._aead.decrypt(sealed[:self.NONCE_BYTES], sealed[self.NONCE_BYTES:], bound_to.encode())
+        except InvalidTag:
+            raise ApiError("unavailable", "webhook secret cannot be decrypted with this key") from None
+
+
+def parse_key(text: str) -> bytes:
+    text = text.strip()
+    candidates = []
+    if re.fullmatch(r"[0-9a-fA-F]{64}", text):
+        candidates.append(bytes.fromhex(text))
+    with contextlib.suppress(ValueError):
+        candidates.append(base64.b64decode(text, validate=True))
+    with contextlib.suppress(ValueError):
+        candidates.append(base64.urlsafe_b64decode(text))
+    for key in candidates:
+        if len(key) == 32:
+            return key
+    raise ApiError("invalid_argument", "SWITCHBOARD_SECRET_KEY must be 32 bytes in base64 or hex")
+
+
+def key_file_path(db_path: str) -> Path:
+    return Path(db_path).resolve().with_name("switchboard.key")
+
+
+def load_or_create_key_file(path: Path) -> bytes:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return parse_key(path.read_text())
+    with os.fdopen(fd, "w") as handle:
+        handle.write(base64.b64encode(secrets.token_bytes(32)).decode() + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    return parse_key(path.read_text())
+
+
 # ======================================================================================================
 # 4. Models: request bodies and work items
 # ======================================================================================================
 
 QueueName = Annotated[str, StringConstraints(pattern=QUEUE_PATTERN)]
+# Text that reaches SQLite never holds NUL (SQLite's text functions stop at it); one-line text no control bytes.
+ONE_LINE = r"^[^\x00-\x1f\x7f]*$"
+MULTI_LINE = r"^[^\x00]*$"
 TodoId = Annotated[str, StringConstraints(pattern=r"^td_[0-9a-f]{1,64}$")]
 EndpointId = Annotated[str, StringConstraints(pattern=r"^ep_[0-9a-f]{1,64}$")]
-ShortText = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
-Note = Annotated[str, StringConstraints(max_length=4096)]
+ShortText = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=MULTI_LINE)]
+Note = Annotated[str, StringConstraints(max_length=4096, pattern=MULTI_LINE)]
+Label = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=ONE_LINE)]
 LeaseSeconds = Annotated[int, Field(ge=1, le=86400)]
 
 
@@ -401,7 +470,7 @@ class EndpointCreate(Body):
 class WorkItem(Body):
     """Structured work attached to an operator-authored todo."""
     schema_: Literal["switchboard.work_item.v1"] = Field(alias="schema")
-    objective: Annotated[str, StringConstraints(min_length=1, max_length=8192)]
+    objective: Annotated[str, StringConstraints(min_length=1, max_length=8192, pattern=MULTI_LINE)]
     constraints: Annotated[list[ShortText], Field(max_length=64)] | None = None
     definition_of_done: Annotated[list[ShortText], Field(max_length=64)] | None = None
     validation_commands: Annotated[list[ShortText], Field(max_length=64)] | None = None
@@ -412,10 +481,10 @@ class WorkItem(Body):
 
 
 class TodoPush(Body):
-    title: Annotated[str, StringConstraints(min_length=1, max_length=512)]
+    title: Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=ONE_LINE)]
     queue: QueueName
     payload: Any = None
-    key: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+    key: Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=ONE_LINE)] | None = None
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
     work_item: WorkItem | None = None
 
@@ -425,7 +494,7 @@ class ClaimNext(Body):
     queues: Annotated[list[QueueName], Field(min_length=1, max_length=64)] | None = None
     lease_seconds: LeaseSeconds | None = None
     wait_seconds: Annotated[float, Field(ge=0, le=60)] = 0
-    claimant: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+    claimant: Label | None = None
 
     @model_validator(mode="after")
     def _one_filter(self) -> ClaimNext:
@@ -439,7 +508,7 @@ class ClaimNext(Body):
 
 class ClaimById(Body):
     lease_seconds: LeaseSeconds | None = None
-    claimant: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+    claimant: Label | None = None
 
 
 class Leased(Body):
@@ -453,7 +522,7 @@ class Heartbeat(Leased):
 
 class Complete(Leased):
     result: Any = None
-    summary: str | None = None
+    summary: Annotated[str, StringConstraints(pattern=MULTI_LINE)] | None = None
     artifact: Annotated[str, StringConstraints(max_length=2048)] | None = None
 
     @model_validator(mode="after")
@@ -490,12 +559,21 @@ class RequestChanges(Body):
 
 
 class Answer(Body):
-    answer: Annotated[str, StringConstraints(min_length=1, max_length=16384)]
+    answer: Annotated[str, StringConstraints(min_length=1, max_length=16384, pattern=MULTI_LINE)]
 
 
 class Defer(Body):
     reason: ShortText
     until: datetime | None = None
+
+    @model_validator(mode="after")
+    def _representable(self) -> Defer:
+        if self.until is not None:
+            try:
+                self.until.astimezone(UTC) if self.until.tzinfo else self.until.replace(tzinfo=UTC)
+            except (OverflowError, ValueError):
+                raise ValueError("until is outside the years 1..9999 in UTC") from None
+        return self
 
 
 class Cancel(Body):
@@ -514,6 +592,34 @@ class TodoListQuery(BaseModel):
     limit: Annotated[int, Field(ge=1, le=200)] = 50
 
 
+PrintableSecret = Annotated[str, StringConstraints(min_length=16, max_length=512, pattern=r"^[\x20-\x7e]+$")]
+
+
+class WebhookCreate(Body):
+    provider: Literal["github", "gitea", "cairn", "stripe", "slack", "generic"]
+    queue: QueueName
+    secret: PrintableSecret | None = None
+    endpoint_id: EndpointId | None = None
+
+
+class WebhookSecret(Body):
+    secret: PrintableSecret
+
+
+class RouteAdd(Body):
+    endpoint_id: EndpointId
+
+
+class FriendRequest(Body):
+    human: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=ONE_LINE)]
+
+
+class EventListQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    disposition: Literal["routed", "dropped", "repeat", "quarantined"] | None = None
+    limit: Annotated[int, Field(ge=1, le=200)] = 50
+
+
 def parse_model(model: type[BaseModel], raw: bytes | str | dict) -> Any:
     """Validate a body against its model; any failure is one-line 400 invalid_argument."""
     try:
@@ -525,6 +631,287 @@ def parse_model(model: type[BaseModel], raw: bytes | str | dict) -> Any:
         where = ".".join(str(part) for part in first.get("loc", ())) or "body"
         message = first.get("msg", "invalid").removeprefix("Value error, ")
         raise ApiError("invalid_argument", f"{where}: {message}") from None
+
+
+# ======================================================================================================
+# 5. Providers: signatures, freshness, delivery ids
+# ======================================================================================================
+# HMAC-SHA256 over the raw bytes before any parsing, compared in constant time. A failure names its
+# reason (for the metric and the one log line) and never the secret or the signature.
+
+PROVIDERS = ("github", "gitea", "cairn", "stripe", "slack", "generic")
+MINTED_SECRET_PROVIDERS = ("github", "gitea", "cairn")
+FRESHNESS_MS = 300_000
+
+
+class VerificationFailed(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _hmac_hex(secret: bytes, message: bytes) -> str:
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def _hex_signature(value: str | None, prefix: str) -> str:
+    if value is None:
+        raise VerificationFailed("missing_signature")
+    value = value.strip()
+    if not value.startswith(prefix) or not re.fullmatch(r"[0-9a-fA-F]{64}", value[len(prefix):]):
+        raise VerificationFailed("malformed_signature")
+    return value[len(prefix):].lower()
+
+
+def _require_match(expected: str, presented: str) -> None:
+    if not hmac.compare_digest(expected, presented):
+        raise VerificationFailed("bad_signature")
+
+
+def _require_fresh(moment_ms: int, now_ms: int) -> None:
+    if abs(now_ms - moment_ms) > FRESHNESS_MS:
+        raise VerificationFailed("stale_timestamp")
+
+
+def _unix_seconds(text: str | None) -> int:
+    if text is None or not re.fullmatch(r"\d{1,12}", text.strip()):
+        raise VerificationFailed("malformed_timestamp")
+    return int(text.strip()) * 1000
+
+
+def _json_object(body: bytes) -> dict | None:
+    """The body as a JSON object, or None: empty, invalid, trailing data, NaN or absurd nesting."""
+    try:
+        value = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return None
+    return value
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def verify_delivery(provider: str, secret: bytes | None, headers: dict[str, str], body: bytes, now_ms: int) -> bool:
+    """True when the signature verified, False for token-trust providers; raises VerificationFailed."""
+    if provider == "github":
+        _require_match(_hmac_hex(secret, body), _hex_signature(headers.get("x-hub-signature-256"), "sha256="))
+    elif provider == "gitea":
+        if "x-gitea-signature" in headers:
+            presented = _hex_signature(headers["x-gitea-signature"], "")
+        else:
+            presented = _hex_signature(headers.get("x-hub-signature-256"), "sha256=")
+        _require_match(_hmac_hex(secret, body), presented)
+    elif provider == "cairn":
+        _require_match(_hmac_hex(secret, body), _hex_signature(headers.get("x-cairn-signature"), "sha256="))
+        document = _json_object(body)
+        if not isinstance(document, dict) or not isinstance(document.get("event_id"), str) or not document["event_id"]:
+            raise VerificationFailed("missing_event_id")
+        if "x-cairn-event-id" in headers and headers["x-cairn-event-id"] != document["event_id"]:
+            raise VerificationFailed("event_id_mismatch")
+        _require_fresh(_iso_ms(document.get("created_at")), now_ms)
+    elif provider == "stripe":
+        header = headers.get("stripe-signature")
+        if header is None:
+            raise VerificationFailed("missing_signature")
+        parts = [p.split("=", 1) for p in header.split(",") if "=" in p]
+        stamps = [v.strip() for k, v in parts if k.strip() == "t"]
+        signatures = [v.strip().lower() for k, v in parts if k.strip() == "v1"]
+        if len(stamps) != 1 or not signatures:
+            raise VerificationFailed("malformed_signature")
+        moment = _unix_seconds(stamps[0])
+        expected = _hmac_hex(secret, stamps[0].encode() + b"." + body)
+        # Every v1 is compared, so timing does not reveal which one matched.
+        if not sum(hmac.compare_digest(expected, s) for s in signatures):
+            raise VerificationFailed("bad_signature")
+        _require_fresh(moment, now_ms)
+    elif provider == "slack":
+        presented = _hex_signature(headers.get("x-slack-signature"), "v0=")
+        stamp = headers.get("x-slack-request-timestamp")
+        moment = _unix_seconds(stamp)
+        _require_match(_hmac_hex(secret, b"v0:" + stamp.strip().encode() + b":" + body), presented)
+        _require_fresh(moment, now_ms)
+    else:
+        return False
+    return True
+
+
+def _iso_ms(value: Any) -> int:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value * 1000)
+    if not isinstance(value, str):
+        raise VerificationFailed("malformed_timestamp")
+    try:
+        return to_ms(datetime.fromisoformat(value))
+    except ValueError:
+        raise VerificationFailed("malformed_timestamp") from None
+
+
+def delivery_key(provider: str, headers: dict[str, str], payload: Any, body: bytes) -> str:
+    """The provider's delivery id, else the body's SHA-256 (as `sha256:<hex>`)."""
+    document = payload if isinstance(payload, dict) else {}
+    candidates = {
+        "github": headers.get("x-github-delivery"),
+        "gitea": headers.get("x-gitea-delivery"),
+        "cairn": document.get("event_id"),
+        "stripe": document.get("id"),
+        "slack": document.get("event_id"),
+        "generic": headers.get("x-delivery-id") or headers.get("webhook-id"),
+    }
+    key = candidates.get(provider)
+    if isinstance(key, str) and key.strip():
+        key = key.strip()
+        return key if len(key) <= 200 else "id-sha256:" + hashlib.sha256(key.encode()).hexdigest()
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+# ======================================================================================================
+# 6. Envelope: the document every rule sees
+# ======================================================================================================
+# Switchboard decides the top-level fields; producer data lives only under .payload and .headers.
+
+SECRET_HEADER_PARTS = ("signature", "token", "secret", "auth", "cookie", "api-key")
+REDACTED = "«redacted»"
+FORGE_PROVIDERS = ("github", "gitea")
+
+
+def lower_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for name, value in raw:
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+    return headers
+
+
+def redact_headers(headers: dict[str, str]) -> dict[str, str]:
+    return {k: REDACTED if any(part in k for part in SECRET_HEADER_PARTS) else v for k, v in headers.items()}
+
+
+def _get(document: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(document, dict):
+            return None
+        document = document.get(key)
+    return document
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def event_kind(provider: str, headers: dict[str, str], payload: Any) -> str | None:
+    if provider == "cairn":
+        return _text(_get(payload, "kind"))
+    if provider == "stripe":
+        return _text(_get(payload, "type"))
+    if provider == "slack":
+        return _text(_get(payload, "event", "type"))
+    for name in ("x-github-event", "x-gitea-event", "x-cairn-event", "x-event-type"):
+        if name in headers:
+            return headers[name]
+    return None
+
+
+def _forge_number(payload: Any) -> int | None:
+    for path in (("issue", "number"), ("pull_request", "number"), ("number",)):
+        number = _get(payload, *path)
+        if isinstance(number, int) and not isinstance(number, bool) and number > 0:
+            return number
+    return None
+
+
+def subject_key(provider: str, kind: str | None, payload: Any) -> str | None:
+    if provider == "cairn":
+        artifact_id = _text(_get(payload, "data", "id"))
+        return f"cairn:{artifact_id}" if artifact_id else None
+    if provider not in FORGE_PROVIDERS or kind is None:
+        return None
+    repo = _text(_get(payload, "repository", "full_name"))
+    if not repo:
+        return None
+    if kind == "push":
+        ref = _text(_get(payload, "ref"))
+        return f"{provider}:{repo}@{ref}" if ref else None
+    if kind.startswith("issue") or kind.startswith("pull_request"):
+        number = _forge_number(payload)
+        return f"{provider}:{repo}#{number}" if number else None
+    return None
+
+
+def _label_names(labels: Any) -> list[str]:
+    if not isinstance(labels, list):
+        return []
+    return [label["name"] for label in labels if isinstance(label, dict) and isinstance(label.get("name"), str)]
+
+
+def issue_view(provider: str, kind: str | None, headers: dict[str, str], payload: Any, key: str | None) -> dict | None:
+    """Forge issue events only: kind `issues`, a positive issue number, and no pull request."""
+    issue = _get(payload, "issue")
+    if provider not in FORGE_PROVIDERS or kind != "issues" or not isinstance(issue, dict):
+        return None
+    number = issue.get("number")
+    if not isinstance(number, int) or isinstance(number, bool) or number <= 0 or issue.get("pull_request"):
+        return None
+    action = _text(_get(payload, "action"))
+    body = issue.get("body")
+    return {
+        "provider": provider, "action": action,
+        "event_type": headers.get("x-gitea-event-type") or "issues",
+        "repo": _text(_get(payload, "repository", "full_name")), "number": number,
+        "title": _text(issue.get("title")), "url": _text(issue.get("html_url")), "state": _text(issue.get("state")),
+        "author": _text(_get(issue, "user", "login")), "sender": _text(_get(payload, "sender", "login")),
+        "labels": _label_names(issue.get("labels")),
+        "label": _text(_get(payload, "label", "name")) if provider == "github" else None,
+        "label_event": action in ("labeled", "unlabeled", "label_updated", "label_cleared"),
+        "body_size": len(body.encode()) if isinstance(body, str) else 0,
+        "key": key,
+    }
+
+
+def artifact_view(payload: Any) -> dict | None:
+    data = _get(payload, "data")
+    if not isinstance(data, dict) or not isinstance(data.get("id"), str):
+        return None
+    return {
+        "id": data["id"], "handle": f"mcp://cairn/{data['id']}", "event_id": _get(payload, "event_id"),
+        "kind": _get(payload, "kind"), "created_at": _get(payload, "created_at"),
+        **{name: data.get(name) for name in ("url", "title", "share_type", "channel", "model", "actor_id",
+                                             "on_behalf_of", "expires_at", "tags", "metadata")},
+    }
+
+
+def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified: bool, headers: dict[str, str],
+                   body: bytes, release: dict | None = None) -> dict:
+    payload = _json_object(body)
+    kind = event_kind(provider, headers, payload)
+    key = subject_key(provider, kind, payload)
+    return {
+        "source": provider, "kind": kind, "webhook_id": webhook_id, "trust_mode": trust_mode, "verified": verified,
+        "content_type": headers.get("content-type"), "size": len(body), "headers": redact_headers(headers),
+        "payload": payload, "issue": issue_view(provider, kind, headers, payload, key),
+        "artifact": artifact_view(payload) if provider == "cairn" else None,
+        "subject_key": key, "release": release,
+    }
+
+
+def envelope_title(envelope: dict) -> str:
+    """A one-line title for a todo made from a delivery; producer text, so only ever shown as data."""
+    payload = envelope["payload"]
+    repo = _text(_get(payload, "repository", "full_name"))
+    number = _forge_number(payload)
+    title = (_text(_get(payload, "issue", "title")) or _text(_get(payload, "pull_request", "title"))
+             if number else None)
+    if envelope["artifact"]:
+        text = envelope["artifact"].get("title") or envelope["artifact"]["id"]
+    elif repo and number:
+        text = f"{repo}#{number}: {title or envelope['kind']}"
+    elif repo and envelope["kind"] == "push":
+        text = f"{repo}: push to {_text(_get(payload, 'ref'))}"
+    else:
+        text = f"{envelope['source']} {envelope['kind'] or 'delivery'}"
+    text = " ".join(str(text).split())
+    return text[:512] or "delivery"
 
 
 # ======================================================================================================
@@ -674,6 +1061,16 @@ def me(txn: Txn, principal: Principal) -> dict:
 
 
 # -- todos: views and visibility --------------------------------------------------------------------
+
+def dump_json(value: Any, field_name: str) -> str | None:
+    """Producer JSON as stored text; NaN and Infinity are not JSON and are refused."""
+    if value is None:
+        return None
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        raise ApiError("invalid_argument", f"{field_name}: NaN and Infinity are not JSON") from None
+
 
 def _json(text: str | None) -> Any:
     return None if text is None else json.loads(text)
@@ -914,7 +1311,7 @@ def _truncate_utf8(text: str | None, limit: int) -> str | None:
 
 def complete(txn: Txn, principal: Principal, todo_id: str, body: Complete) -> dict:
     todo = _held(txn, principal, "complete", todo_id, body.lease_token)
-    result = json.dumps(body.result) if body.result is not None else None
+    result = dump_json(body.result, "result")
     if result is not None and len(result.encode()) > MAX_RESULT_BYTES:
         raise ApiError("too_large", f"result is over {MAX_RESULT_BYTES} bytes")
     summary = _truncate_utf8(body.summary, MAX_SUMMARY_BYTES)
@@ -1092,7 +1489,7 @@ def push_todo(txn: Txn, principal: Principal, endpoint_id: str, body: TodoPush) 
         if row is None:
             raise ApiError("not_found", f"work_item.depends_on: no todo {dep}")
         dep_states.append((dep, row["state"]))
-    payload = json.dumps(body.payload) if body.payload is not None else None
+    payload = dump_json(body.payload, "payload")
     event_id = new_id("ev")
     actor = principal.actor
     txn.execute("INSERT INTO events (id, human_id, source, kind, trust_mode, verified, headers, body, disposition,"
@@ -1120,6 +1517,377 @@ def push_todo(txn: Txn, principal: Principal, endpoint_id: str, body: TodoPush) 
     else:
         _became_pending(txn, todo_id)
     return {**todo_view(_reload(txn, todo_id)), "created": True}
+
+
+# -- friends ----------------------------------------------------------------------------------------
+
+def friend_view(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "requester_id": row["requester_id"], "approver_id": row["approver_id"],
+            "requested_at": iso(row["requested_at"]), "approved_at": iso(row["approved_at"])}
+
+
+def friend_request(txn: Txn, principal: Principal, body: FriendRequest) -> dict:
+    """`principal` asks `body.human` for leave to route webhooks to that human's endpoints."""
+    principal.require_human("friend requests")
+    other = find_human(txn, body.human)
+    if other["id"] == principal.human_id:
+        raise ApiError("invalid_argument", "human: a friend edge joins two different humans")
+    row = txn.one("SELECT * FROM friend_edges WHERE requester_id = ? AND approver_id = ?", (principal.human_id, other["id"]))
+    if row is None:
+        edge_id = new_id("fr")
+        txn.execute("INSERT INTO friend_edges (id, requester_id, approver_id, requested_at) VALUES (?, ?, ?, ?)",
+                    (edge_id, principal.human_id, other["id"], txn.now))
+        row = txn.one("SELECT * FROM friend_edges WHERE id = ?", (edge_id,))
+        txn.logs.append(f"friend edge {edge_id} requested by {principal.human_id}")
+    return friend_view(row)
+
+
+def friend_approve(txn: Txn, principal: Principal, edge_id: str) -> dict:
+    principal.require_human("approving friend requests")
+    row = txn.one("SELECT * FROM friend_edges WHERE id = ? AND approver_id = ?", (edge_id, principal.human_id))
+    if row is None:
+        raise ApiError("not_found", f"no friend request {edge_id}")
+    if row["approved_at"] is None:
+        txn.execute("UPDATE friend_edges SET approved_at = ? WHERE id = ?", (txn.now, edge_id))
+        txn.logs.append(f"friend edge {edge_id} approved by {principal.human_id}")
+    return friend_view(txn.one("SELECT * FROM friend_edges WHERE id = ?", (edge_id,)))
+
+
+def list_friends(txn: Txn, principal: Principal) -> dict:
+    principal.require_human("friend edges")
+    rows = txn.all("SELECT * FROM friend_edges WHERE requester_id = ? OR approver_id = ? ORDER BY requested_at, id",
+                   (principal.human_id, principal.human_id))
+    return {"friends": [friend_view(r) for r in rows]}
+
+
+def friend_link(txn: Txn, requester: str, approver: str) -> dict:
+    """The operator's shortcut: `requester` asks and `approver` approves, in one step."""
+    asking = find_human(txn, requester)
+    edge = friend_request(txn, Principal(kind="human", id=asking["id"], human_id=asking["id"]),
+                          FriendRequest(human=approver))
+    granting = find_human(txn, approver)
+    return friend_approve(txn, Principal(kind="human", id=granting["id"], human_id=granting["id"]), edge["id"])
+
+
+# -- webhooks and routes ----------------------------------------------------------------------------
+
+def webhook_view(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "endpoint_id": row["endpoint_id"], "provider": row["provider"], "queue": row["queue"],
+            "trust_mode": row["trust_mode"], "secret_set": row["secret_sealed"] is not None,
+            "created_at": iso(row["created_at"]), "rotated_at": iso(row["rotated_at"])}
+
+
+def _visible_webhook(txn: Txn, principal: Principal, webhook_id: str, verb: str) -> sqlite3.Row:
+    if principal.kind == "endpoint":
+        principal.require_verb(verb)
+        row = txn.one("SELECT * FROM webhooks WHERE id = ? AND endpoint_id = ?", (webhook_id, principal.id))
+    elif principal.kind == "human":
+        row = txn.one("SELECT w.* FROM webhooks w JOIN endpoints e ON e.id = w.endpoint_id"
+                      " WHERE w.id = ? AND e.human_id = ?", (webhook_id, principal.human_id))
+    else:
+        row = txn.one("SELECT * FROM webhooks WHERE id = ?", (webhook_id,))
+    if row is None:
+        raise ApiError("not_found", f"no webhook {webhook_id}")
+    return row
+
+
+def _human_grants_queue(txn: Txn, human_id: str, queue: str) -> bool:
+    return any(queue in json.loads(r["queues"]) for r in txn.all(
+        "SELECT queues FROM endpoints WHERE human_id = ? AND revoked_at IS NULL", (human_id,)))
+
+
+def _ingest_url(base_url: str, token: str) -> str:
+    return f"{base_url.rstrip('/')}/hooks/{token}"
+
+
+def _initial_secret(provider: str, supplied: str | None) -> str | None:
+    if provider == "generic":
+        if supplied is not None:
+            raise ApiError("invalid_argument", "secret: a generic webhook has no secret; its URL is the credential")
+        return None
+    if provider == "stripe" and supplied is not None and not supplied.startswith("whsec_"):
+        raise ApiError("invalid_argument", "secret: a Stripe signing secret starts with whsec_")
+    if supplied is None and provider in MINTED_SECRET_PROVIDERS:
+        return "whsec_" + secrets.token_hex(32)
+    return supplied
+
+
+def create_webhook(txn: Txn, principal: Principal, box: SecretBox, spec: WebhookCreate, base_url: str) -> dict:
+    if principal.kind == "endpoint":
+        principal.require_verb("create_webhook")
+        if spec.endpoint_id not in (None, principal.id):
+            raise ApiError("forbidden", "an endpoint creates webhooks only for itself")
+        owner = txn.one("SELECT * FROM endpoints WHERE id = ?", (principal.id,))
+    elif spec.endpoint_id is None:
+        raise ApiError("invalid_argument", "endpoint_id: name the owner endpoint")
+    else:
+        owner = _own_endpoint(txn, principal, spec.endpoint_id)
+    if owner["revoked_at"] is not None:
+        raise ApiError("conflict", f"endpoint {owner['id']} is revoked")
+    if spec.queue in RESERVED_QUEUES:
+        raise ApiError("invalid_argument", f"queue: {spec.queue} is reserved")
+    if not _human_grants_queue(txn, owner["human_id"], spec.queue):
+        raise ApiError("invalid_argument", f"queue: no endpoint of the owner is scoped to {spec.queue}")
+    count = txn.one("SELECT count(*) FROM webhooks WHERE endpoint_id = ?", (owner["id"],))[0]
+    if count >= owner["webhook_max"]:
+        raise ApiError("conflict", f"endpoint {owner['id']} already has its {owner['webhook_max']} webhooks")
+    secret = _initial_secret(spec.provider, spec.secret)
+    webhook_id = new_id("wh")
+    token = secrets.token_urlsafe(16)
+    txn.execute("INSERT INTO webhooks (id, endpoint_id, provider, queue, trust_mode, token_hash, secret_sealed,"
+                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (webhook_id, owner["id"], spec.provider, spec.queue,
+                 "token" if spec.provider == "generic" else "signed", token_hash(token),
+                 box.seal(secret, webhook_id) if secret else None, txn.now))
+    txn.logs.append(f"webhook {webhook_id} ({spec.provider}) created on {owner['id']}")
+    return {"id": webhook_id, "url": _ingest_url(base_url, token), "secret": secret, "provider": spec.provider,
+            "queue": spec.queue, "trust_mode": "token" if spec.provider == "generic" else "signed",
+            "endpoint_id": owner["id"]}
+
+
+def list_webhooks(txn: Txn, principal: Principal) -> dict:
+    if principal.kind == "endpoint":
+        principal.require_verb("list_webhooks")
+        rows = txn.all("SELECT * FROM webhooks WHERE endpoint_id = ? ORDER BY created_at, id", (principal.id,))
+    elif principal.kind == "human":
+        rows = txn.all("SELECT w.* FROM webhooks w JOIN endpoints e ON e.id = w.endpoint_id WHERE e.human_id = ?"
+                       " ORDER BY w.created_at, w.id", (principal.human_id,))
+    else:
+        rows = txn.all("SELECT * FROM webhooks ORDER BY created_at, id")
+    return {"webhooks": [webhook_view(r) for r in rows]}
+
+
+def get_webhook(txn: Txn, principal: Principal, webhook_id: str) -> dict:
+    return webhook_view(_visible_webhook(txn, principal, webhook_id, "list_webhooks"))
+
+
+def rotate_webhook(txn: Txn, principal: Principal, box: SecretBox, webhook_id: str, base_url: str) -> dict:
+    """A new URL (the old one is 404 at once) and a new secret: minted for the providers whose secrets we mint,
+    cleared for Stripe and Slack, whose new secret the owner sets once the producer issued it."""
+    row = _visible_webhook(txn, principal, webhook_id, "rotate_webhook")
+    token = secrets.token_urlsafe(16)
+    secret = _initial_secret(row["provider"], None)
+    txn.execute("UPDATE webhooks SET token_hash = ?, secret_sealed = ?, rotated_at = ? WHERE id = ?",
+                (token_hash(token), box.seal(secret, webhook_id) if secret else None, txn.now, webhook_id))
+    txn.logs.append(f"webhook {webhook_id} rotated")
+    return {"id": webhook_id, "url": _ingest_url(base_url, token), "secret": secret, "provider": row["provider"],
+            "queue": row["queue"], "trust_mode": row["trust_mode"], "endpoint_id": row["endpoint_id"]}
+
+
+def set_webhook_secret(txn: Txn, principal: Principal, box: SecretBox, webhook_id: str, body: WebhookSecret) -> dict:
+    row = _visible_webhook(txn, principal, webhook_id, "set_webhook_secret")
+    secret = _initial_secret(row["provider"], body.secret)
+    txn.execute("UPDATE webhooks SET secret_sealed = ? WHERE id = ?", (box.seal(secret, webhook_id), webhook_id))
+    txn.logs.append(f"webhook {webhook_id} secret set")
+    return webhook_view(txn.one("SELECT * FROM webhooks WHERE id = ?", (webhook_id,)))
+
+
+def delete_webhook(txn: Txn, principal: Principal, webhook_id: str) -> dict:
+    """The webhook and its routes go; its events stay for audit until retention prunes them."""
+    _visible_webhook(txn, principal, webhook_id, "delete_webhook")
+    txn.execute("DELETE FROM webhooks WHERE id = ?", (webhook_id,))
+    txn.logs.append(f"webhook {webhook_id} deleted")
+    return {"id": webhook_id, "deleted": True}
+
+
+def route_view(row: sqlite3.Row) -> dict:
+    return {"webhook_id": row["webhook_id"], "endpoint_id": row["endpoint_id"], "granted_at": iso(row["granted_at"]),
+            "granted_by": row["granted_by"]}
+
+
+def add_route(txn: Txn, principal: Principal, webhook_id: str, body: RouteAdd) -> dict:
+    """Another target for a webhook. Another human's endpoint needs that human's approved friend edge."""
+    hook = _visible_webhook(txn, principal, webhook_id, "add_webhook_route")
+    owner_human = txn.one("SELECT human_id FROM endpoints WHERE id = ?", (hook["endpoint_id"],))["human_id"]
+    target = txn.one("SELECT * FROM endpoints WHERE id = ?", (body.endpoint_id,))
+    if target is None:
+        raise ApiError("not_found", f"no endpoint {body.endpoint_id}")
+    if target["human_id"] != owner_human and not txn.one(
+            "SELECT 1 FROM friend_edges WHERE requester_id = ? AND approver_id = ? AND approved_at IS NOT NULL",
+            (owner_human, target["human_id"])):
+        raise ApiError("forbidden", "routing to another human's endpoint needs that human's approved friend edge")
+    if target["revoked_at"] is not None:
+        raise ApiError("conflict", f"endpoint {body.endpoint_id} is revoked")
+    if target["id"] == hook["endpoint_id"]:
+        raise ApiError("conflict", "the owner endpoint is always the first target")
+    txn.execute("INSERT OR IGNORE INTO webhook_routes (webhook_id, endpoint_id, granted_at, granted_by)"
+                " VALUES (?, ?, ?, ?)", (webhook_id, target["id"], txn.now, principal.actor))
+    txn.logs.append(f"webhook {webhook_id} routes to {target['id']}")
+    return route_view(txn.one("SELECT * FROM webhook_routes WHERE webhook_id = ? AND endpoint_id = ?",
+                              (webhook_id, target["id"])))
+
+
+def list_routes(txn: Txn, principal: Principal, webhook_id: str) -> dict:
+    _visible_webhook(txn, principal, webhook_id, "list_webhook_routes")
+    return {"routes": [route_view(r) for r in txn.all(
+        "SELECT * FROM webhook_routes WHERE webhook_id = ? ORDER BY granted_at, endpoint_id", (webhook_id,))]}
+
+
+def remove_route(txn: Txn, principal: Principal, webhook_id: str, endpoint_id: str) -> dict:
+    _visible_webhook(txn, principal, webhook_id, "remove_webhook_route")
+    if txn.execute("DELETE FROM webhook_routes WHERE webhook_id = ? AND endpoint_id = ?",
+                   (webhook_id, endpoint_id)).rowcount == 0:
+        raise ApiError("not_found", f"no route from {webhook_id} to {endpoint_id}")
+    txn.logs.append(f"webhook {webhook_id} no longer routes to {endpoint_id}")
+    return {"webhook_id": webhook_id, "endpoint_id": endpoint_id, "removed": True}
+
+
+def webhook_targets(txn: Txn, webhook: sqlite3.Row) -> list[sqlite3.Row]:
+    """The fixed target order: the owner endpoint, then routes by grant time and endpoint id; live ones only."""
+    return txn.all(
+        "SELECT e.* FROM (SELECT ? AS endpoint_id, 0 AS tier, 0 AS granted_at UNION ALL"
+        " SELECT endpoint_id, 1, granted_at FROM webhook_routes WHERE webhook_id = ?) t"
+        " JOIN endpoints e ON e.id = t.endpoint_id WHERE e.revoked_at IS NULL"
+        " ORDER BY t.tier, t.granted_at, e.id", (webhook["endpoint_id"], webhook["id"]))
+
+
+# -- events -----------------------------------------------------------------------------------------
+
+def event_view(row: sqlite3.Row, full: bool = False) -> dict:
+    view = {"id": row["id"], "webhook_id": row["webhook_id"], "source": row["source"], "kind": row["kind"],
+            "trust_mode": row["trust_mode"], "verified": bool(row["verified"]), "delivery_key": row["delivery_key"],
+            "disposition": row["disposition"], "received_at": iso(row["received_at"]),
+            "outcome": _json(row["outcome"])}
+    if full:
+        view.update(headers=_json(row["headers"]), envelope=_json(row["envelope"]), trace=_json(row["trace"]),
+                    size=len(row["body"] or b""))
+    return view
+
+
+def list_events(txn: Txn, principal: Principal, webhook_id: str, query: EventListQuery) -> dict:
+    _visible_webhook(txn, principal, webhook_id, "list_webhook_events")
+    sql, args = "SELECT * FROM events WHERE webhook_id = ?", [webhook_id]
+    if query.disposition:
+        sql += " AND disposition = ?"
+        args.append(query.disposition)
+    rows = txn.all(sql + " ORDER BY received_at DESC, id DESC LIMIT ?", (*args, query.limit))
+    return {"events": [event_view(r) for r in rows]}
+
+
+def get_event(txn: Txn, principal: Principal, event_id: str) -> dict:
+    if principal.kind == "endpoint":
+        principal.require_verb("get_webhook_event")
+    row = txn.one("SELECT * FROM events WHERE id = ?", (event_id,))
+    visible = row is not None and (
+        principal.kind == "operator"
+        or (principal.kind == "human" and row["human_id"] == principal.human_id)
+        or (principal.kind == "endpoint" and row["webhook_id"] is not None and txn.one(
+            "SELECT 1 FROM webhooks WHERE id = ? AND endpoint_id = ?", (row["webhook_id"], principal.id))))
+    if not visible:
+        raise ApiError("not_found", f"no event {event_id}")
+    return event_view(row, full=True)
+
+
+# -- deliveries -------------------------------------------------------------------------------------
+
+@dataclass
+class Delivery:
+    """A verified delivery and its routing decision, ready to be recorded in one transaction."""
+    webhook_id: str
+    token_hash: str
+    headers: dict[str, str]
+    body: bytes
+    envelope: dict
+    delivery_key: str
+    body_hash: str
+    action: dict
+    trace: dict
+
+
+def find_webhook(txn: Txn, token: str) -> sqlite3.Row | None:
+    return txn.one("SELECT w.*, e.human_id, e.revoked_at AS owner_revoked_at FROM webhooks w"
+                   " JOIN endpoints e ON e.id = w.endpoint_id WHERE w.token_hash = ?", (token_hash(token),))
+
+
+def _duplicate_of(txn: Txn, webhook: sqlite3.Row, delivery: Delivery) -> dict | None:
+    """The first delivery's outcome if this one was seen: by delivery id, or (signed webhooks) by body, which
+    catches a replayed body under a fresh delivery id."""
+    row = txn.one("SELECT outcome FROM events WHERE webhook_id = ? AND delivery_key = ?",
+                  (webhook["id"], delivery.delivery_key))
+    if row is None and webhook["trust_mode"] == "signed":
+        row = txn.one("SELECT outcome FROM events WHERE webhook_id = ? AND body_hash = ? LIMIT 1",
+                      (webhook["id"], delivery.body_hash))
+    if row is None:
+        return None
+    first = json.loads(row["outcome"])
+    return {**first, "todos": [{**t, "created": False} for t in first["todos"]], "created": 0, "duplicate": True}
+
+
+def _plan_targets(txn: Txn, webhook: sqlite3.Row, action: dict) -> tuple[list[sqlite3.Row], str | None]:
+    """Which endpoints get a todo for a queue action, or the quarantine reason when none can."""
+    candidates = webhook_targets(txn, webhook)
+    if action.get("endpoints") is not None:
+        wanted = set(action["endpoints"])
+        candidates = [t for t in candidates if t["id"] in wanted]
+    granted = [t for t in candidates if action["queue"] in json.loads(t["queues"])]
+    if action.get("exclusive"):
+        granted = granted[:1]
+    return granted, None if granted else "no_target"
+
+
+def record_delivery(txn: Txn, delivery: Delivery) -> dict:
+    """One transaction: dedup, the event row, and one todo per chosen target (or a held one), all or nothing."""
+    webhook = txn.one("SELECT w.*, e.human_id FROM webhooks w JOIN endpoints e ON e.id = w.endpoint_id"
+                      " WHERE w.id = ? AND w.token_hash = ?", (delivery.webhook_id, delivery.token_hash))
+    if webhook is None:
+        raise ApiError("not_found", "no such webhook")
+    duplicate = _duplicate_of(txn, webhook, delivery)
+    if duplicate is not None:
+        txn.logs.append(f"delivery {duplicate['event_id']} redelivered to {webhook['id']}: duplicate")
+        return duplicate
+    envelope, action, trace = delivery.envelope, delivery.action, dict(delivery.trace)
+    targets: list[tuple[str, str, str]] = []  # (endpoint_id, queue, state)
+    if action.get("drop"):
+        disposition = "dropped"
+    elif action.get("quarantine"):
+        disposition = "quarantined"
+        trace.setdefault("cause", "rule")
+    else:
+        chosen, reason = _plan_targets(txn, webhook, action)
+        if reason:
+            disposition = "quarantined"
+            trace["cause"] = reason
+        else:
+            disposition = "routed"
+            trace["endpoints"] = [t["id"] for t in chosen]
+            targets = [(t["id"], action["queue"], "pending") for t in chosen]
+    if disposition == "quarantined":
+        targets = [(webhook["endpoint_id"], "quarantine", "quarantined")]
+    event_id = new_id("ev")
+    todo_ids = [new_id("td") for _ in targets]
+    outcome: dict[str, Any] = {
+        "event_id": event_id, "disposition": disposition, "verified": envelope["verified"],
+        "todos": [{"id": tid, "endpoint_id": eid, "queue": q, "created": True}
+                  for tid, (eid, q, _) in zip(todo_ids, targets)],
+        "created": len(targets)}
+    if disposition == "dropped":
+        outcome["dropped"] = True
+    if disposition == "quarantined":
+        outcome["held"] = True
+    txn.execute(
+        "INSERT INTO events (id, webhook_id, human_id, source, kind, trust_mode, verified, delivery_key, body_hash,"
+        " headers, body, envelope, disposition, trace, outcome, received_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (event_id, webhook["id"], webhook["human_id"], envelope["source"], envelope["kind"], envelope["trust_mode"],
+         int(envelope["verified"]), delivery.delivery_key, delivery.body_hash, json.dumps(envelope["headers"]),
+         delivery.body, json.dumps(envelope), disposition, json.dumps(trace), json.dumps(outcome), txn.now))
+    title = envelope_title(envelope)
+    payload = json.dumps(envelope["payload"])
+    trace_text = json.dumps(trace)
+    for todo_id, (endpoint_id, queue, state) in zip(todo_ids, targets):
+        txn.execute(
+            "INSERT INTO todos (id, endpoint_id, queue, state, title, source, kind, subject_key, payload, trace,"
+            " event_id, state_reason, available_at, created_at, updated_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (todo_id, endpoint_id, queue, state, title, envelope["source"], envelope["kind"], envelope["subject_key"],
+             payload, trace_text, event_id, trace.get("cause") if state == "quarantined" else None,
+             txn.now, txn.now, txn.now))
+        txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence)"
+                    " VALUES (?, ?, 'system', NULL, ?, ?)", (todo_id, txn.now, state, json.dumps({"event_id": event_id})))
+        if state == "pending":
+            _became_pending(txn, todo_id)
+    txn.logs.append(f"delivery {event_id} to {webhook['id']}: {disposition}, {len(targets)} todos")
+    return outcome
 
 
 # -- background work --------------------------------------------------------------------------------
@@ -1237,6 +2005,53 @@ async def read_capped(request: Request, cap: int) -> bytes:
     return b"".join(chunks)
 
 
+class RateLimiter:
+    """A token bucket per source address: `rate` per second, up to `burst` at once. A rate of 0 turns it off."""
+
+    MAX_SOURCES = 10_000
+
+    def __init__(self, rate: float, burst: int):
+        self.rate = rate
+        self.burst = max(burst, 1)
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def retry_after(self, source: str) -> float:
+        """0 when the request may go ahead (and is counted), else the seconds until it may."""
+        if self.rate <= 0:
+            return 0.0
+        now = time.monotonic()
+        tokens, last = self._buckets.get(source, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        if tokens < 1:
+            self._buckets[source] = (tokens, now)
+            return (1 - tokens) / self.rate
+        if len(self._buckets) >= self.MAX_SOURCES and source not in self._buckets:
+            self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < self.burst / self.rate}
+        self._buckets[source] = (tokens - 1, now)
+        return 0.0
+
+
+class Metrics:
+    """Prometheus counters, one registry per app (so tests can run several apps in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.deliveries = Counter("switchboard_deliveries", "Deliveries answered, by provider and verdict",
+                                  ["provider", "verdict"], registry=self.registry)
+        self.verification_failures = Counter("switchboard_verification_failures",
+                                             "Deliveries refused at verification, by reason",
+                                             ["provider", "reason"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def default_route(webhook: sqlite3.Row) -> tuple[dict, dict]:
+    """A webhook without rules sends every delivery to its queue on every target."""
+    action = {"queue": webhook["queue"]}
+    return action, {"stage": "default", "cause": "no_rules", "action": action}
+
+
 class Api:
     """The REST surface. Handlers authenticate, validate the body against its model, and run one store
     function as one transaction; everything they answer comes from the store's views."""
@@ -1253,9 +2068,14 @@ class Api:
         "reroute": (Reroute, reroute), "discard": (HumanNote, discard),
     }
 
-    def __init__(self, db: Database, doorbell: Doorbell):
+    def __init__(self, db: Database, doorbell: Doorbell, box: SecretBox, limiter: RateLimiter, metrics: Metrics,
+                 base_url: str | None):
         self.db = db
         self.doorbell = doorbell
+        self.box = box
+        self.limiter = limiter
+        self.metrics = metrics
+        self.base_url = base_url
 
     async def principal(self, request: Request) -> Principal:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -1348,8 +2168,132 @@ class Api:
         todo = await self.db.write(push_todo, principal, request.path_params["endpoint_id"], body)
         return JSONResponse(todo, status_code=201 if todo["created"] else 200)
 
-    def routes(self) -> list[Route]:
+    # -- ingress ---------------------------------------------------------------------------------
+    async def ingest(self, request: Request) -> Response:
+        """POST /hooks/{token}: cap, find, verify, dedup, project, route, and record in one transaction."""
+        body = await read_capped(request, MAX_DELIVERY_BYTES)
+        webhook = await self.db.read(find_webhook, request.path_params["token"])
+        if webhook is None:
+            raise ApiError("not_found", "no such webhook")
+        provider = webhook["provider"]
+        if webhook["owner_revoked_at"] is not None:
+            raise ApiError("unavailable", "this webhook's owner endpoint is revoked")
+        if webhook["trust_mode"] == "signed" and webhook["secret_sealed"] is None:
+            raise ApiError("unavailable", "this webhook's signing secret is not set yet")
+        source = request.client.host if request.client else "unknown"
+        wait = self.limiter.retry_after(source)
+        if wait:
+            self.metrics.deliveries.labels(provider, "rate_limited").inc()
+            return error_response(ApiError("rate_limited", "too many deliveries from this address"),
+                                  {"Retry-After": str(max(1, int(wait + 0.999)))})
+        headers = lower_headers(request.headers.raw)
+        secret = self.box.open(webhook["secret_sealed"], webhook["id"]) if webhook["secret_sealed"] else None
+        try:
+            verified = verify_delivery(provider, secret, headers, body, self.db.clock.now_ms())
+        except VerificationFailed as failure:
+            self.metrics.verification_failures.labels(provider, failure.reason).inc()
+            self.metrics.deliveries.labels(provider, "unverified").inc()
+            log.warning("delivery refused: webhook %s (%s) from %s: %s", webhook["id"], provider, source, failure.reason)
+            raise ApiError("unauthenticated", f"signature verification failed: {failure.reason}") from None
+        envelope = build_envelope(provider=provider, webhook_id=webhook["id"], trust_mode=webhook["trust_mode"],
+                                  verified=verified, headers=headers, body=body)
+        if provider == "slack" and _get(envelope["payload"], "type") == "url_verification":
+            return JSONResponse({"challenge": _get(envelope["payload"], "challenge")})
+        action, trace = default_route(webhook)
+        outcome = await self.db.write(record_delivery, Delivery(
+            webhook_id=webhook["id"], token_hash=webhook["token_hash"], headers=headers, body=body, envelope=envelope,
+            delivery_key=delivery_key(provider, headers, envelope["payload"], body),
+            body_hash=hashlib.sha256(body).hexdigest(), action=action, trace=trace))
+        self.metrics.deliveries.labels(provider, "duplicate" if outcome.get("duplicate") else outcome["disposition"]).inc()
+        return JSONResponse(outcome, status_code=202)
+
+    async def metrics_text(self, request: Request) -> Response:
+        expected = os.environ.get("SWITCHBOARD_METRICS_TOKEN")
+        if expected:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+                raise ApiError("unauthenticated", "send Authorization: Bearer <metrics token>")
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # -- webhooks, routes, events, friends -------------------------------------------------------
+    def _base_url(self, request: Request) -> str:
+        return self.base_url or str(request.base_url)
+
+    async def webhooks(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        if request.method == "GET":
+            return JSONResponse(await self.db.read(list_webhooks, principal))
+        body = await self.body(request, WebhookCreate)
+        made = await self.db.write(create_webhook, principal, self.box, body, self._base_url(request))
+        return JSONResponse(made, status_code=201)
+
+    async def webhook(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        webhook_id = request.path_params["webhook_id"]
+        if request.method == "GET":
+            return JSONResponse(await self.db.read(get_webhook, principal, webhook_id))
+        return JSONResponse(await self.db.write(delete_webhook, principal, webhook_id))
+
+    async def rotate(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        await self.body(request, HumanNote)
+        return JSONResponse(await self.db.write(rotate_webhook, principal, self.box, request.path_params["webhook_id"],
+                                                self._base_url(request)))
+
+    async def secret(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        body = await self.body(request, WebhookSecret)
+        return JSONResponse(await self.db.write(set_webhook_secret, principal, self.box,
+                                                request.path_params["webhook_id"], body))
+
+    async def webhook_routes(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        webhook_id = request.path_params["webhook_id"]
+        if request.method == "GET":
+            return JSONResponse(await self.db.read(list_routes, principal, webhook_id))
+        body = await self.body(request, RouteAdd)
+        return JSONResponse(await self.db.write(add_route, principal, webhook_id, body), status_code=201)
+
+    async def webhook_route(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        return JSONResponse(await self.db.write(remove_route, principal, request.path_params["webhook_id"],
+                                                request.path_params["endpoint_id"]))
+
+    async def webhook_events(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        query = parse_model(EventListQuery, dict(request.query_params))
+        return JSONResponse(await self.db.read(list_events, principal, request.path_params["webhook_id"], query))
+
+    async def event(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        return JSONResponse(await self.db.read(get_event, principal, request.path_params["event_id"]))
+
+    async def friends(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        if request.method == "GET":
+            return JSONResponse(await self.db.read(list_friends, principal))
+        body = await self.body(request, FriendRequest)
+        return JSONResponse(await self.db.write(friend_request, principal, body), status_code=201)
+
+    async def approve_friend(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        await self.body(request, HumanNote)
+        return JSONResponse(await self.db.write(friend_approve, principal, request.path_params["edge_id"]))
+
+    def route_table(self) -> list[Route]:
         return [
+            Route("/hooks/{token}", self.ingest, methods=["POST"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+            Route("/api/v1/webhooks", self.webhooks, methods=["GET", "POST"]),
+            Route("/api/v1/webhooks/{webhook_id}", self.webhook, methods=["GET", "DELETE"]),
+            Route("/api/v1/webhooks/{webhook_id}/rotate", self.rotate, methods=["POST"]),
+            Route("/api/v1/webhooks/{webhook_id}/secret", self.secret, methods=["PUT"]),
+            Route("/api/v1/webhooks/{webhook_id}/routes", self.webhook_routes, methods=["GET", "POST"]),
+            Route("/api/v1/webhooks/{webhook_id}/routes/{endpoint_id}", self.webhook_route, methods=["DELETE"]),
+            Route("/api/v1/webhooks/{webhook_id}/events", self.webhook_events, methods=["GET"]),
+            Route("/api/v1/events/{event_id}", self.event, methods=["GET"]),
+            Route("/api/v1/friends", self.friends, methods=["GET", "POST"]),
+            Route("/api/v1/friends/{edge_id}/approve", self.approve_friend, methods=["POST"]),
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/api/v1/me", self.get_me, methods=["GET"]),
             Route("/api/v1/todos", self.list_todos, methods=["GET"]),
@@ -1386,13 +2330,16 @@ async def _scheduler(db: Database) -> None:
             log.exception("scheduler tick failed")
 
 
-def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None = None,
-               background: bool = True) -> Starlette:
+def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None = None, background: bool = True,
+               ingest_rate: float = DEFAULT_INGEST_RATE, ingest_burst: int = DEFAULT_INGEST_BURST,
+               base_url: str | None = None) -> Starlette:
     """The ASGI app. `background=False` leaves the scheduler to the caller (tests drive it by hand)."""
+    box = SecretBox.for_database(db_path)
     db = Database(db_path, synchronous=synchronous, clock=clock)
     doorbell = Doorbell()
     db.on_rings = doorbell.ring
-    api = Api(db, doorbell)
+    api = Api(db, doorbell, box, RateLimiter(ingest_rate, ingest_burst), Metrics(),
+              base_url or os.environ.get("SWITCHBOARD_BASE_URL"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -1406,7 +2353,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
                     await task
             db.close()
 
-    app = Starlette(routes=api.routes(), lifespan=lifespan,
+    app = Starlette(routes=api.route_table(), lifespan=lifespan,
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected})
     app.state.db = db
     app.state.doorbell = doorbell
@@ -1441,7 +2388,8 @@ def _read_json_file(path: str) -> Any:
 
 def _cli_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    app = create_app(args.db, synchronous=args.synchronous)
+    app = create_app(args.db, synchronous=args.synchronous, ingest_rate=args.ingest_rate,
+                     ingest_burst=args.ingest_burst, base_url=args.base_url)
     # The access log is off because ingest URLs carry credentials; Switchboard logs its own lines.
     uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_level="info")
     return 0
@@ -1452,6 +2400,37 @@ def _cli_todo_action(db: Database, args: argparse.Namespace) -> dict:
               if getattr(args, name, None) is not None}
     model, fn = Api.HUMAN_ACTIONS[args.action]
     return db.write_sync(fn, OPERATOR, args.id, parse_model(model, json.dumps(fields)))
+
+
+def _cli_webhooks(db: Database, args: argparse.Namespace, command: tuple[str, str | None]) -> dict:
+    box = SecretBox.for_database(args.db)
+    base_url = getattr(args, "base_url", None) or os.environ.get("SWITCHBOARD_BASE_URL") or "http://127.0.0.1:8080"
+    if command == ("webhook", "create"):
+        fields = {"endpoint_id": args.endpoint, "provider": args.provider, "queue": args.queue}
+        if args.secret is not None:
+            fields["secret"] = args.secret
+        made = db.write_sync(create_webhook, OPERATOR, box, parse_model(WebhookCreate, fields), base_url)
+        return {k: made[k] for k in ("id", "url", "secret", "provider", "queue", "trust_mode")}
+    if command == ("webhook", "list"):
+        return db.read_sync(list_webhooks, OPERATOR)
+    if command == ("webhook", "rotate"):
+        return db.write_sync(rotate_webhook, OPERATOR, box, args.id, base_url)
+    if command == ("webhook", "delete"):
+        return db.write_sync(delete_webhook, OPERATOR, args.id)
+    if command == ("webhook", "set-secret"):
+        return db.write_sync(set_webhook_secret, OPERATOR, box, args.id,
+                             parse_model(WebhookSecret, {"secret": args.secret}))
+    if command == ("route", "add"):
+        return db.write_sync(add_route, OPERATOR, args.webhook, parse_model(RouteAdd, {"endpoint_id": args.endpoint}))
+    if command == ("route", "list"):
+        return db.read_sync(list_routes, OPERATOR, args.webhook)
+    if command == ("route", "remove"):
+        return db.write_sync(remove_route, OPERATOR, args.webhook, args.endpoint)
+    if command == ("friend", "link"):
+        return db.write_sync(friend_link, args.human_a, args.human_b)
+    query = parse_model(EventListQuery, {k: v for k, v in (("disposition", args.disposition), ("limit", args.limit))
+                                         if v is not None})
+    return db.read_sync(list_events, OPERATOR, args.webhook, query)
 
 
 def _cli_run(args: argparse.Namespace) -> dict:
@@ -1498,6 +2477,8 @@ def _cli_run(args: argparse.Namespace) -> dict:
             return db.read_sync(get_todo, OPERATOR, args.id)
         if args.command == "todo":
             return _cli_todo_action(db, args)
+        if args.command in ("webhook", "route", "friend", "events"):
+            return _cli_webhooks(db, args, command)
         if command == ("backup", None):
             if Path(args.out).exists():
                 raise ApiError("conflict", f"{args.out} exists; choose a new file")
@@ -1525,6 +2506,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--synchronous", choices=["full", "normal"], default="full")
+    serve.add_argument("--ingest-rate", dest="ingest_rate", type=float, default=DEFAULT_INGEST_RATE,
+                       help="deliveries per second per source address (0 turns the limit off)")
+    serve.add_argument("--ingest-burst", dest="ingest_burst", type=int, default=DEFAULT_INGEST_BURST)
+    serve.add_argument("--base-url", dest="base_url", help="public base of ingest URLs (default: as requested)")
     commands.add_parser("init", parents=[common], help="create or migrate the database")
 
     human = commands.add_parser("human", parents=[common], help="humans").add_subparsers(dest="sub", required=True)
@@ -1565,6 +2550,40 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("id")
         for option in options:
             sub.add_argument(option.rstrip("!"), required=option.endswith("!"))
+
+    webhook = commands.add_parser("webhook", parents=[common], help="webhooks").add_subparsers(dest="sub", required=True)
+    create = webhook.add_parser("create", parents=[common])
+    create.add_argument("--endpoint", required=True, help="owner endpoint id")
+    create.add_argument("--provider", required=True, choices=PROVIDERS)
+    create.add_argument("--queue", required=True)
+    create.add_argument("--secret", help="supply the secret instead of minting one")
+    create.add_argument("--base-url", dest="base_url", help="public base of the ingest URL")
+    webhook.add_parser("list", parents=[common])
+    rotate = webhook.add_parser("rotate", parents=[common])
+    rotate.add_argument("id")
+    rotate.add_argument("--base-url", dest="base_url")
+    webhook.add_parser("delete", parents=[common]).add_argument("id")
+    set_secret = webhook.add_parser("set-secret", parents=[common], help="the secret Stripe or Slack issued")
+    set_secret.add_argument("id")
+    set_secret.add_argument("--secret", required=True)
+
+    route = commands.add_parser("route", parents=[common], help="webhook routes").add_subparsers(dest="sub", required=True)
+    for name in ("add", "remove"):
+        sub = route.add_parser(name, parents=[common])
+        sub.add_argument("webhook")
+        sub.add_argument("endpoint")
+    route.add_parser("list", parents=[common]).add_argument("webhook")
+
+    friend = commands.add_parser("friend", parents=[common], help="friend edges").add_subparsers(dest="sub", required=True)
+    link = friend.add_parser("link", parents=[common], help="HUMAN_A may route to HUMAN_B's endpoints")
+    link.add_argument("human_a")
+    link.add_argument("human_b")
+
+    events = commands.add_parser("events", parents=[common], help="deliveries").add_subparsers(dest="sub", required=True)
+    events_list = events.add_parser("list", parents=[common])
+    events_list.add_argument("webhook")
+    events_list.add_argument("--disposition")
+    events_list.add_argument("--limit", type=int)
 
     commands.add_parser("backup", parents=[common], help="online backup to a new file").add_argument("out")
     commands.add_parser("check", parents=[common], help="integrity and schema report")

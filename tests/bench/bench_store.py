@@ -20,6 +20,7 @@ import argparse
 import collections
 import concurrent.futures
 import datetime as dt
+import hashlib
 import json
 import math
 import os
@@ -89,7 +90,17 @@ def machine_facts() -> dict:
         "platform": platform.platform(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "switchboard": sb.VERSION,
+        "source": source_fingerprint(),
     }
+
+
+def source_fingerprint() -> dict:
+    """Which switchboard.py was measured: git HEAD plus a hash of the working file (it may be dirty)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "switchboard.py", "schema.sql"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    digest = hashlib.sha256((ROOT / "switchboard.py").read_bytes() + (ROOT / "schema.sql").read_bytes()).hexdigest()
+    return {"git_head": head, "dirty": bool(dirty), "sha256_switchboard_and_schema": digest[:16]}
 
 
 class Server:
@@ -126,6 +137,14 @@ class Server:
                 self.proc.wait()
         if not self.log.closed:
             self.log.close()
+
+    def cpu_seconds(self) -> float | None:
+        """user+system CPU the server process has used so far (Linux /proc), to show who is the bottleneck."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
 
     def log_problems(self) -> list[str]:
         text = self.log_path.read_text(errors="replace")
@@ -212,11 +231,18 @@ def bench_rest(synchronous: str, n_todos: int, n_workers: int, push_threads: int
         threads = [threading.Thread(target=worker, args=(w,), name=f"bench-worker-{w}") for w in range(n_workers)]
         for t in threads:
             t.start()
+        server_cpu0, client_cpu0 = server.cpu_seconds(), time.process_time()
         start.wait()
         t_start = time.perf_counter()
         for t in threads:
             t.join()
         wall = max(finished_at) - t_start
+        server_cpu1, client_cpu1 = server.cpu_seconds(), time.process_time()
+        # CPU used per wall second during the worker phase (1.0 = one core busy); the 8 client threads
+        # share this machine's cores with the server.
+        cpu = {"server_cores": None if server_cpu0 is None or server_cpu1 is None
+               else (server_cpu1 - server_cpu0) / wall,
+               "client_cores": (client_cpu1 - client_cpu0) / wall}
 
         # Checks through REST while the server is still up. The list endpoint has no cursor (limit <= 200),
         # so REST can only prove "nothing pending or claimed" and sample the done list; the exact-once
@@ -281,6 +307,7 @@ def bench_rest(synchronous: str, n_todos: int, n_workers: int, push_threads: int
             "complete_p50_ms": percentile(completes, 50),
             "complete_p99_ms": percentile(completes, 99),
             "per_worker_cycles": [len(per) for per in completed],
+            "cpu_during_cycles": cpu,
             "verified": verified,
         }
     finally:
@@ -437,19 +464,26 @@ def bench_inproc(synchronous: str, n: int, rounds: int) -> dict:
 # report
 # ----------------------------------------------------------------------------------------------------
 
+def fmt_cores(cpu: dict) -> str:
+    server = "?" if cpu["server_cores"] is None else f"{cpu['server_cores']:.2f}"
+    return f"{server} / {cpu['client_cores']:.2f}"
+
+
 def markdown(results: dict) -> str:
     facts = results["machine"]
     lines = [f"Machine: {facts['nproc']} CPU ({facts['cpu_model']}), Python {facts['python']}, "
-             f"SQLite {facts['sqlite']}, {facts['date']}{' (quick)' if results['quick'] else ''}", ""]
+             f"SQLite {facts['sqlite']}, {facts['date']}{' (quick)' if results['quick'] else ''}; "
+             f"switchboard {facts['source']['git_head']}{'+dirty' if facts['source']['dirty'] else ''} "
+             f"({facts['source']['sha256_switchboard_and_schema']})", ""]
     lines += ["### A. claim+complete over REST, 8 competing workers (real server, loopback)", "",
               "| synchronous | todos | cycles/s | cycle p50 ms | cycle p99 ms | claim p50/p99 ms | "
-              "complete p50/p99 ms | push/s | exactly once |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "complete p50/p99 ms | push/s | CPU cores server / client | exactly once |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for a in results["rest"]:
         lines.append(f"| {a['synchronous']} | {a['todos']} | {a['cycles_per_s']:.0f} | {a['cycle_p50_ms']:.1f} | "
                      f"{a['cycle_p99_ms']:.1f} | {a['claim_p50_ms']:.1f} / {a['claim_p99_ms']:.1f} | "
                      f"{a['complete_p50_ms']:.1f} / {a['complete_p99_ms']:.1f} | {a['push_per_s']:.0f} | "
-                     f"{'yes' if a['verified']['ok'] else 'NO'} |")
+                     f"{fmt_cores(a['cpu_during_cycles'])} | {'yes' if a['verified']['ok'] else 'NO'} |")
     lines += ["", "### B. claim+ack in-process, single thread (two commits per cycle for every system)", "",
               "| synchronous | system | cycles/s | p50 ms | p99 ms | switchboard / peer |",
               "|---|---|---:|---:|---:|---:|"]
@@ -462,7 +496,8 @@ def markdown(results: dict) -> str:
               "rounds per system on fresh files, median round shown. litequeue hard-codes synchronous=NORMAL and "
               "persist-queue exposes no option (SQLite default FULL); both were set by `PRAGMA synchronous` on "
               "their connections after construction and read back. Switchboard's group commit gives a single "
-              "thread no batching."]
+              "thread no batching. Rates depend on table size (Switchboard's per-claim lease reap scans every todo "
+              "of the endpoint; litequeue's pop sorts all ready rows), so compare runs at the same --cycles."]
     return "\n".join(lines)
 
 
@@ -488,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"B: in-process {sync} ({cycles} cycles x {rounds})...", file=sys.stderr, flush=True)
         results["inproc"].append(bench_inproc(sync, cycles, rounds))
     results["elapsed_s"] = time.perf_counter() - t0
+    if source_fingerprint() != results["machine"]["source"]:
+        results["warning"] = "switchboard.py or schema.sql changed on disk during the run"
+        print(f"WARNING: {results['warning']}", file=sys.stderr)
 
     # Raw per-cycle latencies are summarised above; keep the JSON small.
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
