@@ -42,7 +42,8 @@ from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, disable_created_metrics,
+                               generate_latest)
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
@@ -2035,6 +2036,7 @@ class Metrics:
     """Prometheus counters, one registry per app (so tests can run several apps in one process)."""
 
     def __init__(self) -> None:
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self.deliveries = Counter("switchboard_deliveries", "Deliveries answered, by provider and verdict",
                                   ["provider", "verdict"], registry=self.registry)
