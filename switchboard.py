@@ -30,7 +30,9 @@ import os
 import queue as queue_module
 import re
 import secrets
+import select
 import sqlite3
+import subprocess
 import sys
 import threading
 import time
@@ -913,6 +915,285 @@ def envelope_title(envelope: dict) -> str:
         text = f"{envelope['source']} {envelope['kind'] or 'delivery'}"
     text = " ".join(str(text).split())
     return text[:512] or "delivery"
+
+
+# ======================================================================================================
+# 7. Evaluator: jq rules in a sandboxed child process
+# ======================================================================================================
+# Rules never run in the server process. Each child is `python -I` with an empty environment, a 256 MiB
+# address-space cap, and only json and jq imported. The whole rule set is one jq program evaluated in one
+# pass over one parsed copy of the envelope; first truthy output wins, the first error stops evaluation.
+
+EVAL_BUDGET_SECONDS = 0.25
+EVAL_KILL_SECONDS = 2.0
+EVAL_MEMORY_BYTES = 256 << 20
+EVAL_POOL_SIZE = 2
+DRY_RUN_EVENTS = 50
+
+# The child's whole program. Frames: a JSON header line, then `doc_bytes` bytes of envelope JSON.
+EVALUATOR_CHILD = r'''
+import json, resource, sys
+import jq
+
+resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+programs = {}
+read, write = sys.stdin.buffer, sys.stdout.buffer
+
+def answer(message):
+    write.write(json.dumps(message).encode() + b"\n")
+    write.flush()
+
+answer({"ready": True})
+for header in read:
+    request = json.loads(header)
+    doc = read.read(request.get("doc_bytes", 0)).decode()
+    try:
+        if request["op"] == "compile":
+            errors = []
+            for index, program in enumerate(request["programs"]):
+                try:
+                    jq.compile(program, args={"params": request["params"]})
+                except ValueError as exc:
+                    errors.append({"index": index, "detail": str(exc)[:500]})
+            answer({"errors": errors})
+            continue
+        program = programs.get(request["key"])
+        if program is None:
+            if len(programs) >= 128:
+                programs.clear()
+            program = programs[request["key"]] = jq.compile(request["program"], args={"params": request["params"]})
+        answer({"result": program.input_text(doc).first()})
+    except MemoryError:
+        answer({"fault": "budget_exhausted", "detail": "memory cap reached"})
+    except Exception as exc:
+        answer({"fault": "error", "detail": str(exc)[:500]})
+'''.replace("MEMORY", str(EVAL_MEMORY_BYTES))
+
+FORBIDDEN_IDENTIFIERS = frozenset({
+    "env", "$ENV", "input", "inputs", "input_filename", "input_line_number", "debug", "stderr", "halt",
+    "halt_error", "now", "localtime", "gmtime", "mktime", "strftime", "strflocaltime", "$__loc__", "import",
+    "include", "get_search_list", "get_prog_origin", "get_jq_origin", "$__prog_args", "input_line_number"})
+
+
+def jq_identifiers(expr: str) -> list[str]:
+    """Identifiers in code, outside string literals (but inside `\\(...)` interpolations, which are code).
+    A name right after `.` is a field access, not a call, and is left out."""
+    found: list[str] = []
+    modes = ["code"]  # a stack: "code", "string", or "interp:<depth>"
+    depth = [0]
+    i = 0
+    while i < len(expr):
+        ch = expr[i]
+        if modes[-1] == "string":
+            if ch == "\\" and expr[i + 1:i + 2] == "(":
+                modes.append("code")
+                depth.append(0)
+                i += 2
+                continue
+            if ch == "\\":
+                i += 2
+                continue
+            if ch == '"':
+                modes.pop()
+            i += 1
+            continue
+        if ch == '"':
+            modes.append("string")
+        elif ch == "#":
+            newline = expr.find("\n", i)
+            i = len(expr) if newline < 0 else newline
+            continue
+        elif ch == "(":
+            depth[-1] += 1
+        elif ch == ")":
+            if depth[-1] == 0 and len(modes) > 1:
+                modes.pop()
+                depth.pop()
+                i += 1
+                continue
+            depth[-1] -= 1
+        else:
+            match = re.match(r"\$?[A-Za-z_][A-Za-z0-9_]*(?:::[A-Za-z_][A-Za-z0-9_]*)*", expr[i:])
+            if match:
+                before = expr[:i].rstrip()
+                if not before.endswith(".") or match.group().startswith("$"):
+                    found.append(match.group())
+                i += len(match.group())
+                continue
+        i += 1
+    return found
+
+
+def combined_program(exprs: list[str]) -> str:
+    """One jq program for a whole rule set: rule i is tried only when rules 0..i-1 neither matched nor
+    faulted. Its answer is {"match": i}, {"fault": i, "detail": …} or {"none": true}."""
+    program = '{"none": true}'
+    for index, expr in reversed(list(enumerate(exprs))):
+        program = (f'(try ([limit(1; ({expr}\n))] | if length > 0 and (.[0] | . != false and . != null)'
+                   f' then 1 else 0 end) catch {{"error": .}}) as $__r{index}'
+                   f' | if $__r{index} == 1 then {{"match": {index}}} elif $__r{index} == 0 then {program}'
+                   f' else {{"fault": {index}, "detail": $__r{index}.error}} end')
+    return program
+
+
+class EvaluatorUnavailable(Exception):
+    """No child could be started or reached: ingress answers 503 and stores nothing."""
+
+
+class _Child:
+    def __init__(self) -> None:
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-c", EVALUATOR_CHILD], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={}, close_fds=True)
+        except OSError as exc:
+            raise EvaluatorUnavailable(f"cannot start the evaluator: {exc}") from None
+        self.known: set[str] = set()
+        self._buffer = b""
+        try:
+            ready = self.read(10.0)
+        except EvaluatorUnavailable:
+            ready = None
+        if ready != {"ready": True}:
+            self.kill()
+            raise EvaluatorUnavailable("the evaluator did not start")
+
+    def send(self, header: dict, doc: bytes = b"") -> None:
+        try:
+            self.proc.stdin.write(json.dumps({**header, "doc_bytes": len(doc)}).encode() + b"\n" + doc)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise EvaluatorUnavailable("the evaluator is gone") from None
+
+    def read(self, timeout: float) -> dict | None:
+        """The next answer, None when `timeout` passes first; EvaluatorUnavailable when the child died."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise EvaluatorUnavailable("the evaluator died")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                stream.close()
+
+
+class Evaluator:
+    """A pool of sandbox children. A call that overruns its budget is a fault at once; its child gets until
+    the kill deadline to finish (and rejoin the pool) before it is killed and replaced."""
+
+    def __init__(self, size: int = EVAL_POOL_SIZE, budget: float = EVAL_BUDGET_SECONDS,
+                 kill_after: float = EVAL_KILL_SECONDS):
+        self.size = size
+        self.budget = budget
+        self.kill_after = kill_after
+        self._idle: queue_module.LifoQueue[_Child] = queue_module.LifoQueue()
+        self._lock = threading.Lock()
+        self._count = 0
+        self._closed = False
+
+    def _acquire(self) -> _Child:
+        with contextlib.suppress(queue_module.Empty):
+            return self._idle.get_nowait()
+        with self._lock:
+            spawn = self._count < self.size
+            if spawn:
+                self._count += 1
+        if spawn:
+            try:
+                return _Child()
+            except EvaluatorUnavailable:
+                with self._lock:
+                    self._count -= 1
+                raise
+        try:
+            return self._idle.get(timeout=self.kill_after + 1)
+        except queue_module.Empty:
+            raise EvaluatorUnavailable("every evaluator is busy") from None
+
+    def _release(self, child: _Child) -> None:
+        if self._closed:
+            self._discard(child)
+        else:
+            self._idle.put(child)
+
+    def _discard(self, child: _Child) -> None:
+        child.kill()
+        with self._lock:
+            self._count -= 1
+
+    def _overrun(self, child: _Child, started: float) -> None:
+        try:
+            late = child.read(max(0.0, started + self.kill_after - time.monotonic()))
+        except EvaluatorUnavailable:
+            late = None
+        if late is None:
+            self._discard(child)
+        else:
+            self._release(child)
+
+    def _call(self, header: dict, doc: bytes, compile_only: bool = False) -> dict:
+        child = self._acquire()
+        started = time.monotonic()
+        try:
+            if not compile_only and header["key"] not in child.known:
+                header = {**header, "program": header["program_text"]}
+            child.send({k: v for k, v in header.items() if k != "program_text"}, doc)
+            answer = child.read(self.kill_after if compile_only else self.budget)
+        except EvaluatorUnavailable:
+            self._discard(child)
+            if compile_only:
+                raise
+            return {"fault": "budget_exhausted", "detail": "the evaluator died (memory cap or crash)"}
+        if answer is None:
+            threading.Thread(target=self._overrun, args=(child, started), daemon=True).start()
+            return {"fault": "timeout", "detail": f"no answer within {int(self.budget * 1000)} ms"}
+        if not compile_only:
+            child.known.add(header["key"])
+        self._release(child)
+        return answer
+
+    def compile_errors(self, programs: list[str], params: dict) -> list[dict]:
+        return self._call({"op": "compile", "programs": programs, "params": params}, b"", compile_only=True)["errors"]
+
+    def run(self, exprs: list[str], params: dict, doc: bytes) -> dict:
+        """Evaluate a rule set over one envelope: {"match": i}, {"none": True} or {"fault": cause, "rule_index",
+        "detail"}. A fault the child could not pin on one rule has rule_index None."""
+        program = combined_program(exprs)
+        key = hashlib.sha256(program.encode() + b"\x00" + json.dumps(params, sort_keys=True).encode()).hexdigest()
+        answer = self._call({"op": "eval", "key": key, "program_text": program, "params": params}, doc)
+        result = answer.get("result")
+        if isinstance(result, dict) and "match" in result:
+            return {"match": result["match"]}
+        if isinstance(result, dict) and "fault" in result:
+            return {"fault": "error", "rule_index": result["fault"], "detail": _fault_detail(result.get("detail"))}
+        if isinstance(result, dict) and result.get("none"):
+            return {"none": True}
+        return {"fault": answer.get("fault", "error"), "rule_index": None,
+                "detail": _fault_detail(answer.get("detail", "no result"))}
+
+    def close(self) -> None:
+        self._closed = True
+        while True:
+            try:
+                self._discard(self._idle.get_nowait())
+            except queue_module.Empty:
+                return
+
+
+def _fault_detail(detail: Any) -> str:
+    text = detail if isinstance(detail, str) else json.dumps(detail)
+    return " ".join(text.split())[:300]
 
 
 # ======================================================================================================
