@@ -88,6 +88,17 @@ CREATE UNIQUE INDEX IF NOT EXISTS events_delivery ON events(webhook_id, delivery
 CREATE INDEX IF NOT EXISTS events_body ON events(webhook_id, body_hash) WHERE webhook_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS events_received ON events(received_at);
 
+-- Once-only routing claims. event_id is deliberately not a foreign key: retention may prune the event,
+-- and the claim must outlive it. Never pruned.
+CREATE TABLE IF NOT EXISTS routing_once (
+    webhook_id  TEXT NOT NULL,
+    once_key    TEXT NOT NULL CHECK (once_key LIKE 'once:%'),
+    event_id    TEXT NOT NULL,
+    queue       TEXT NOT NULL,
+    claimed_at  INTEGER NOT NULL,
+    PRIMARY KEY (webhook_id, once_key)
+) WITHOUT ROWID;
+
 CREATE TABLE IF NOT EXISTS todos (
     id               TEXT PRIMARY KEY CHECK (id LIKE 'td\_%' ESCAPE '\'),
     endpoint_id      TEXT NOT NULL REFERENCES endpoints(id),
@@ -138,6 +149,7 @@ CREATE INDEX IF NOT EXISTS todos_lapsed ON todos(lease_expires_at) WHERE state =
 CREATE INDEX IF NOT EXISTS todos_lapsed_by_endpoint ON todos(endpoint_id, lease_expires_at) WHERE state = 'claimed';
 CREATE INDEX IF NOT EXISTS todos_unrung ON todos(available_at) WHERE state = 'pending';
 CREATE INDEX IF NOT EXISTS todos_deferred ON todos(deferred_until) WHERE state = 'deferred';
+CREATE INDEX IF NOT EXISTS todos_held ON todos(created_at) WHERE state = 'quarantined';
 CREATE INDEX IF NOT EXISTS todos_by_endpoint ON todos(endpoint_id, created_at);
 CREATE INDEX IF NOT EXISTS todos_by_event ON todos(event_id);
 CREATE INDEX IF NOT EXISTS todos_finished ON todos(updated_at) WHERE state IN ('done', 'failed', 'cancelled');
