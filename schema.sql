@@ -196,3 +196,29 @@ CREATE TABLE IF NOT EXISTS todo_history (
     evidence    TEXT CHECK (evidence IS NULL OR json_valid(evidence))
 );
 CREATE INDEX IF NOT EXISTS todo_history_by_todo ON todo_history(todo_id, id);
+
+-- Follow-ups a running attempt folded into its run. A row lives only while its holder's attempt may still
+-- succeed; success turns the rows into a receipt, any other end deletes them (fail open).
+CREATE TABLE IF NOT EXISTS absorptions (
+    absorbed_id  TEXT PRIMARY KEY REFERENCES todos(id) ON DELETE CASCADE,
+    holder_id    TEXT NOT NULL REFERENCES todos(id) ON DELETE CASCADE,
+    holder_seq   INTEGER NOT NULL,
+    absorbed_at  INTEGER NOT NULL,
+    CHECK (absorbed_id <> holder_id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS absorptions_by_holder ON absorptions(holder_id);
+
+-- Receipts are written only by the server, in the transaction that records the holder's success, and name
+-- only todos the server handed to that attempt. Each todo is absorbed at most once.
+CREATE TABLE IF NOT EXISTS receipts (
+    id           TEXT PRIMARY KEY CHECK (id LIKE 'rc\_%' ESCAPE '\'),
+    todo_id      TEXT NOT NULL REFERENCES todos(id) ON DELETE CASCADE,
+    attempt_seq  INTEGER NOT NULL,
+    written_at   INTEGER NOT NULL,
+    UNIQUE (todo_id, attempt_seq)
+);
+CREATE TABLE IF NOT EXISTS receipt_items (
+    todo_id     TEXT PRIMARY KEY REFERENCES todos(id) ON DELETE CASCADE,
+    receipt_id  TEXT NOT NULL REFERENCES receipts(id) ON DELETE CASCADE
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS receipt_items_by_receipt ON receipt_items(receipt_id);

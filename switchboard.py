@@ -1332,7 +1332,7 @@ def add_human(txn: Txn, name: str) -> dict:
 
 
 def list_humans(txn: Txn) -> dict:
-    return {"humans": [human_view(r) for r in txn.all("SELECT * FROM humans ORDER BY created_at, id")]}
+    return {"humans": [human_view(r) for r in txn.all("SELECT * FROM humans ORDER BY created_at, rowid")]}
 
 
 def find_human(txn: Txn, name_or_id: str) -> sqlite3.Row:
@@ -1377,9 +1377,9 @@ def _own_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> sqlite3.R
 
 def list_endpoints(txn: Txn, principal: Principal) -> dict:
     if principal.kind == "operator":
-        rows = txn.all("SELECT * FROM endpoints ORDER BY created_at, id")
+        rows = txn.all("SELECT * FROM endpoints ORDER BY created_at, rowid")
     else:
-        rows = txn.all("SELECT * FROM endpoints WHERE human_id = ? ORDER BY created_at, id", (principal.human_id,))
+        rows = txn.all("SELECT * FROM endpoints WHERE human_id = ? ORDER BY created_at, rowid", (principal.human_id,))
     return {"endpoints": [endpoint_view(r) for r in rows]}
 
 
@@ -1474,7 +1474,7 @@ def list_todos(txn: Txn, principal: Principal, query: TodoListQuery) -> dict:
         if value is not None:
             sql += f" AND {column} = ?"
             args.append(value)
-    sql += " ORDER BY created_at DESC, id DESC LIMIT ?"
+    sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
     args.append(query.limit)
     return {"todos": [todo_view(r) for r in txn.all(sql, args)]}
 
@@ -1492,7 +1492,9 @@ def get_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
         for h in txn.all("SELECT * FROM todo_history WHERE todo_id = ? ORDER BY id", (todo_id,))]
     view["depends_on"] = [d["depends_on_id"] for d in txn.all(
         "SELECT depends_on_id FROM todo_deps WHERE todo_id = ? ORDER BY depends_on_id", (todo_id,))]
-    view["receipt"] = None
+    receipt = txn.one("SELECT id FROM receipts WHERE todo_id = ? ORDER BY written_at DESC, id DESC LIMIT 1",
+                      (todo_id,)) or txn.one("SELECT receipt_id AS id FROM receipt_items WHERE todo_id = ?", (todo_id,))
+    view["receipt"] = receipt_view(txn, receipt["id"]) if receipt else None
     return view
 
 
@@ -1500,6 +1502,14 @@ def get_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
 
 _UNBLOCKED = ("NOT EXISTS (SELECT 1 FROM todo_deps d JOIN todos p ON p.id = d.depends_on_id"
               " WHERE d.todo_id = todos.id AND p.state <> 'done')")
+
+
+def _claimable(now: int) -> str:
+    """SQL: a pending todo's dependencies are done and no live attempt (leased, or awaiting review) holds it
+    absorbed. `now` is the transaction's own clock, an integer."""
+    return (f"{_UNBLOCKED} AND NOT EXISTS (SELECT 1 FROM absorptions a JOIN todos h ON h.id = a.holder_id"
+            f" WHERE a.absorbed_id = todos.id AND (h.state = 'review'"
+            f" OR (h.state = 'claimed' AND h.lease_expires_at > {int(now)})))")
 
 
 def _transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence: dict | None,
@@ -1535,7 +1545,7 @@ def _became_pending(txn: Txn, todo_id: str) -> None:
     if not txn.inline_rings:
         return
     row = txn.one(f"SELECT * FROM todos WHERE id = ? AND state = 'pending' AND available_at <= ? AND silent = 0"
-                  f" AND {_UNBLOCKED}", (todo_id, txn.now))
+                  f" AND {_claimable(txn.now)}", (todo_id, txn.now))
     if row is not None:
         _mark_rung(txn, row)
 
@@ -1547,8 +1557,81 @@ def _mark_rung(txn: Txn, row: sqlite3.Row) -> None:
 
 
 def _end_attempt(txn: Txn, todo: sqlite3.Row, outcome: str, summary: str | None, artifact: str | None = None) -> None:
+    """Close the open attempt. Anything but completion lets go of what the attempt absorbed (fail open)."""
     txn.execute("UPDATE attempts SET ended_at = ?, outcome = ?, summary = ?, artifact = ?"
                 " WHERE todo_id = ? AND ended_at IS NULL", (txn.now, outcome, summary, artifact, todo["id"]))
+    if outcome != "completed":
+        _let_go_of_absorbed(txn, todo["id"])
+
+
+def _let_go_of_absorbed(txn: Txn, holder_id: str) -> None:
+    held = txn.all("SELECT absorbed_id FROM absorptions WHERE holder_id = ?", (holder_id,))
+    if not held:
+        return
+    txn.execute("DELETE FROM absorptions WHERE holder_id = ?", (holder_id,))
+    txn.logs.append(f"todo {holder_id} let go of {len(held)} absorbed todos")
+    for row in held:
+        _became_pending(txn, row["absorbed_id"])
+
+
+def _write_receipt(txn: Txn, holder: sqlite3.Row, actor: str) -> None:
+    """On the holder's outright success: one receipt naming the still-pending todos the server handed to this
+    attempt, each closed as done/absorbed. If writing fails, they are simply let go (fail open)."""
+    seq = txn.one("SELECT MAX(seq) FROM attempts WHERE todo_id = ?", (holder["id"],))[0]
+    absorbed = [r["id"] for r in txn.all(
+        "SELECT t.id FROM absorptions a JOIN todos t ON t.id = a.absorbed_id"
+        " WHERE a.holder_id = ? AND a.holder_seq = ? AND t.state = 'pending' ORDER BY t.created_at, t.rowid",
+        (holder["id"], seq))]
+    if not absorbed:
+        txn.execute("DELETE FROM absorptions WHERE holder_id = ?", (holder["id"],))
+        return
+    txn.execute("SAVEPOINT receipt")
+    try:
+        receipt_id = new_id("rc")
+        txn.execute("INSERT INTO receipts (id, todo_id, attempt_seq, written_at) VALUES (?, ?, ?, ?)",
+                    (receipt_id, holder["id"], seq, txn.now))
+        for todo_id in absorbed:
+            txn.execute("INSERT INTO receipt_items (todo_id, receipt_id) VALUES (?, ?)", (todo_id, receipt_id))
+            _transition(txn, _reload(txn, todo_id), "done", actor, {"absorbed_by": holder["id"], "receipt": receipt_id},
+                        outcome="absorbed",
+                        result=json.dumps({"absorbed_by": holder["id"], "receipt": receipt_id}))
+        txn.execute("DELETE FROM absorptions WHERE holder_id = ?", (holder["id"],))
+        txn.execute("RELEASE receipt")
+    except sqlite3.Error as exc:
+        txn.execute("ROLLBACK TO receipt")
+        txn.execute("RELEASE receipt")
+        log.error("receipt for %s not written (%s); its absorbed todos run as usual", holder["id"], exc)
+        _let_go_of_absorbed(txn, holder["id"])
+        return
+    txn.logs.append(f"receipt {receipt_id}: {holder['id']} absorbed {len(absorbed)} todos")
+
+
+def receipt_view(txn: Txn, receipt_id: str) -> dict:
+    row = txn.one("SELECT * FROM receipts WHERE id = ?", (receipt_id,))
+    return {"id": row["id"], "todo_id": row["todo_id"], "attempt_seq": row["attempt_seq"],
+            "absorbed": [r["todo_id"] for r in txn.all(
+                "SELECT i.todo_id FROM receipt_items i JOIN todos t ON t.id = i.todo_id WHERE i.receipt_id = ?"
+                " ORDER BY t.created_at, t.rowid", (receipt_id,))],
+            "written_at": iso(row["written_at"])}
+
+
+def absorb(txn: Txn, principal: Principal, todo_id: str, body: Leased) -> dict:
+    """Fold the pending follow-ups about the same subject into the run this lease holds."""
+    holder = _held(txn, principal, "absorb", todo_id, body.lease_token)
+    seq = txn.one("SELECT seq FROM attempts WHERE todo_id = ? AND ended_at IS NULL", (todo_id,))["seq"]
+    if holder["subject_key"] is not None:
+        fresh = txn.all(
+            f"SELECT id FROM todos WHERE endpoint_id = ? AND queue = ? AND subject_key = ? AND state = 'pending'"
+            f" AND id <> ? AND created_at <= ? AND {_claimable(txn.now)}",
+            (holder["endpoint_id"], holder["queue"], holder["subject_key"], todo_id, txn.now))
+        for row in fresh:
+            txn.execute("INSERT OR REPLACE INTO absorptions (absorbed_id, holder_id, holder_seq, absorbed_at)"
+                        " VALUES (?, ?, ?, ?)", (row["id"], todo_id, seq, txn.now))
+        if fresh:
+            txn.logs.append(f"todo {todo_id} absorbed {len(fresh)} todos")
+    rows = txn.all("SELECT t.* FROM absorptions a JOIN todos t ON t.id = a.absorbed_id WHERE a.holder_id = ?"
+                   " ORDER BY t.created_at, t.rowid", (todo_id,))
+    return {"absorbed": [todo_view(r) for r in rows]}
 
 
 def _expire_lease(txn: Txn, todo: sqlite3.Row) -> None:
@@ -1602,7 +1685,7 @@ def claim_next(txn: Txn, principal: Principal, body: ClaimNext) -> dict:
     _reap_endpoint(txn, principal.id)
     marks = ",".join("?" * len(queues))
     row = txn.one(f"SELECT * FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks})"
-                  f" AND available_at <= ? AND {_UNBLOCKED} ORDER BY priority DESC, created_at, id LIMIT 1",
+                  f" AND available_at <= ? AND {_claimable(txn.now)} ORDER BY priority DESC, created_at, rowid LIMIT 1",
                   (principal.id, *queues, txn.now))
     if row is None:
         return {"empty": True}
@@ -1621,8 +1704,8 @@ def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) ->
         raise ApiError("conflict", f"todo is {todo['state']}, not claimable")
     if todo["available_at"] > txn.now:
         raise ApiError("conflict", f"todo is not available until {iso(todo['available_at'])}")
-    if txn.one(f"SELECT 1 FROM todos WHERE id = ? AND NOT {_UNBLOCKED}", (todo_id,)):
-        raise ApiError("conflict", "todo waits for its dependencies")
+    if txn.one(f"SELECT 1 FROM todos WHERE id = ? AND NOT ({_claimable(txn.now)})", (todo_id,)):
+        raise ApiError("conflict", "todo waits for its dependencies or is held by a run that absorbed it")
     return _claim_row(txn, principal, todo, body.lease_seconds, body.claimant)
 
 
@@ -1670,6 +1753,7 @@ def complete(txn: Txn, principal: Principal, todo_id: str, body: Complete) -> di
     else:
         _end_attempt(txn, todo, "completed", summary, body.artifact)
         _transition(txn, todo, "done", principal.actor, evidence, result=result, outcome="completed")
+        _write_receipt(txn, todo, principal.actor)
     return todo_view(_reload(txn, todo_id))
 
 
@@ -1727,12 +1811,14 @@ def _human_todo(txn: Txn, principal: Principal, action: str, todo_id: str, allow
 def approve(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
     todo = _human_todo(txn, principal, "approve", todo_id, ("review",))
     _transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="approved", state_reason=None)
+    _write_receipt(txn, todo, principal.actor)
     return todo_view(_reload(txn, todo_id))
 
 
 def request_changes(txn: Txn, principal: Principal, todo_id: str, body: RequestChanges) -> dict:
     todo = _human_todo(txn, principal, "request changes on", todo_id, ("review",))
     _transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=body.note)
+    _let_go_of_absorbed(txn, todo_id)
     return todo_view(_reload(txn, todo_id))
 
 
@@ -1777,6 +1863,7 @@ def cancel(txn: Txn, principal: Principal, todo_id: str, body: Cancel) -> dict:
     if todo["state"] == "claimed":
         _end_attempt(txn, todo, "cancelled", body.reason)
     _transition(txn, todo, "cancelled", principal.actor, {"reason": body.reason}, state_reason=body.reason)
+    _let_go_of_absorbed(txn, todo_id)
     return todo_view(_reload(txn, todo_id))
 
 
@@ -1791,7 +1878,7 @@ def _reroute_target(txn: Txn, todo: sqlite3.Row, queue: str) -> str:
     in creation order, whose scope grants the queue."""
     human_id = txn.one("SELECT human_id FROM endpoints WHERE id = ?", (todo["endpoint_id"],))["human_id"]
     for row in txn.all("SELECT id, queues FROM endpoints WHERE human_id = ? AND revoked_at IS NULL"
-                       " ORDER BY created_at, id", (human_id,)):
+                       " ORDER BY created_at, rowid", (human_id,)):
         if queue in json.loads(row["queues"]):
             return row["id"]
     raise ApiError("invalid_argument", f"queue: no live endpoint of this human is scoped to {queue}")
@@ -1994,12 +2081,12 @@ def create_webhook(txn: Txn, principal: Principal, box: SecretBox, spec: Webhook
 def list_webhooks(txn: Txn, principal: Principal) -> dict:
     if principal.kind == "endpoint":
         principal.require_verb("list_webhooks")
-        rows = txn.all("SELECT * FROM webhooks WHERE endpoint_id = ? ORDER BY created_at, id", (principal.id,))
+        rows = txn.all("SELECT * FROM webhooks WHERE endpoint_id = ? ORDER BY created_at, rowid", (principal.id,))
     elif principal.kind == "human":
         rows = txn.all("SELECT w.* FROM webhooks w JOIN endpoints e ON e.id = w.endpoint_id WHERE e.human_id = ?"
                        " ORDER BY w.created_at, w.id", (principal.human_id,))
     else:
-        rows = txn.all("SELECT * FROM webhooks ORDER BY created_at, id")
+        rows = txn.all("SELECT * FROM webhooks ORDER BY created_at, rowid")
     return {"webhooks": [webhook_view(r) for r in rows]}
 
 
@@ -2582,7 +2669,7 @@ def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
         _transition(txn, todo, "done", "system", {"expired_after_days": QUARANTINE_DAYS}, outcome="discarded",
                     state_reason="expired")
     unrung = txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count = 0 AND available_at <= ?"
-                     f" AND silent = 0 AND {_UNBLOCKED} ORDER BY available_at LIMIT ?", (txn.now, limit))
+                     f" AND silent = 0 AND {_claimable(txn.now)} ORDER BY available_at LIMIT ?", (txn.now, limit))
     if txn.inline_rings:
         for todo in unrung:
             _mark_rung(txn, todo)
@@ -2733,7 +2820,7 @@ class Api:
     AGENT_ACTIONS: dict[str, tuple[type[Body], Callable]] = {
         "claim": (ClaimById, claim_todo), "heartbeat": (Heartbeat, heartbeat), "complete": (Complete, complete),
         "fail": (Fail, fail), "release": (Release, release), "needs-input": (NeedsInput, needs_input),
-        "block": (Block, block),
+        "block": (Block, block), "absorb": (Leased, absorb),
     }
     HUMAN_ACTIONS: dict[str, tuple[type[Body], Callable]] = {
         "approve": (HumanNote, approve), "request-changes": (RequestChanges, request_changes),

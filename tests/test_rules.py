@@ -94,8 +94,9 @@ def test_once_repeats_across_label_events_and_routes_again_on_resize(world, alic
     assert conn.execute("SELECT disposition FROM events WHERE id = ?", (again["event_id"],)).fetchone()[0] == "repeat"
 
 
-def test_exclusive_always_picks_the_same_first_target(world, alice, router, hook, lane_s):
+def test_exclusive_always_picks_the_same_first_target(world, alice, router, hook, lane_s, clock):
     twin = world.endpoint(alice, ["lane-s"], name="lane-s-twin")
+    clock.advance(1)
     world.client.post(f"/api/v1/webhooks/{hook['id']}/routes", headers=alice.auth, json={"endpoint_id": twin.id})
     put_rules(world, alice, hook, {"rules": [{"id": "s", "expr": "true",
                                               "action": {"queue": "lane-s", "exclusive": True}}]})
