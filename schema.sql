@@ -130,8 +130,9 @@ CREATE TABLE IF NOT EXISTS todos (
     last_error       TEXT,
     dead_letter      INTEGER NOT NULL DEFAULT 0 CHECK (dead_letter IN (0, 1)),
     silent           INTEGER NOT NULL DEFAULT 0 CHECK (silent IN (0, 1)),
-    ring_count       INTEGER NOT NULL DEFAULT 0,
+    ring_count       INTEGER NOT NULL DEFAULT 0 CHECK (ring_count >= 0),
     last_ring_at     INTEGER,
+    ring_acked_at    INTEGER,
     created_at       INTEGER NOT NULL,
     updated_at       INTEGER NOT NULL,
     -- A claimed todo always has a lease; any other state never does.
@@ -147,7 +148,8 @@ CREATE INDEX IF NOT EXISTS todos_claimable ON todos(endpoint_id, queue, priority
     WHERE state = 'pending';
 CREATE INDEX IF NOT EXISTS todos_lapsed ON todos(lease_expires_at) WHERE state = 'claimed';
 CREATE INDEX IF NOT EXISTS todos_lapsed_by_endpoint ON todos(endpoint_id, lease_expires_at) WHERE state = 'claimed';
-CREATE INDEX IF NOT EXISTS todos_unrung ON todos(available_at) WHERE state = 'pending';
+CREATE INDEX IF NOT EXISTS todos_unrung ON todos(available_at) WHERE state = 'pending' AND ring_count = 0;
+CREATE INDEX IF NOT EXISTS todos_rerung ON todos(ring_count, last_ring_at) WHERE state = 'pending' AND ring_count > 0;
 CREATE INDEX IF NOT EXISTS todos_deferred ON todos(deferred_until) WHERE state = 'deferred';
 CREATE INDEX IF NOT EXISTS todos_held ON todos(created_at) WHERE state = 'quarantined';
 CREATE INDEX IF NOT EXISTS todos_by_endpoint ON todos(endpoint_id, created_at);

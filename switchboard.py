@@ -79,6 +79,8 @@ BACKOFF_CAP_SECONDS = 15 * 60
 SCHEDULER_TICK_SECONDS = 1.0
 WRITER_BATCH = 64
 QUARANTINE_DAYS = 30
+# The re-ring sweep: after the first ring, again about 5 min, 20 min, 1 h and 6 h after the previous one.
+RERING_AFTER_MS = (5 * 60_000, 20 * 60_000, 60 * 60_000, 6 * 3_600_000)
 
 QUEUE_PATTERN = r"^[a-z0-9][a-z0-9._:-]{0,63}$"
 RESERVED_QUEUES = frozenset({"quarantine"})
@@ -1434,6 +1436,8 @@ def todo_view(row: sqlite3.Row) -> dict:
         "work_item": _json(row["work_item"]), "trace": _json(row["trace"]), "result": _json(row["result"]),
         "last_error": row["last_error"], "key": row["idempotency_key"], "state_reason": row["state_reason"],
         "answer": row["answer"], "deferred_until": iso(row["deferred_until"]), "event_id": row["event_id"],
+        "rings": {"count": row["ring_count"], "last_at": iso(row["last_ring_at"]),
+                  "acked_at": iso(row["ring_acked_at"])},
     }
 
 
@@ -1520,7 +1524,7 @@ def _transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence
         columns.update(lease_expires_at=None, lease_token_hash=None)
     if to_state == "pending":
         columns.setdefault("available_at", txn.now)
-        columns.update(ring_count=0, last_ring_at=None)
+        columns.update(ring_count=0, last_ring_at=None, ring_acked_at=None)
     assignments = ", ".join(f"{name} = ?" for name in columns)
     txn.execute(f"UPDATE todos SET {assignments} WHERE id = ?", (*columns.values(), todo["id"]))
     txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence) VALUES (?, ?, ?, ?, ?, ?)",
@@ -1550,10 +1554,13 @@ def _became_pending(txn: Txn, todo_id: str) -> None:
         _mark_rung(txn, row)
 
 
-def _mark_rung(txn: Txn, row: sqlite3.Row) -> None:
+def _mark_rung(txn: Txn, row: sqlite3.Row) -> dict:
+    """Count a ring on the todo and queue it for the doorbell, which rings after COMMIT."""
     txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ?", (txn.now, row["id"]))
-    txn.rings.append({"todo_id": row["id"], "endpoint_id": row["endpoint_id"], "queue": row["queue"],
-                      "kind": row["kind"], "source": row["source"], "title": row["title"]})
+    ring = {"todo_id": row["id"], "endpoint_id": row["endpoint_id"], "queue": row["queue"], "kind": row["kind"],
+            "source": row["source"], "title": row["title"]}
+    txn.rings.append(ring)
+    return ring
 
 
 def _end_attempt(txn: Txn, todo: sqlite3.Row, outcome: str, summary: str | None, artifact: str | None = None) -> None:
@@ -1660,7 +1667,8 @@ def _claim_row(txn: Txn, principal: Principal, todo: sqlite3.Row, lease_seconds:
     expires = txn.now + lease * 1000
     who = claimant or principal.actor
     _transition(txn, todo, "claimed", principal.actor, {"attempt": todo["attempt"] + 1, "seq": seq, "claimant": who},
-                attempt=todo["attempt"] + 1, lease_expires_at=expires, lease_token_hash=token_hash(lease_token))
+                attempt=todo["attempt"] + 1, lease_expires_at=expires, lease_token_hash=token_hash(lease_token),
+                ring_acked_at=txn.now if todo["ring_count"] else None)
     txn.execute("INSERT INTO attempts (todo_id, seq, endpoint_id, claimant, claimed_at, lease_expires_at, lease_seconds)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)", (todo["id"], seq, principal.id, who, txn.now, expires, lease))
     prior = txn.all("SELECT * FROM (SELECT * FROM attempts WHERE todo_id = ? AND seq < ? ORDER BY seq DESC LIMIT 5)"
@@ -2325,11 +2333,13 @@ def _insert_todo(txn: Txn, todo_id: str, target: tuple[str, str, str], envelope:
     endpoint_id, queue, state = target
     txn.execute(
         "INSERT INTO todos (id, endpoint_id, queue, state, title, source, kind, subject_key, payload, work_order,"
-        " trace, event_id, state_reason, available_at, created_at, updated_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " trace, event_id, state_reason, silent, available_at, created_at, updated_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (todo_id, endpoint_id, queue, state, title, envelope["source"], envelope["kind"], envelope["subject_key"],
          payload, json.dumps(plan.work_order) if plan.work_order else None, json.dumps(plan.trace), event_id,
-         plan.trace.get("hold") if state == "quarantined" else None, txn.now, txn.now, txn.now))
+         plan.trace.get("hold") if state == "quarantined" else None,
+         # Only verified, token-trust or operator work rings; signed work that did not verify never does.
+         int(envelope["trust_mode"] == "signed" and not envelope["verified"]), txn.now, txn.now, txn.now))
     txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence)"
                 " VALUES (?, ?, 'system', NULL, ?, ?)", (todo_id, txn.now, state, json.dumps({"event_id": event_id})))
     if state == "pending":
@@ -2670,10 +2680,29 @@ def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
                     state_reason="expired")
     unrung = txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count = 0 AND available_at <= ?"
                      f" AND silent = 0 AND {_claimable(txn.now)} ORDER BY available_at LIMIT ?", (txn.now, limit))
+    rerung: list[sqlite3.Row] = []
+    for count, wait_ms in enumerate(RERING_AFTER_MS, start=1):
+        rerung += txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count = ? AND last_ring_at <= ?"
+                          f" AND available_at <= ? AND silent = 0 AND {_claimable(txn.now)} LIMIT ?",
+                          (count, txn.now - wait_ms, txn.now, limit))
     if txn.inline_rings:
-        for todo in unrung:
+        for todo in unrung + rerung:
             _mark_rung(txn, todo)
-    return {"lapsed": len(lapsed), "undeferred": len(due), "expired": len(expired), "rung": len(unrung)}
+    return {"lapsed": len(lapsed), "undeferred": len(due), "expired": len(expired), "rung": len(unrung),
+            "rerung": len(rerung)}
+
+
+def rings_for_new_session(txn: Txn, endpoint_id: str, queues: Iterable[str], limit: int = 3) -> list[dict]:
+    """A session that connects is rung at once for up to `limit` of its oldest claimable todos. These rings go
+    to that session alone, so they are returned rather than queued for the doorbell."""
+    queues = list(queues)
+    marks = ",".join("?" * len(queues))
+    rows = txn.all(f"SELECT * FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks})"
+                   f" AND available_at <= ? AND silent = 0 AND {_claimable(txn.now)}"
+                   f" ORDER BY priority DESC, created_at, rowid LIMIT ?", (endpoint_id, *queues, txn.now, limit))
+    rings = [_mark_rung(txn, row) for row in rows]
+    txn.rings.clear()
+    return rings
 
 
 def check_database(txn: Txn) -> dict:
