@@ -95,7 +95,8 @@ class World:
         return self.client.post(f"/api/v1/todos/{todo_id}/{action}", headers=principal.auth, json=body)
 
     def tick(self) -> dict:
-        return self.db.write_sync(sb.scheduler_tick)
+        """One scheduler pass, run on the app's own loop so that its rings reach the doorbell before it returns."""
+        return self.client.portal.call(self.db.write, sb.scheduler_tick)
 
 
 @pytest.fixture
