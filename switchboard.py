@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 import concurrent.futures
 import contextlib
 import hashlib
@@ -26,11 +27,13 @@ import hmac
 import itertools
 import json
 import logging
+import math
 import os
 import queue as queue_module
 import re
 import secrets
 import select
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -46,6 +49,8 @@ import anyio.to_thread
 import uvicorn
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, disable_created_metrics,
                                generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError,
@@ -77,6 +82,8 @@ MAX_SUMMARY_BYTES = 2048
 BACKOFF_BASE_SECONDS = 30
 BACKOFF_CAP_SECONDS = 15 * 60
 SCHEDULER_TICK_SECONDS = 1.0
+CHECKPOINT_EVERY_SECONDS = 60.0
+PRUNE_EVERY_SECONDS = 3600.0
 WRITER_BATCH = 64
 QUARANTINE_DAYS = 30
 # The re-ring sweep: after the first ring, again about 5 min, 20 min, 1 h and 6 h after the previous one.
@@ -193,6 +200,9 @@ def _split_sql(script: str) -> list[str]:
     return statements
 
 
+_CHECKPOINT = object()
+
+
 class Txn:
     """What a transaction body sees: the connection, one fixed `now`, and what to do after commit."""
 
@@ -202,6 +212,7 @@ class Txn:
         self.inline_rings = inline_rings
         self.rings: list[dict] = []
         self.logs: list[str] = []
+        self.counts: collections.Counter = collections.Counter()
 
     def execute(self, sql: str, params: Iterable = ()) -> sqlite3.Cursor:
         return self.conn.execute(sql, tuple(params))
@@ -229,6 +240,9 @@ class Database:
         self.inline_rings = inline_rings
         self.on_rings: Callable[[list[dict]], None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # What committed transactions counted (todos created, claimed, completed, lease expiries), for /metrics.
+        self.counts: collections.Counter = collections.Counter()
+        self.counts_lock = threading.Lock()
         writer = connect(path, synchronous)
         apply_schema(writer)
         self._writer = writer
@@ -257,20 +271,35 @@ class Database:
             self.on_rings(rings)
         return result
 
+    def checkpoint(self) -> tuple:
+        """PRAGMA wal_checkpoint(TRUNCATE) on the writer, outside any transaction: the WAL stays bounded."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((_CHECKPOINT, (), future))
+        return tuple(future.result())
+
     def _write_loop(self) -> None:
         conn = self._writer
+        held = None
         while True:
-            job = self._jobs.get()
+            job, held = (held, None) if held is not None else (self._jobs.get(), None)
             if job is None:
                 break
+            if job[0] is _CHECKPOINT:
+                try:
+                    job[2].set_result(conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone())
+                except sqlite3.Error as exc:
+                    job[2].set_exception(exc)
+                continue
             batch = [job]
             while len(batch) < WRITER_BATCH:
                 try:
                     nxt = self._jobs.get_nowait()
                 except queue_module.Empty:
                     break
-                if nxt is None:
-                    self._jobs.put(None)
+                if nxt is None or nxt[0] is _CHECKPOINT:
+                    held = nxt if nxt is not None else None
+                    if nxt is None:
+                        self._jobs.put(None)
                     break
                 batch.append(nxt)
             self._run_batch(conn, batch)
@@ -308,6 +337,9 @@ class Database:
             if ok:
                 for line in txn.logs:
                     log.info(line)
+                if txn.counts:
+                    with self.counts_lock:
+                        self.counts.update(txn.counts)
                 future.set_result((value, txn.rings))
             else:
                 future.set_exception(value)
@@ -1541,6 +1573,10 @@ def _transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence
                 (todo["id"], txn.now, actor, todo["state"], to_state,
                  json.dumps(evidence) if evidence is not None else None))
     txn.logs.append(f"todo {todo['id']} {todo['state']} -> {to_state} by {actor}")
+    if to_state == "claimed":
+        txn.counts["claimed"] += 1
+    elif to_state == "done":
+        txn.counts[f"completed:{changes['outcome']}"] += 1
     if to_state == "pending":
         _became_pending(txn, todo["id"])
     elif to_state == "done":
@@ -1654,6 +1690,7 @@ def absorb(txn: Txn, principal: Principal, todo_id: str, body: Leased) -> dict:
 def _expire_lease(txn: Txn, todo: sqlite3.Row) -> None:
     """A lapsed lease is a failed attempt (lease_expired), retried at once or dead-lettered at the cap."""
     _end_attempt(txn, todo, "lease_expired", None)
+    txn.counts["lease_expired"] += 1
     evidence = {"attempt": todo["attempt"], "outcome": "lease_expired"}
     if todo["attempt"] >= todo["max_attempts"]:
         _transition(txn, todo, "failed", "system", evidence, dead_letter=1, last_error="lease_expired")
@@ -1961,6 +1998,7 @@ def push_todo(txn: Txn, principal: Principal, endpoint_id: str, body: TodoPush) 
     txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence) VALUES (?, ?, ?, NULL,"
                 " 'pending', ?)", (todo_id, txn.now, actor, json.dumps({"event_id": event_id})))
     txn.logs.append(f"todo {todo_id} created on {endpoint_id} by {actor}")
+    txn.counts["created"] += 1
     dead = [(dep, state) for dep, state in dep_states if state in ("failed", "cancelled")]
     if dead:
         _transition(txn, _reload(txn, todo_id), "blocked", "system", {"dependency": dead[0][0], "state": dead[0][1]},
@@ -2352,6 +2390,7 @@ def _insert_todo(txn: Txn, todo_id: str, target: tuple[str, str, str], envelope:
          int(envelope["trust_mode"] == "signed" and not envelope["verified"]), txn.now, txn.now, txn.now))
     txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence)"
                 " VALUES (?, ?, 'system', NULL, ?, ?)", (todo_id, txn.now, state, json.dumps({"event_id": event_id})))
+    txn.counts["created"] += 1
     if state == "pending":
         _became_pending(txn, todo_id)
 
@@ -2715,6 +2754,55 @@ def rings_for_new_session(txn: Txn, endpoint_id: str, queues: Iterable[str], lim
     return rings
 
 
+RETENTION_MS = 30 * 86_400_000
+RETENTION_ROWS = 500_000
+PRUNE_BATCH = 5_000
+
+
+def prune_batch(txn: Txn) -> dict:
+    """One bounded step of retention: terminal todos and events older than 30 days or beyond 500,000 rows.
+    Pending and claimed work is never touched, nor an event a live todo still points at, nor routing_once."""
+    cutoff = txn.now - RETENTION_MS
+    terminal = f"state IN {TERMINAL_STATES}"
+    excess = max(0, txn.one("SELECT count(*) FROM todos")[0] - RETENTION_ROWS)
+    todos = txn.all(f"SELECT id FROM todos WHERE {terminal} AND updated_at < ? ORDER BY updated_at LIMIT ?",
+                    (cutoff, PRUNE_BATCH))
+    if len(todos) < min(excess, PRUNE_BATCH):
+        todos = txn.all(f"SELECT id FROM todos WHERE {terminal} ORDER BY updated_at LIMIT ?",
+                        (min(excess, PRUNE_BATCH),))
+    txn.conn.executemany("DELETE FROM todos WHERE id = ?", [(r["id"],) for r in todos])
+    unreferenced = (f"NOT EXISTS (SELECT 1 FROM todos t WHERE t.event_id = events.id AND t.state NOT IN"
+                    f" {TERMINAL_STATES})")
+    excess = max(0, txn.one("SELECT count(*) FROM events")[0] - RETENTION_ROWS)
+    events = txn.all(f"SELECT id FROM events WHERE received_at < ? AND {unreferenced} ORDER BY received_at LIMIT ?",
+                     (cutoff, PRUNE_BATCH))
+    if len(events) < min(excess, PRUNE_BATCH):
+        events = txn.all(f"SELECT id FROM events WHERE {unreferenced} ORDER BY received_at LIMIT ?",
+                         (min(excess, PRUNE_BATCH),))
+    txn.conn.executemany("DELETE FROM events WHERE id = ?", [(r["id"],) for r in events])
+    if todos or events:
+        txn.logs.append(f"pruned {len(todos)} todos and {len(events)} events")
+    return {"todos": len(todos), "events": len(events)}
+
+
+def prune(db: Database) -> dict:
+    """Retention to the end, in bounded transactions so that deliveries keep flowing between them."""
+    total = {"todos": 0, "events": 0}
+    while True:
+        step = db.write_sync(prune_batch)
+        total = {k: total[k] + step[k] for k in total}
+        if not step["todos"] and not step["events"]:
+            return total
+
+
+def queue_stats(txn: Txn) -> dict:
+    depth = {state: 0 for state in TODO_STATES}
+    depth.update({r["state"]: r["n"] for r in txn.all("SELECT state, count(*) AS n FROM todos GROUP BY state")})
+    oldest = txn.one("SELECT MIN(available_at) FROM todos WHERE state = 'pending' AND available_at <= ?",
+                     (txn.now,))[0]
+    return {"depth": depth, "oldest_pending_seconds": (txn.now - oldest) / 1000 if oldest is not None else 0.0}
+
+
 def check_database(txn: Txn) -> dict:
     integrity = [r[0] for r in txn.all("PRAGMA integrity_check")]
     foreign = txn.all("PRAGMA foreign_key_check")
@@ -2735,6 +2823,7 @@ class Session:
     queues: frozenset[str] | None
     kind: Literal["wait", "stream"]
     notify: Callable[[dict], None]
+    close: Callable[[], None] | None = None
 
     def covers(self, queue: str) -> bool:
         return self.queues is None or queue in self.queues
@@ -2745,6 +2834,16 @@ class Doorbell:
         self._sessions: dict[str, list[Session]] = {}
         self._turn: dict[str, int] = {}
         self.rung = 0
+        self.unheard = 0
+        self.closing = False
+
+    def close_all(self) -> None:
+        """At shutdown: end every stream and wake every waiting claim, so in-flight requests can finish."""
+        self.closing = True
+        for sessions in list(self._sessions.values()):
+            for session in list(sessions):
+                if session.close:
+                    session.close()
 
     def attach(self, session: Session) -> Session:
         self._sessions.setdefault(session.endpoint_id, []).append(session)
@@ -2763,6 +2862,7 @@ class Doorbell:
         endpoint_id = ring["endpoint_id"]
         candidates = [s for s in self._sessions.get(endpoint_id, ()) if s.covers(ring["queue"])]
         if not candidates:
+            self.unheard += 1
             return False
         waiting = [s for s in candidates if s.kind == "wait"]
         if waiting:
@@ -2780,11 +2880,11 @@ class Doorbell:
         """A one-shot session for a waiting claim: its future resolves on the first ring it receives."""
         future: asyncio.Future = asyncio.get_running_loop().create_future()
 
-        def notify(ring: dict) -> None:
+        def notify(ring: dict | None) -> None:
             if not future.done():
                 future.set_result(ring)
 
-        return self.attach(Session(endpoint_id, frozenset(queues), "wait", notify)), future
+        return self.attach(Session(endpoint_id, frozenset(queues), "wait", notify, lambda: notify(None))), future
 
 
 # ======================================================================================================
@@ -2837,9 +2937,11 @@ class RateLimiter:
 
 
 class Metrics:
-    """Prometheus counters, one registry per app (so tests can run several apps in one process)."""
+    """Prometheus text through prometheus_client, one registry per app. Counters the HTTP layer sees are kept
+    here; what the store counted and what the database holds are collected at scrape time. No queue name or
+    id appears: /metrics is for the operator, and tenants' names stay out of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, db: Database, doorbell: Doorbell) -> None:
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self.deliveries = Counter("switchboard_deliveries", "Deliveries answered, by provider and verdict",
@@ -2847,9 +2949,44 @@ class Metrics:
         self.verification_failures = Counter("switchboard_verification_failures",
                                              "Deliveries refused at verification, by reason",
                                              ["provider", "reason"], registry=self.registry)
+        self.routing = Counter("switchboard_routing_decisions", "Routing decisions, by stage and disposition",
+                               ["stage", "disposition"], registry=self.registry)
+        self.faults = Counter("switchboard_rule_faults", "Rule faults that held a delivery, by cause", ["cause"],
+                              registry=self.registry)
+        self.registry.register(_StoreCollector(db, doorbell))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, db: Database, doorbell: Doorbell):
+        self.db = db
+        self.doorbell = doorbell
+
+    def collect(self) -> Iterable[Any]:
+        stats = self.db.read_sync(queue_stats)
+        depth = GaugeMetricFamily("switchboard_todos", "Todos by state", labels=["state"])
+        for state, count in stats["depth"].items():
+            depth.add_metric([state], count)
+        yield depth
+        yield GaugeMetricFamily("switchboard_oldest_pending_seconds", "Age of the oldest claimable pending todo",
+                                value=stats["oldest_pending_seconds"])
+        with self.db.counts_lock:
+            counts = dict(self.db.counts)
+        yield CounterMetricFamily("switchboard_todos_created", "Todos created", value=counts.get("created", 0))
+        yield CounterMetricFamily("switchboard_todos_claimed", "Claims granted", value=counts.get("claimed", 0))
+        completed = CounterMetricFamily("switchboard_todos_completed", "Todos done, by outcome", labels=["outcome"])
+        for outcome in ("completed", "approved", "absorbed", "discarded"):
+            completed.add_metric([outcome], counts.get(f"completed:{outcome}", 0))
+        yield completed
+        yield CounterMetricFamily("switchboard_lease_expiries", "Leases that lapsed",
+                                  value=counts.get("lease_expired", 0))
+        rings = CounterMetricFamily("switchboard_doorbell_rings", "Rings, by whether a session heard them",
+                                    labels=["heard"])
+        rings.add_metric(["true"], self.doorbell.rung)
+        rings.add_metric(["false"], self.doorbell.unheard)
+        yield rings
 
 
 class Api:
@@ -2920,7 +3057,8 @@ class Api:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + body.wait_seconds
         while True:
-            session, rung = self.doorbell.waiter(principal.id, queues) if body.wait_seconds else (None, None)
+            waits = body.wait_seconds and not self.doorbell.closing
+            session, rung = self.doorbell.waiter(principal.id, queues) if waits else (None, None)
             try:
                 result = await self.db.write(claim_next, principal, body)
                 remaining = deadline - loop.time()
@@ -2949,7 +3087,8 @@ class Api:
                  ({k: r[k] for k in ("todo_id", "queue", "kind", "source", "title")}
                   for r in await self.connect_rings(principal, queues))]
         bell = self.doorbell.attach(Session(principal.id, frozenset(queues), "stream",
-                                            lambda ring: stream.put_nowait(sse_frame(ring, "todo.ready"))))
+                                            lambda ring: stream.put_nowait(sse_frame(ring, "todo.ready")),
+                                            lambda: stream.put_nowait(None)))
 
         async def body() -> AsyncIterator[str]:
             try:
@@ -3041,7 +3180,13 @@ class Api:
             envelope_text=envelope_text,
             delivery_key=delivery_key(provider, headers, envelope["payload"], body),
             body_hash=hashlib.sha256(body).hexdigest(), action=action, trace=trace))
-        self.metrics.deliveries.labels(provider, "duplicate" if outcome.get("duplicate") else outcome["disposition"]).inc()
+        if outcome.get("duplicate"):
+            self.metrics.deliveries.labels(provider, "duplicate").inc()
+        else:
+            self.metrics.deliveries.labels(provider, outcome["disposition"]).inc()
+            self.metrics.routing.labels(trace["stage"], outcome["disposition"]).inc()
+            if trace["stage"] == "fault":
+                self.metrics.faults.labels(trace["cause"]).inc()
         return JSONResponse(outcome, status_code=202)
 
     async def metrics_text(self, request: Request) -> Response:
@@ -3050,7 +3195,7 @@ class Api:
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
                 raise ApiError("unauthenticated", "send Authorization: Bearer <metrics token>")
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await anyio.to_thread.run_sync(self.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     # -- webhooks, routes, events, friends -------------------------------------------------------
     def _base_url(self, request: Request) -> str:
@@ -3552,7 +3697,8 @@ class Mcp:
             queue.put_nowait(sse_frame(channel_notification(ring)))
 
         first = [sse_frame(channel_notification(r)) for r in await self.api.connect_rings(principal, None)]
-        session.bell = self.api.doorbell.attach(Session(principal.id, None, "stream", notify))
+        session.bell = self.api.doorbell.attach(Session(principal.id, None, "stream", notify,
+                                                        lambda: queue.put_nowait(None)))
 
         async def body() -> AsyncIterator[str]:
             try:
@@ -3579,7 +3725,8 @@ class Mcp:
         ack = sse_frame({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged",
                          "params": {"notifications": {}, "_meta": stamp}})
         first = [ack, *(frame(r) for r in await self.api.connect_rings(principal, None))]
-        bell = self.api.doorbell.attach(Session(principal.id, None, "stream", lambda ring: queue.put_nowait(frame(ring))))
+        bell = self.api.doorbell.attach(Session(principal.id, None, "stream", lambda ring: queue.put_nowait(frame(ring)),
+                                                lambda: queue.put_nowait(None)))
 
         async def body() -> AsyncIterator[str]:
             try:
@@ -3618,12 +3765,22 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 async def _scheduler(db: Database) -> None:
+    """Every second: leases, deferrals, rings. Every minute: a WAL checkpoint. Hourly and at start: retention."""
+    last_checkpoint = last_prune = -math.inf
     while True:
-        await asyncio.sleep(SCHEDULER_TICK_SECONDS)
         try:
+            now = time.monotonic()
+            if now - last_prune >= PRUNE_EVERY_SECONDS:
+                last_prune = now
+                pruned = await anyio.to_thread.run_sync(prune, db)
+                log.info("retention: pruned %d todos and %d events", pruned["todos"], pruned["events"])
+            if now - last_checkpoint >= CHECKPOINT_EVERY_SECONDS:
+                last_checkpoint = now
+                await anyio.to_thread.run_sync(db.checkpoint)
             await db.write(scheduler_tick)
         except Exception:  # noqa: BLE001 - the loop must outlive one bad tick; the cause is logged
             log.exception("scheduler tick failed")
+        await asyncio.sleep(SCHEDULER_TICK_SECONDS)
 
 
 def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None = None, background: bool = True,
@@ -3635,7 +3792,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     doorbell = Doorbell()
     db.on_rings = doorbell.ring
     evaluator = Evaluator()
-    api = Api(db, doorbell, box, RateLimiter(ingest_rate, ingest_burst), Metrics(), evaluator,
+    api = Api(db, doorbell, box, RateLimiter(ingest_rate, ingest_burst), Metrics(db, doorbell), evaluator,
               base_url or os.environ.get("SWITCHBOARD_BASE_URL"))
 
     @contextlib.asynccontextmanager
@@ -3689,12 +3846,41 @@ def _read_json_file(path: str) -> Any:
         raise ApiError("invalid_argument", f"{path}: {exc}") from None
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, plus: on SIGTERM or SIGINT the doorbell first ends its streams and wakes waiting claims (an
+    open stream would otherwise hold graceful shutdown forever), and a clean shutdown exits 0."""
+
+    def __init__(self, config: uvicorn.Config, app: Starlette):
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        loop = self.app.state.db.loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self.app.state.doorbell.close_all)
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def _cli_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app = create_app(args.db, synchronous=args.synchronous, ingest_rate=args.ingest_rate,
                      ingest_burst=args.ingest_burst, base_url=args.base_url)
     # The access log is off because ingest URLs carry credentials; Switchboard logs its own lines.
-    uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_level="info")
+    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_level="info",
+                            timeout_graceful_shutdown=30)
+    _Server(config, app).run()
     return 0
 
 
@@ -3766,6 +3952,31 @@ def _cli_rules(db: Database, evaluator: Evaluator, args: argparse.Namespace, com
     return dry_run_rules(db, evaluator, OPERATOR, args.webhook, parse_model(RulesTest, json.dumps(fields)))
 
 
+def _key_health(db_path: str) -> str:
+    """Where the secret key comes from: environment, file, missing, or invalid (it is never printed)."""
+    if os.environ.get("SWITCHBOARD_SECRET_KEY"):
+        source, text = "environment", os.environ["SWITCHBOARD_SECRET_KEY"]
+    elif key_file_path(db_path).exists():
+        source, text = "file", key_file_path(db_path).read_text()
+    else:
+        return "missing"
+    try:
+        parse_key(text)
+    except ApiError:
+        return "invalid"
+    return source
+
+
+def _sandbox_health() -> str:
+    evaluator = Evaluator(size=1)
+    try:
+        return "ok" if evaluator.run(["true"], {}, b"{}") == {"match": 0} else "wrong answer"
+    except EvaluatorUnavailable as exc:
+        return str(exc)
+    finally:
+        evaluator.close()
+
+
 def _cli_run(args: argparse.Namespace) -> dict:
     db = Database(args.db, inline_rings=False)
     try:
@@ -3828,10 +4039,17 @@ def _cli_run(args: argparse.Namespace) -> dict:
                 raise ApiError("conflict", f"{args.out} exists; choose a new file")
             db.backup(args.out)
             return {"backup": str(Path(args.out).resolve())}
+        if command == ("prune", None):
+            pruned = prune(db)
+            return {"pruned": pruned, "checkpoint": list(db.checkpoint())}
         if command == ("check", None):
-            report = db.read_sync(check_database)
-            if report["integrity"] != "ok" or report["foreign_keys"] != "ok":
-                raise ApiError("internal", f"database check failed: {json.dumps(report)}")
+            report = {**db.read_sync(check_database), "key": _key_health(args.db), "sandbox": _sandbox_health()}
+            sealed = db.read_sync(lambda txn: txn.one("SELECT count(*) FROM webhooks WHERE secret_sealed IS NOT NULL")[0])
+            healthy = (report["integrity"] == "ok" and report["foreign_keys"] == "ok" and report["sandbox"] == "ok"
+                       and report["schema_version"] == SCHEMA_VERSION
+                       and (report["key"] in ("environment", "file") or not sealed))
+            if not healthy:
+                raise ApiError("internal", f"check failed: {json.dumps(report)}")
             return report
         raise ApiError("invalid_argument", f"unknown command {args.command}")
     finally:
@@ -3946,7 +4164,8 @@ def build_parser() -> argparse.ArgumentParser:
     events_list.add_argument("--limit", type=int)
 
     commands.add_parser("backup", parents=[common], help="online backup to a new file").add_argument("out")
-    commands.add_parser("check", parents=[common], help="integrity and schema report")
+    commands.add_parser("check", parents=[common], help="integrity, key, sandbox and schema report")
+    commands.add_parser("prune", parents=[common], help="apply retention now and checkpoint the WAL")
     return parser
 
 

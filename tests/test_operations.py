@@ -1,0 +1,162 @@
+"""Running for months: metrics an operator can scrape, retention that never eats live work, a WAL that stays
+bounded under a reader, and the health check."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+
+import producers
+import switchboard as sb
+from conftest import cli
+
+
+def scrape(world, **headers) -> str:
+    r = world.client.get("/metrics", headers=headers)
+    assert r.status_code == 200, r.text
+    return r.text
+
+
+def metric(text: str, line_start: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(line_start + " ") or line == line_start:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{line_start} not in metrics")
+
+
+def test_metrics_count_what_happened_without_naming_tenants(world, clock):
+    alice = world.human("alice")
+    worker = world.endpoint(alice, ["secret-project"], name="secret-worker", verbs=["all"])
+    hook = world.client.post("/api/v1/webhooks", headers=alice.auth, json={
+        "provider": "github", "queue": "secret-project", "endpoint_id": worker.id}).json()
+    path = hook["url"].removeprefix("http://testserver")
+    raw, headers = producers.github("issues.opened", hook["secret"])
+    world.client.post(path, content=raw, headers=headers)
+    world.client.post(path, content=raw, headers=headers)
+    world.client.post(path, content=raw, headers={**headers, "X-Hub-Signature-256": "sha256=" + "0" * 64,
+                                                  "X-GitHub-Delivery": "forged"})
+    first = world.claim(worker, lease_seconds=10)
+    clock.advance(11)
+    world.tick()
+    second = world.claim(worker)
+    world.act(worker, second["todo"]["id"], "complete", lease_token=second["lease_token"])
+    world.push(alice, worker, "secret-project", "pending one")
+    text = scrape(world)
+    assert metric(text, 'switchboard_deliveries_total{provider="github",verdict="routed"}') == 1
+    assert metric(text, 'switchboard_deliveries_total{provider="github",verdict="duplicate"}') == 1
+    assert metric(text, 'switchboard_verification_failures_total{provider="github",reason="bad_signature"}') == 1
+    assert metric(text, 'switchboard_routing_decisions_total{disposition="routed",stage="default"}') == 1
+    assert metric(text, "switchboard_todos_created_total") == 2
+    assert metric(text, "switchboard_todos_claimed_total") == 2
+    assert metric(text, "switchboard_lease_expiries_total") == 1
+    assert metric(text, 'switchboard_todos_completed_total{outcome="completed"}') == 1
+    assert metric(text, 'switchboard_todos{state="done"}') == 1 and metric(text, 'switchboard_todos{state="pending"}') == 1
+    assert metric(text, "switchboard_oldest_pending_seconds") == 0
+    assert metric(text, 'switchboard_doorbell_rings_total{heard="false"}') >= 1
+    for private in ("secret-project", "secret-worker", worker.id, hook["id"], alice.id, first["todo"]["id"]):
+        assert private not in text
+
+
+def test_metrics_token_guards_the_scrape(world, monkeypatch):
+    monkeypatch.setenv("SWITCHBOARD_METRICS_TOKEN", "scrape-me")
+    assert world.client.get("/metrics").status_code == 401
+    assert world.client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert "switchboard_todos" in scrape(world, Authorization="Bearer scrape-me")
+
+
+def test_retention_prunes_old_finished_work_and_never_live_work(world, clock, db_path):
+    alice = world.human("alice")
+    worker = world.endpoint(alice, ["lane"], name="worker", verbs=["all"])
+    router = world.endpoint(alice, ["triage"], name="router", verbs=["all"])
+    hook = world.client.post("/api/v1/webhooks", headers=alice.auth, json={
+        "provider": "github", "queue": "triage", "endpoint_id": router.id}).json()
+    world.client.post(f"/api/v1/webhooks/{hook['id']}/routes", headers=alice.auth, json={"endpoint_id": worker.id})
+    world.client.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=alice.auth, json={"rules": [
+        {"id": "lane", "expr": "true", "action": {"queue": "lane", "once": True}}]})
+    raw, headers = producers.github("issues.opened", hook["secret"])
+    world.client.post(hook["url"].removeprefix("http://testserver"), content=raw, headers=headers)
+    claim = world.claim(worker)
+    world.act(worker, claim["todo"]["id"], "complete", lease_token=claim["lease_token"])
+    pending = world.push(alice, worker, "lane", "still waiting")
+    held = world.push(alice, worker, "lane", "claimed for a month")
+    held_claim = world.claim(worker, queue="lane")
+    assert held_claim["todo"]["id"] in (pending["id"], held["id"])
+    clock.advance(29 * 86400)
+    assert sb.prune(world.db) == {"todos": 0, "events": 0}
+    clock.advance(2 * 86400)
+    pruned = sb.prune(world.db)
+    assert pruned == {"todos": 1, "events": 1}, "the done todo and its delivery; live work and its events stay"
+    conn = sqlite3.connect(db_path)
+    assert {r[0] for r in conn.execute("SELECT state FROM todos")} == {"pending", "claimed"}
+    assert conn.execute("SELECT count(*) FROM routing_once").fetchone()[0] == 1, "once claims are never pruned"
+    again = world.client.post(hook["url"].removeprefix("http://testserver"), content=raw,
+                              headers={**headers, "X-GitHub-Delivery": "after-retention"}).json()
+    assert again["disposition"] in ("repeat", "routed") and again["created"] == 0
+
+
+def test_retention_keeps_at_most_the_row_cap(world, monkeypatch):
+    monkeypatch.setattr(sb, "RETENTION_ROWS", 5)
+    alice = world.human("alice")
+    worker = world.endpoint(alice, ["build"], name="worker")
+    for n in range(8):
+        todo = world.push(alice, worker, "build", f"job {n}")
+        world.act(alice, todo["id"], "cancel", reason="done with it")
+    live = world.push(alice, worker, "build", "live")
+    pruned = sb.prune(world.db)
+    assert pruned["todos"] == 4 and pruned["events"] == 4
+    remaining = world.client.get("/api/v1/todos?limit=200", headers=alice.auth).json()["todos"]
+    assert len(remaining) == 5 and live["id"] in {t["id"] for t in remaining}
+
+
+def test_wal_stays_bounded_over_10000_deliveries_with_a_reader_open(world, app, db_path):
+    app.state.api.limiter = sb.RateLimiter(0, 1)  # as `serve --ingest-rate 0`: one sender, flat out
+    alice = world.human("alice")
+    worker = world.endpoint(alice, ["inbox"], name="worker", verbs=["all"])
+    hook = world.client.post("/api/v1/webhooks", headers=alice.auth, json={
+        "provider": "generic", "queue": "inbox", "endpoint_id": worker.id}).json()
+    path = hook["url"].removeprefix("http://testserver")
+    wal = db_path + "-wal"
+    stop = threading.Event()
+    reads = []
+
+    def reader():
+        # A dashboard that keeps its connection open and reads all the time.
+        conn = sqlite3.connect(db_path)
+        while not stop.is_set():
+            reads.append(conn.execute("SELECT count(*) FROM todos").fetchone()[0])
+        conn.close()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    largest = 0
+    body = b'{"job": "' + b"x" * 1000 + b'"}'
+    try:
+        for n in range(10_000):
+            assert world.client.post(path, content=body, headers={"X-Delivery-Id": f"d{n}"}).status_code == 202
+            if n % 1000 == 999:
+                world.db.checkpoint()  # the server's scheduler does this once a minute
+                largest = max(largest, os.path.getsize(wal))
+    finally:
+        stop.set()
+        thread.join()
+    assert reads and reads[-1] > 0
+    assert largest < 16 << 20, f"WAL grew to {largest} bytes"
+    busy, _, _ = world.db.checkpoint()
+    assert busy == 0 and os.path.getsize(wal) == 0
+
+
+def test_check_reports_integrity_key_sandbox_and_schema(db_path):
+    code, report = cli(db_path, "check")
+    assert code == 0 and report["integrity"] == "ok" and report["sandbox"] == "ok"
+    assert report["schema_version"] == sb.SCHEMA_VERSION and report["key"] == "missing"
+    cli(db_path, "human", "add", "alice")
+    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "q", "--verbs", "all")
+    cli(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github", "--queue", "q")
+    code, report = cli(db_path, "check")
+    assert code == 0 and report["key"] == "file"
+    sb.key_file_path(db_path).unlink()
+    code, failed = cli(db_path, "check")
+    assert code == 1 and failed["error"] == "internal" and "missing" in failed["message"]
+    code, pruned = cli(db_path, "prune")
+    assert code == 0 and pruned["pruned"] == {"todos": 0, "events": 0}
