@@ -3340,7 +3340,8 @@ def channel_notification(ring: dict) -> dict:
                f"To work it: claim it (claim with id {ring['todo_id']}, or claim_next), do the work, "
                f"heartbeat while it runs, then complete it.")
     return {"jsonrpc": "2.0", "method": "notifications/claude/channel",
-            "params": {"content": content, "meta": {k: ring[k] for k in ("todo_id", "queue", "kind", "source")}}}
+            # Channel meta values are strings (they become attributes of the <channel> tag in Claude Code).
+            "params": {"content": content, "meta": {k: ring[k] or "" for k in ("todo_id", "queue", "kind", "source")}}}
 
 
 def sse_frame(data: dict, event: str = "message") -> str:
