@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import ROOT
@@ -32,3 +33,30 @@ def test_readme_walkthrough_ends_with_a_completed_todo(live_server, db_path, tmp
     assert final["result"] == {"fixed": True}
     assert [h["to"] for h in final["history"]] == ["pending", "claimed", "done"]
     assert final["attempts"][0]["heartbeats"] == 1
+
+
+def test_readme_worker_loop_completes_pushed_work(live_server, db_path, tmp_path):
+    server = live_server()
+    section = (ROOT / "README.md").read_text().split("**A minimal worker loop**", 1)[1]
+    (tmp_path / "worker.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    from conftest import cli
+    _, human = cli(db_path, "human", "add", "alice")
+    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "build")
+    env = {**os.environ, "SWITCHBOARD_URL": server.url, "SWITCHBOARD_TOKEN": endpoint["token"]}
+    worker = subprocess.Popen([sys.executable, str(tmp_path / "worker.py")], env=env)
+    try:
+        import httpx
+        todo = httpx.post(f"{server.url}/api/v1/endpoints/{endpoint['id']}/todos",
+                          headers={"Authorization": f"Bearer {human['token']}"},
+                          json={"title": "paste me", "queue": "build", "payload": {"n": 7}}).json()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            shown = httpx.get(f"{server.url}/api/v1/todos/{todo['id']}",
+                              headers={"Authorization": f"Bearer {human['token']}"}).json()
+            if shown["state"] == "done":
+                break
+            time.sleep(0.1)
+        assert shown["state"] == "done" and shown["result"] == {"echo": {"n": 7}}
+    finally:
+        worker.kill()
+        worker.wait()
