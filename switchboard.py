@@ -6,12 +6,15 @@ open are written down in README.md.
 Contents, in dependency order (each section uses only those above it):
   1. Configuration   constants, limits, the clock, errors
   2. Storage         schema application and migrations, connections, the single writer, readers
-  3. Crypto          tokens and their hashes
-  4. Models          request bodies and work items (pydantic, extra="forbid")
-  5. Store           principals, endpoints, todos, attempts, history: the transaction bodies
-  6. Doorbell        waking exactly one waiting session when work becomes claimable
-  7. HTTP            REST routes, authentication, error bodies, the app and its background loops
-  8. CLI             the operator's commands
+  3. Crypto          tokens and their hashes, sealed webhook secrets
+  4. Models          request bodies, rule documents and work items (pydantic, extra="forbid")
+  5. Providers       signatures, freshness and delivery ids of GitHub, Gitea, cairn, Stripe, Slack, generic
+  6. Envelope        the document every rule sees
+  7. Evaluator       jq rule sets in a sandboxed child process pool
+  8. Store           principals, endpoints, webhooks, deliveries, todos, attempts, receipts, retention
+  9. Doorbell        waking exactly one session when work becomes claimable
+ 10. HTTP            REST, ingress, MCP, SSE, metrics, the app and its background loop
+ 11. CLI             the operator's commands
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import concurrent.futures
 import contextlib
 import hashlib
 import hmac
-import itertools
 import json
 import logging
 import math
@@ -72,7 +74,6 @@ SCHEMA_VERSION = 1
 MIGRATIONS: dict[int, str] = {}
 
 DEFAULT_LEASE_SECONDS = 300
-DEFAULT_MAX_ATTEMPTS = 5
 MAX_REQUEST_BYTES = 1 << 20
 MAX_DELIVERY_BYTES = 5 << 20
 DEFAULT_INGEST_RATE = 50.0
@@ -310,10 +311,10 @@ class Database:
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
-            for _, _, future in batch:
-                future.set_exception(ApiError("unavailable", f"database is busy: {exc}"))
+            for _, _, waiting in batch:
+                waiting.set_exception(ApiError("unavailable", f"database is busy: {exc}"))
             return
-        for fn, args, future in batch:
+        for fn, args, _ in batch:
             txn = Txn(conn, self.clock.now_ms(), self.inline_rings)
             conn.execute("SAVEPOINT job")
             try:
@@ -333,7 +334,7 @@ class Database:
             for _, _, future in batch:
                 future.set_exception(ApiError("unavailable", f"commit failed: {exc}"))
             return
-        for (fn, args, future), (ok, value, txn) in zip(batch, outcomes):
+        for (_, _, future), (ok, value, txn) in zip(batch, outcomes, strict=True):
             if ok:
                 for line in txn.logs:
                     log.info(line)
@@ -386,7 +387,7 @@ class Database:
 
 
 # ======================================================================================================
-# 3. Crypto: tokens
+# 3. Crypto: tokens and sealed secrets
 # ======================================================================================================
 
 def new_id(prefix: str) -> str:
@@ -1080,7 +1081,7 @@ for header in read:
 FORBIDDEN_IDENTIFIERS = frozenset({
     "env", "$ENV", "input", "inputs", "input_filename", "input_line_number", "debug", "stderr", "halt",
     "halt_error", "now", "localtime", "gmtime", "mktime", "strftime", "strflocaltime", "$__loc__", "import",
-    "include", "get_search_list", "get_prog_origin", "get_jq_origin", "$__prog_args", "input_line_number"})
+    "include", "get_search_list", "get_prog_origin", "get_jq_origin", "$__prog_args"})
 
 
 def jq_identifiers(expr: str) -> list[str]:
@@ -1305,7 +1306,7 @@ def _fault_detail(detail: Any) -> str:
 
 
 # ======================================================================================================
-# 5. Store: principals, endpoints, todos, attempts, history
+# 8. Store: principals, endpoints, webhooks, deliveries, todos, attempts, receipts, retention
 # ======================================================================================================
 # Every function here is a transaction body `fn(txn, ...)` run by Database.write or Database.read.
 # Isolation lives here: every query a caller can reach is filtered by the caller's principal.
@@ -1776,7 +1777,7 @@ def _held(txn: Txn, principal: Principal, verb: str, todo_id: str, lease_token: 
 
 
 def heartbeat(txn: Txn, principal: Principal, todo_id: str, body: Heartbeat) -> dict:
-    todo = _held(txn, principal, "heartbeat", todo_id, body.lease_token)
+    _held(txn, principal, "heartbeat", todo_id, body.lease_token)
     attempt = txn.one("SELECT * FROM attempts WHERE todo_id = ? AND ended_at IS NULL", (todo_id,))
     lease = body.lease_seconds or attempt["lease_seconds"]
     expires = txn.now + lease * 1000
@@ -2274,7 +2275,6 @@ class Delivery:
     """A verified delivery and its routing decision, ready to be recorded in one transaction."""
     webhook_id: str
     token_hash: str
-    headers: dict[str, str]
     body: bytes
     envelope: dict
     envelope_text: str
@@ -2416,7 +2416,7 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
     outcome: dict[str, Any] = {
         "event_id": event_id, "disposition": plan.disposition, "verified": envelope["verified"],
         "todos": [{"id": tid, "endpoint_id": eid, "queue": q, "created": True}
-                  for tid, (eid, q, _) in zip(todo_ids, plan.targets)],
+                  for tid, (eid, q, _) in zip(todo_ids, plan.targets, strict=True)],
         "created": len(plan.targets)}
     flag = {"dropped": "dropped", "quarantined": "held", "repeat": "repeat"}.get(plan.disposition)
     if flag:
@@ -2430,7 +2430,7 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
          delivery.body, delivery.envelope_text, plan.disposition, json.dumps(plan.trace), json.dumps(outcome), txn.now))
     title = envelope_title(envelope)
     payload = json.dumps(envelope["payload"])
-    for todo_id, target in zip(todo_ids, plan.targets):
+    for todo_id, target in zip(todo_ids, plan.targets, strict=True):
         _insert_todo(txn, todo_id, target, envelope, plan, event_id, title, payload)
     txn.logs.append(f"delivery {event_id} to {webhook['id']}: {plan.disposition}, {len(plan.targets)} todos")
     return outcome
@@ -2812,7 +2812,7 @@ def check_database(txn: Txn) -> dict:
 
 
 # ======================================================================================================
-# 6. Doorbell
+# 9. Doorbell
 # ======================================================================================================
 # The queue is the ledger; the doorbell is a hint. A ring goes to exactly one session of the todo's
 # endpoint whose queue filter covers it: the oldest waiting claim first, else the streams in turn.
@@ -2888,7 +2888,7 @@ class Doorbell:
 
 
 # ======================================================================================================
-# 7. HTTP: REST routes, authentication, error bodies, the app
+# 10. HTTP: REST, ingress, MCP, SSE, metrics, the app
 # ======================================================================================================
 
 def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
@@ -3176,7 +3176,7 @@ class Api:
             log.error("delivery to %s not evaluated: %s", webhook["id"], exc)
             raise ApiError("unavailable", "the rule evaluator cannot run; retry later") from None
         outcome = await self.db.write(record_delivery, Delivery(
-            webhook_id=webhook["id"], token_hash=webhook["token_hash"], headers=headers, body=body, envelope=envelope,
+            webhook_id=webhook["id"], token_hash=webhook["token_hash"], body=body, envelope=envelope,
             envelope_text=envelope_text,
             delivery_key=delivery_key(provider, headers, envelope["payload"], body),
             body_hash=hashlib.sha256(body).hexdigest(), action=action, trace=trace))
@@ -3823,7 +3823,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
 
 
 # ======================================================================================================
-# 8. CLI
+# 11. CLI
 # ======================================================================================================
 
 def _print(args: argparse.Namespace, obj: dict) -> None:
