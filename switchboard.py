@@ -2762,27 +2762,23 @@ PRUNE_BATCH = 5_000
 def prune_batch(txn: Txn) -> dict:
     """One bounded step of retention: terminal todos and events older than 30 days or beyond 500,000 rows.
     Pending and claimed work is never touched, nor an event a live todo still points at, nor routing_once."""
-    cutoff = txn.now - RETENTION_MS
-    terminal = f"state IN {TERMINAL_STATES}"
-    excess = max(0, txn.one("SELECT count(*) FROM todos")[0] - RETENTION_ROWS)
-    todos = txn.all(f"SELECT id FROM todos WHERE {terminal} AND updated_at < ? ORDER BY updated_at LIMIT ?",
-                    (cutoff, PRUNE_BATCH))
-    if len(todos) < min(excess, PRUNE_BATCH):
-        todos = txn.all(f"SELECT id FROM todos WHERE {terminal} ORDER BY updated_at LIMIT ?",
-                        (min(excess, PRUNE_BATCH),))
-    txn.conn.executemany("DELETE FROM todos WHERE id = ?", [(r["id"],) for r in todos])
-    unreferenced = (f"NOT EXISTS (SELECT 1 FROM todos t WHERE t.event_id = events.id AND t.state NOT IN"
-                    f" {TERMINAL_STATES})")
-    excess = max(0, txn.one("SELECT count(*) FROM events")[0] - RETENTION_ROWS)
-    events = txn.all(f"SELECT id FROM events WHERE received_at < ? AND {unreferenced} ORDER BY received_at LIMIT ?",
-                     (cutoff, PRUNE_BATCH))
-    if len(events) < min(excess, PRUNE_BATCH):
-        events = txn.all(f"SELECT id FROM events WHERE {unreferenced} ORDER BY received_at LIMIT ?",
-                         (min(excess, PRUNE_BATCH),))
-    txn.conn.executemany("DELETE FROM events WHERE id = ?", [(r["id"],) for r in events])
+    todos = _prune_table(txn, "todos", f"state IN {TERMINAL_STATES}", "updated_at")
+    events = _prune_table(txn, "events", f"NOT EXISTS (SELECT 1 FROM todos t WHERE t.event_id = events.id"
+                                         f" AND t.state NOT IN {TERMINAL_STATES})", "received_at")
     if todos or events:
-        txn.logs.append(f"pruned {len(todos)} todos and {len(events)} events")
-    return {"todos": len(todos), "events": len(events)}
+        txn.logs.append(f"pruned {todos} todos and {events} events")
+    return {"todos": todos, "events": events}
+
+
+def _prune_table(txn: Txn, table: str, eligible: str, stamp: str) -> int:
+    """Delete up to a batch of eligible rows: those past the age limit, or the oldest beyond the row cap."""
+    excess = min(PRUNE_BATCH, max(0, txn.one(f"SELECT count(*) FROM {table}")[0] - RETENTION_ROWS))
+    rows = txn.all(f"SELECT id FROM {table} WHERE {eligible} AND {stamp} < ? ORDER BY {stamp} LIMIT ?",
+                   (txn.now - RETENTION_MS, PRUNE_BATCH))
+    if len(rows) < excess:
+        rows = txn.all(f"SELECT id FROM {table} WHERE {eligible} ORDER BY {stamp} LIMIT ?", (excess,))
+    txn.conn.executemany(f"DELETE FROM {table} WHERE id = ?", [(r["id"],) for r in rows])
+    return len(rows)
 
 
 def prune(db: Database) -> dict:
