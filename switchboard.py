@@ -1930,14 +1930,21 @@ def discard(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> di
 
 
 def _reroute_target(txn: Txn, todo: sqlite3.Row, queue: str) -> str:
-    """Choose the endpoint as exclusive delivery would: the first live endpoint of the same human,
-    in creation order, whose scope grants the queue."""
-    human_id = txn.one("SELECT human_id FROM endpoints WHERE id = ?", (todo["endpoint_id"],))["human_id"]
-    for row in txn.all("SELECT id, queues FROM endpoints WHERE human_id = ? AND revoked_at IS NULL"
-                       " ORDER BY created_at, rowid", (human_id,)):
+    """Choose the endpoint as exclusive delivery would: the first, in order, whose scope grants the queue,
+    among the originating webhook's targets; for operator-authored todos (or a deleted webhook), among the same
+    human's live endpoints in creation order."""
+    webhook = txn.one("SELECT w.* FROM events e JOIN webhooks w ON w.id = e.webhook_id WHERE e.id = ?",
+                      (todo["event_id"],))
+    if webhook is not None:
+        candidates = webhook_targets(txn, webhook)
+    else:
+        candidates = txn.all("SELECT e.* FROM endpoints e JOIN endpoints mine ON mine.human_id = e.human_id"
+                             " WHERE mine.id = ? AND e.revoked_at IS NULL ORDER BY e.created_at, e.rowid",
+                             (todo["endpoint_id"],))
+    for row in candidates:
         if queue in json.loads(row["queues"]):
             return row["id"]
-    raise ApiError("invalid_argument", f"queue: no live endpoint of this human is scoped to {queue}")
+    raise ApiError("invalid_argument", f"queue: no live target endpoint is scoped to {queue}")
 
 
 def reroute(txn: Txn, principal: Principal, todo_id: str, body: Reroute) -> dict:

@@ -370,3 +370,13 @@ def test_rules_over_the_cli(db_path, tmp_path):
     assert code == 1 and refused["error"] == "invalid_argument"
     code, shown = cli(db_path, "rules", "get", made["id"])
     assert shown["rules"][0]["id"] == "hold-bugs"
+
+
+def test_reroute_of_a_delivery_chooses_among_the_webhooks_targets(world, alice, router, hook, lane_s):
+    bystander = world.endpoint(alice, ["lane-m"], name="bystander")
+    lane_m = world.endpoint(alice, ["lane-m"], name="lane-m")
+    world.client.post(f"/api/v1/webhooks/{hook['id']}/routes", headers=alice.auth, json={"endpoint_id": lane_m.id})
+    todo_id = deliver(world, hook).json()["todos"][0]["id"]
+    moved = world.act(alice, todo_id, "reroute", queue="lane-m").json()
+    assert moved["endpoint_id"] == lane_m.id, "a webhook target, not the human's older endpoint"
+    assert bystander.id != lane_m.id
