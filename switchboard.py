@@ -849,14 +849,15 @@ def verify_delivery(provider: str, secret: bytes | None, headers: dict[str, str]
 
 
 def _iso_ms(value: Any) -> int:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return int(value * 1000)
-    if not isinstance(value, str):
-        raise VerificationFailed("malformed_timestamp")
+    """A signed timestamp (ISO-8601, or Unix seconds) in milliseconds; anything unrepresentable is malformed."""
     try:
-        return to_ms(datetime.fromisoformat(value))
-    except ValueError:
-        raise VerificationFailed("malformed_timestamp") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return int(value * 1000)
+        if isinstance(value, str):
+            return to_ms(datetime.fromisoformat(value))
+    except (ValueError, OverflowError):
+        pass
+    raise VerificationFailed("malformed_timestamp")
 
 
 def delivery_key(provider: str, headers: dict[str, str], payload: Any, body: bytes) -> str:
@@ -1022,7 +1023,7 @@ def envelope_title(envelope: dict) -> str:
         text = f"{repo}: push to {_text(_get(payload, 'ref'))}"
     else:
         text = f"{envelope['source']} {envelope['kind'] or 'delivery'}"
-    text = " ".join(str(text).split())
+    text = " ".join(re.sub(r"[\x00-\x1f\x7f]", " ", str(text)).split())
     return text[:512] or "delivery"
 
 
@@ -1149,6 +1150,10 @@ class EvaluatorUnavailable(Exception):
     """No child could be started or reached: ingress answers 503 and stores nothing."""
 
 
+class EvaluatorDied(EvaluatorUnavailable):
+    """A running child went away mid-request (its memory cap, or a crash): for a delivery, a rule fault."""
+
+
 class _Child:
     def __init__(self) -> None:
         try:
@@ -1171,7 +1176,7 @@ class _Child:
             self.proc.stdin.write(json.dumps({**header, "doc_bytes": len(doc)}).encode() + b"\n" + doc)
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
-            raise EvaluatorUnavailable("the evaluator is gone") from None
+            raise EvaluatorDied("the evaluator is gone") from None
 
     def read(self, timeout: float) -> dict | None:
         """The next answer, None when `timeout` passes first; EvaluatorUnavailable when the child died."""
@@ -1183,7 +1188,7 @@ class _Child:
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
-                raise EvaluatorUnavailable("the evaluator died")
+                raise EvaluatorDied("the evaluator died")
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         return json.loads(line)
@@ -1198,60 +1203,75 @@ class _Child:
 
 
 class Evaluator:
-    """A pool of sandbox children. A call that overruns its budget is a fault at once; its child gets until
-    the kill deadline to finish (and rejoin the pool) before it is killed and replaced."""
+    """A pool of sandbox children. A call that overruns its budget is a fault at once and its child leaves the
+    pool: it gets until the kill deadline to finish (and rejoin, if there is room) before it is killed, while a
+    fresh child takes its place, so stuck rules never stall the deliveries behind them."""
+
+    MAX_OVERRUNNING_PER_SLOT = 2
 
     def __init__(self, size: int = EVAL_POOL_SIZE, budget: float = EVAL_BUDGET_SECONDS,
                  kill_after: float = EVAL_KILL_SECONDS):
         self.size = size
         self.budget = budget
         self.kill_after = kill_after
-        self._idle: queue_module.LifoQueue[_Child] = queue_module.LifoQueue()
-        self._lock = threading.Lock()
+        self._idle: list[_Child] = []
+        self._changed = threading.Condition()
         self._count = 0
+        self._overrunning = 0
         self._closed = False
 
     def _acquire(self) -> _Child:
-        with contextlib.suppress(queue_module.Empty):
-            return self._idle.get_nowait()
-        with self._lock:
-            spawn = self._count < self.size
-            if spawn:
-                self._count += 1
-        if spawn:
-            try:
-                return _Child()
-            except EvaluatorUnavailable:
-                with self._lock:
-                    self._count -= 1
-                raise
+        deadline = time.monotonic() + self.kill_after + 1
+        with self._changed:
+            while not self._idle:
+                if self._count < self.size and self._overrunning < self.size * self.MAX_OVERRUNNING_PER_SLOT:
+                    self._count += 1
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise EvaluatorUnavailable("every evaluator is busy")
+                self._changed.wait(remaining)
+            else:
+                return self._idle.pop()
         try:
-            return self._idle.get(timeout=self.kill_after + 1)
-        except queue_module.Empty:
-            raise EvaluatorUnavailable("every evaluator is busy") from None
+            return _Child()
+        except EvaluatorUnavailable:
+            self._leave(None)
+            raise
 
     def _release(self, child: _Child) -> None:
-        if self._closed:
-            self._discard(child)
-        else:
-            self._idle.put(child)
+        with self._changed:
+            if not self._closed:
+                self._idle.append(child)
+                self._changed.notify()
+                return
+        self._leave(child)
 
-    def _discard(self, child: _Child) -> None:
-        child.kill()
-        with self._lock:
+    def _leave(self, child: _Child | None) -> None:
+        """A child leaves the pool (dead, or never started); its slot is free for a new one."""
+        if child is not None:
+            child.kill()
+        with self._changed:
             self._count -= 1
+            self._changed.notify()
 
     def _overrun(self, child: _Child, started: float) -> None:
         try:
             late = child.read(max(0.0, started + self.kill_after - time.monotonic()))
         except EvaluatorUnavailable:
             late = None
-        if late is None:
-            self._discard(child)
-        else:
-            self._release(child)
+        with self._changed:
+            self._overrunning -= 1
+            rejoin = late is not None and not self._closed and self._count < self.size
+            if rejoin:
+                self._count += 1
+                self._idle.append(child)
+            self._changed.notify()
+        if not rejoin:
+            child.kill()
 
-    def _call(self, header: dict, doc: bytes, compile_only: bool = False) -> dict:
+    def _call(self, header: dict, doc: bytes, compile_only: bool = False) -> dict | None:
+        """The child's answer; None when it overran (and has left the pool)."""
         child = self._acquire()
         started = time.monotonic()
         try:
@@ -1260,27 +1280,40 @@ class Evaluator:
             child.send({k: v for k, v in header.items() if k != "program_text"}, doc)
             answer = child.read(self.kill_after if compile_only else self.budget)
         except EvaluatorUnavailable:
-            self._discard(child)
-            if compile_only:
-                raise
-            return {"fault": "budget_exhausted", "detail": "the evaluator died (memory cap or crash)"}
+            self._leave(child)
+            raise
         if answer is None:
+            with self._changed:
+                self._count -= 1
+                self._overrunning += 1
+                self._changed.notify()
             threading.Thread(target=self._overrun, args=(child, started), daemon=True).start()
-            return {"fault": "timeout", "detail": f"no answer within {int(self.budget * 1000)} ms"}
+            return None
         if not compile_only:
             child.known.add(header["key"])
         self._release(child)
         return answer
 
     def compile_errors(self, programs: list[str], params: dict) -> list[dict]:
-        return self._call({"op": "compile", "programs": programs, "params": params}, b"", compile_only=True)["errors"]
+        answer = self._call({"op": "compile", "programs": programs, "params": params}, b"", compile_only=True)
+        if answer is None:
+            raise ApiError("invalid_argument", "rules: compiling took too long")
+        return answer["errors"]
 
     def run(self, exprs: list[str], params: dict, doc: bytes) -> dict:
         """Evaluate a rule set over one envelope: {"match": i}, {"none": True} or {"fault": cause, "rule_index",
         "detail"}. A fault the child could not pin on one rule has rule_index None."""
         program = combined_program(exprs)
         key = hashlib.sha256(program.encode() + b"\x00" + json.dumps(params, sort_keys=True).encode()).hexdigest()
-        answer = self._call({"op": "eval", "key": key, "program_text": program, "params": params}, doc)
+        try:
+            answer = self._call({"op": "eval", "key": key, "program_text": program, "params": params}, doc)
+        except EvaluatorDied:
+            # It started and then died mid-evaluation: the memory cap, or a crash in jq. A fault, not an outage.
+            return {"fault": "budget_exhausted", "rule_index": None,
+                    "detail": "the evaluator died (memory cap or crash)"}
+        if answer is None:
+            return {"fault": "timeout", "rule_index": None,
+                    "detail": f"no answer within {int(self.budget * 1000)} ms"}
         result = answer.get("result")
         if isinstance(result, dict) and "match" in result:
             return {"match": result["match"]}
@@ -1292,12 +1325,11 @@ class Evaluator:
                 "detail": _fault_detail(answer.get("detail", "no result"))}
 
     def close(self) -> None:
-        self._closed = True
-        while True:
-            try:
-                self._discard(self._idle.get_nowait())
-            except queue_module.Empty:
-                return
+        with self._changed:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for child in idle:
+            self._leave(child)
 
 
 def _fault_detail(detail: Any) -> str:

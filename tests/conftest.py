@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -182,3 +183,21 @@ def cli(db_path: str, *args: str) -> tuple[int, dict]:
     done = subprocess.run([sys.executable, str(ROOT / "switchboard.py"), *args, "--db", db_path, "--json"],
                           capture_output=True, text=True, timeout=60)
     return done.returncode, json.loads(done.stdout) if done.stdout.strip() else {}
+
+
+def snapshot(db_path: str) -> dict:
+    """Every row of every table (ordered by primary key, else rowid), plus the schema version: what a refused
+    request must leave exactly as it found it."""
+    conn = sqlite3.connect(db_path)
+    try:
+        out: dict = {"user_version": conn.execute("PRAGMA user_version").fetchone()[0]}
+        tables = [r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")]
+        for table in tables:
+            info = conn.execute(f'PRAGMA table_info("{table}")').fetchall()
+            pk = [row[1] for row in sorted(info, key=lambda r: r[5]) if row[5] > 0]
+            order = ", ".join(f'"{c}"' for c in pk) if pk else "rowid"
+            out[table] = conn.execute(f'SELECT * FROM "{table}" ORDER BY {order}').fetchall()
+        return out
+    finally:
+        conn.close()

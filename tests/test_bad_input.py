@@ -5,7 +5,6 @@ table of the real SQLite file is compared before and after)."""
 from __future__ import annotations
 
 import json
-import sqlite3
 from dataclasses import dataclass
 
 import pytest
@@ -17,22 +16,7 @@ KIB64 = 64 << 10
 WORK_ITEM = {"schema": "switchboard.work_item.v1", "objective": "do the thing"}
 GATED = {**WORK_ITEM, "approval_gates": ["review"]}
 
-
-def snapshot(db_path: str) -> dict:
-    """Every row of every table (ordered by primary key, else rowid), plus the schema version."""
-    conn = sqlite3.connect(db_path)
-    try:
-        out: dict = {"user_version": conn.execute("PRAGMA user_version").fetchone()[0]}
-        tables = [r[0] for r in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")]
-        for table in tables:
-            info = conn.execute(f'PRAGMA table_info("{table}")').fetchall()
-            pk = [row[1] for row in sorted(info, key=lambda r: r[5]) if row[5] > 0]
-            order = ", ".join(f'"{c}"' for c in pk) if pk else "rowid"
-            out[table] = conn.execute(f'SELECT * FROM "{table}" ORDER BY {order}').fetchall()
-        return out
-    finally:
-        conn.close()
+from conftest import snapshot
 
 
 @dataclass

@@ -8,7 +8,6 @@ import sys
 import threading
 
 import httpx
-
 from conftest import ROOT, cli
 
 

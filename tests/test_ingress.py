@@ -7,9 +7,9 @@ import hmac
 import json
 import sqlite3
 
+import producers
 import pytest
 
-import producers
 import switchboard as sb
 
 

@@ -21,8 +21,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
-import pytest
-
 from conftest import cli
 
 FIXTURES = Path(os.environ.get("SWITCHBOARD_FIXTURES") or Path(__file__).resolve().parents[2] / "shared" / "fixtures")

@@ -13,14 +13,13 @@ import anyio
 import httpx
 import httpx2
 import mcp_types as types
+import producers
 import pytest
+from conftest import cli
 from mcp import Client
 from mcp.client import ClientExtension, ClientSession, NotificationBinding
 from mcp.client.streamable_http import streamable_http_client
 from pydantic import BaseModel, ConfigDict
-
-import producers
-from conftest import cli
 
 
 class ChannelParams(BaseModel):

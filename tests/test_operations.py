@@ -8,8 +8,9 @@ import sqlite3
 import threading
 
 import producers
-import switchboard as sb
 from conftest import cli
+
+import switchboard as sb
 
 
 def scrape(world, **headers) -> str:

@@ -19,9 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 import producers
+import pytest
 
 PACKS = Path(__file__).resolve().parent.parent / "packs"
 FIXTURES = producers.FIXTURES

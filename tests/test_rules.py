@@ -7,9 +7,9 @@ import sqlite3
 import threading
 import time
 
+import producers
 import pytest
 
-import producers
 import switchboard as sb
 
 
