@@ -106,14 +106,14 @@ def source_fingerprint() -> dict:
 class Server:
     """`python switchboard.py serve` as a child process, stopped by its own pid."""
 
-    def __init__(self, db_path: str, synchronous: str):
+    def __init__(self, db_path: str, synchronous: str, *extra_args: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(db_path).with_suffix(".log")
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "switchboard.py"), "serve", "--db", db_path, "--port", str(self.port),
-             "--synchronous", synchronous],
+             "--synchronous", synchronous, *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=str(Path(db_path).parent))
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -145,6 +145,20 @@ class Server:
             return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, ValueError, IndexError):
             return None
+
+    def log_tracebacks(self, limit: int = 3) -> list[str]:
+        """Each logged traceback with the line before it and up to 40 lines of it, for the report."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        found = []
+        for i, line in enumerate(lines):
+            if line.startswith("Traceback"):
+                block = lines[max(0, i - 1):i + 40]
+                end = next((j for j in range(2, len(block)) if block[j] and not block[j].startswith(" ")),
+                           len(block) - 1)
+                found.append("\n".join(block[:end + 1]))
+                if len(found) >= limit:
+                    break
+        return found
 
     def log_problems(self) -> list[str]:
         text = self.log_path.read_text(errors="replace")
@@ -256,6 +270,7 @@ def bench_rest(synchronous: str, n_todos: int, n_workers: int, push_threads: int
             rest_checks["done_page"] = len(r.json()["todos"]) if r.status_code == 200 else f"HTTP {r.status_code}"
         server.stop()
         log_problems = server.log_problems()
+        tracebacks = server.log_tracebacks()
         server = None
 
         # Exactly-once: from the clients' side and from the database file (opened read-only).
@@ -283,6 +298,7 @@ def bench_rest(synchronous: str, n_todos: int, n_workers: int, push_threads: int
             "rest": rest_checks,
             "http_errors": errors[:20],
             "server_log_problems": log_problems[:20],
+            "server_tracebacks": tracebacks,
         }
         ok = (not dupes and not missing and not errors and not log_problems
               and states == {"done": n_todos} and multi_attempts == 0 and completed_attempts == n_todos

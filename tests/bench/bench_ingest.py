@@ -1,0 +1,208 @@
+"""Ingest benchmark (SPEC section 13): signed GitHub issue deliveries per second end to end over HTTP, with the
+fleet pack installed on a router webhook the way packs/README.md lays out the lanes.
+
+    python tests/bench/bench_ingest.py [--quick]      (normally run through tests/bench/run_all.py)
+
+Set-up, all through the real CLI before the server starts: a human; a router endpoint scoped to `hold` with verb
+`webhooks` that owns a GitHub webhook (queue `hold`); one `drain` endpoint per lane (lane-s, lane-m, lane-l,
+lane-vision, triage), each added as a route of the webhook; `rules set WEBHOOK --file packs/fleet.json --params
+PARAMS.json` with params that make the deliveries eligible. Then `serve --ingest-rate 0`.
+
+Every delivery is `issues.labeled` from the shared fixtures, patched to a distinct issue number and one
+`size/S|M|L` label (rotating), with a fresh X-GitHub-Delivery, and signed with the webhook's secret. All
+deliveries are built and signed before the clock starts. 16 sender threads, each with its own keep-alive
+httpx.Client, take the next delivery from a shared counter and POST it; the ack latency is the time from just
+before the POST to the parsed 202.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import sqlite3
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # tests/, for producers
+import producers  # noqa: E402
+from bench_store import ROOT, Server, cli, percentile  # noqa: E402
+
+PACK = ROOT / "packs" / "fleet.json"
+LANES = ("lane-s", "lane-m", "lane-l", "lane-vision", "triage")
+SIZES = ("S", "M", "L")
+PARAMS = {"require_verified": True, "trusted_humans": ["Codertocat"], "trusted_agents": [],
+          "cairn_actors": [], "repo_prefixes": ["Codertocat/"]}
+
+
+def fleet_topology(db_path: str, tmp: str) -> dict:
+    """The lane topology of packs/README.md through the CLI; returns tokens, ids and the webhook."""
+    human = cli(db_path, "human", "add", "bench")
+    router = cli(db_path, "endpoint", "vend", "--human", "bench", "--name", "router", "--queues", "hold",
+                 "--verbs", "webhooks")
+    lanes = {q: cli(db_path, "endpoint", "vend", "--human", "bench", "--name", q, "--queues", q, "--verbs", "drain")
+             for q in LANES}
+    hook = cli(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "github", "--queue", "hold",
+               "--base-url", "http://placeholder")
+    for q in LANES:
+        cli(db_path, "route", "add", hook["id"], lanes[q]["id"])
+    params_path = os.path.join(tmp, "params.json")
+    Path(params_path).write_text(json.dumps(PARAMS))
+    installed = cli(db_path, "rules", "set", hook["id"], "--file", str(PACK), "--params", params_path)
+    pack = json.loads(PACK.read_text())
+    if [r["id"] for r in installed["rules"]] != [r["id"] for r in pack["rules"]]:
+        raise RuntimeError(f"rules set did not install the fleet pack: {installed}")
+    return {"human": human, "router": router, "lanes": lanes, "hook": hook,
+            "hook_path": "/hooks/" + hook["url"].rsplit("/hooks/", 1)[1]}
+
+
+def labeled_delivery(secret: str, number: int, size: str) -> tuple[bytes, dict]:
+    """issues.labeled for issue #number, whose whole label set is one size/<size> label (the changed label too)."""
+    label = {"id": 9000 + SIZES.index(size), "node_id": "LA_bench", "name": f"size/{size}", "color": "ededed",
+             "default": False, "description": None,
+             "url": f"https://api.github.com/repos/Codertocat/Hello-World/labels/size/{size}"}
+    patch = {"issue": {"number": number, "labels": [label]}, "label": label}
+    return producers.github("issues.labeled", secret, patch, delivery=str(uuid.uuid4()))
+
+
+def bench_ingest(synchronous: str, n_deliveries: int, n_senders: int = 16) -> dict:
+    tmp = tempfile.mkdtemp(prefix="sb-bench-ingest-")
+    db_path = os.path.join(tmp, "switchboard.db")
+    server = None
+    try:
+        topo = fleet_topology(db_path, tmp)
+        secret = topo["hook"]["secret"]
+        deliveries = [labeled_delivery(secret, 10_000 + i, SIZES[i % len(SIZES)]) for i in range(n_deliveries)]
+        body_bytes = statistics.fmean(len(raw) for raw, _ in deliveries)
+        server = Server(db_path, synchronous, "--ingest-rate", "0")
+        url = server.url + topo["hook_path"]
+
+        lock = threading.Lock()
+        next_index = [0]
+        ack_ms: list[float] = []
+        answers: list[dict | None] = [None] * n_deliveries
+        errors: list[str] = []
+        start = threading.Barrier(n_senders + 1)
+        finished_at = [0.0] * n_senders
+
+        def sender(s: int) -> None:
+            with httpx.Client(timeout=60) as client:
+                client.get(f"{server.url}/healthz")  # open the keep-alive connection before the clock starts
+                start.wait()
+                while True:
+                    with lock:
+                        i = next_index[0]
+                        next_index[0] += 1
+                    if i >= n_deliveries:
+                        break
+                    raw, headers = deliveries[i]
+                    t0 = time.perf_counter()
+                    r = client.post(url, content=raw, headers=headers)
+                    took = (time.perf_counter() - t0) * 1e3
+                    if r.status_code != 202:
+                        errors.append(f"delivery {i}: {r.status_code} {r.text[:300]}")
+                        continue
+                    answers[i] = r.json()
+                    with lock:
+                        ack_ms.append(took)
+            finished_at[s] = time.perf_counter()
+
+        threads = [threading.Thread(target=sender, args=(s,), name=f"bench-sender-{s}") for s in range(n_senders)]
+        for t in threads:
+            t.start()
+        server_cpu0, client_cpu0 = server.cpu_seconds(), time.process_time()
+        children_cpu0 = evaluator_children_cpu(server.proc.pid) or 0.0
+        start.wait()
+        t_start = time.perf_counter()
+        for t in threads:
+            t.join()
+        wall = max(finished_at) - t_start
+        server_cpu1, client_cpu1 = server.cpu_seconds(), time.process_time()
+        children_cpu1 = evaluator_children_cpu(server.proc.pid)
+        cpu = {"server_cores": None if server_cpu0 is None or server_cpu1 is None
+               else (server_cpu1 - server_cpu0) / wall,
+               "client_cores": (client_cpu1 - client_cpu0) / wall,
+               "evaluator_children_cores": None if children_cpu1 is None
+               else (children_cpu1 - children_cpu0) / wall}
+        server.stop()
+        log_problems = server.log_problems()
+        tracebacks = server.log_tracebacks()
+        server = None
+
+        # Dispositions from the 202 answers, then cross-checked against the file.
+        dispositions = collections.Counter(
+            "duplicate" if a.get("duplicate") else a["disposition"] for a in answers if a is not None)
+        expected_lane = {f"lane-{s.lower()}" for s in SIZES}
+        wrong_lane = [a for i, a in enumerate(answers) if a is not None and a["disposition"] == "routed"
+                      and [t["queue"] for t in a["todos"]] != [f"lane-{SIZES[i % len(SIZES)].lower()}"]]
+        ro = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+        try:
+            db_dispositions = dict(ro.execute("SELECT disposition, count(*) FROM events GROUP BY disposition"))
+            db_queues = dict(ro.execute("SELECT queue, count(*) FROM todos GROUP BY queue"))
+            lane_owner = dict(ro.execute("SELECT t.queue, count(DISTINCT t.endpoint_id) FROM todos t GROUP BY t.queue"))
+        finally:
+            ro.close()
+        routed = dispositions.get("routed", 0)
+        verified = {
+            "http_errors": errors[:20], "server_log_problems": log_problems[:20], "server_tracebacks": tracebacks,
+            "db_event_dispositions": db_dispositions, "db_todo_queues": db_queues,
+            "wrong_lane": len(wrong_lane), "endpoints_per_queue": lane_owner,
+        }
+        verified["ok"] = (not errors and not log_problems and routed == n_deliveries and not wrong_lane
+                          and db_dispositions == {"routed": n_deliveries}
+                          and set(db_queues) == expected_lane and sum(db_queues.values()) == n_deliveries
+                          and all(v == 1 for v in lane_owner.values()))
+        return {
+            "synchronous": synchronous.upper(),
+            "deliveries": n_deliveries,
+            "senders": n_senders,
+            "body_bytes_mean": body_bytes,
+            "wall_s": wall,
+            "deliveries_per_s": len(ack_ms) / wall,
+            "ack_p50_ms": percentile(ack_ms, 50),
+            "ack_p99_ms": percentile(ack_ms, 99),
+            "ack_max_ms": max(ack_ms) if ack_ms else float("nan"),
+            "dispositions": dict(dispositions),
+            "routed_share": routed / n_deliveries,
+            "cpu_during_ingest": cpu,
+            "verified": verified,
+        }
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def evaluator_children_cpu(pid: int) -> float | None:
+    """user+system CPU seconds of the server's live children (the sandboxed evaluator pool), from /proc."""
+    total, found = 0.0, False
+    try:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                found = True
+    except OSError:
+        return None
+    return total if found else None
+
+
+if __name__ == "__main__":
+    quick = "--quick" in sys.argv
+    for sync in ("full", "normal"):
+        print(json.dumps(bench_ingest(sync, 300 if quick else 2000), indent=2))

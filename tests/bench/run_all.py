@@ -1,0 +1,356 @@
+"""Every benchmark of SPEC section 13 in one run, then the README's Speed region rewritten with the results.
+
+    python tests/bench/run_all.py [--quick] [--no-readme]
+
+1. ingest     signed GitHub deliveries/s end to end over HTTP with the fleet pack, 16 senders, FULL and NORMAL
+              (bench_ingest.py)
+2. rest       claim+complete cycles/s with 8 competing workers over REST, FULL and NORMAL (bench_store.py, A)
+3. doorbell   202 -> notification latency for SSE, MCP and a waiting claim, 50 sessions (bench_doorbell.py)
+4. rules      fleet-pack evaluation per delivery on a 15 KB payload, sandbox round trip included (bench_rules.py)
+5. inproc     the store's claim+ack in-process vs litequeue and persist-queue, FULL and NORMAL (bench_store.py, B)
+
+Writes tests/bench/results-all.json (git-ignored) and replaces only the lines between `<!-- bench:start -->`
+and `<!-- bench:end -->` in README.md. Exit status 1 when any benchmark failed or failed its own checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import bench_doorbell  # noqa: E402
+import bench_ingest  # noqa: E402
+import bench_rules  # noqa: E402
+import bench_store  # noqa: E402
+
+ROOT = bench_store.ROOT
+README = ROOT / "README.md"
+RESULTS_PATH = HERE / "results-all.json"
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+SIZES = {  # full, quick
+    "ingest_deliveries": (3000, 300),
+    "rest_todos": (2000, 400),
+    "doorbell_rings": (200, 40),
+    "rules_runs": (2000, 300),
+    "inproc_cycles": (3000, 500),
+    "inproc_rounds": (3, 1),
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# machine
+# ----------------------------------------------------------------------------------------------------
+
+def machine() -> dict:
+    facts = bench_store.machine_facts()
+    try:
+        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal:"))
+        facts["memory"] = f"{kib / (1 << 20):.1f} GiB"
+    except (OSError, StopIteration, ValueError):
+        facts["memory"] = "?"
+    os_name = platform.system()
+    try:
+        release = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line)
+        os_name = release.get("PRETTY_NAME", os_name).strip('"')
+    except OSError:
+        pass
+    facts["os"] = f"{os_name}, kernel {platform.release()}"
+    return facts
+
+
+# ----------------------------------------------------------------------------------------------------
+# running
+# ----------------------------------------------------------------------------------------------------
+
+def size(name: str, quick: bool) -> int:
+    full, small = SIZES[name]
+    return small if quick else full
+
+
+def run_step(results: dict, name: str, fn, *args):
+    print(f"[{time.strftime('%H:%M:%S')}] {name}...", file=sys.stderr, flush=True)
+    cpu0 = cpu_snapshot()
+    try:
+        out = fn(*args)
+    except Exception:  # noqa: BLE001 - record it, run the rest, fail the run at the end
+        out = {"error": traceback.format_exc(limit=8)}
+        print(out["error"], file=sys.stderr)
+    load = other_load(cpu0, cpu_snapshot())
+    results["steps"][name] = {"seconds": load["wall_s"], "other_cores": load["other_cores"],
+                              "steal_cores": load["steal_cores"]}
+    return out
+
+
+def cpu_snapshot() -> tuple[float, float, float, float]:
+    """(wall, busy CPU seconds of the whole machine, CPU seconds of this process and its reaped children,
+    steal: CPU seconds the hypervisor gave to someone else)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = (sum(fields[:3]) + sum(fields[5:7])) / tick  # user nice system irq softirq (guest is inside user)
+    steal = (fields[7] if len(fields) > 7 else 0) / tick
+    own = os.times()
+    return time.monotonic(), busy, own.user + own.system + own.children_user + own.children_system, steal
+
+
+def other_load(before: tuple, after: tuple) -> dict:
+    """CPU used by processes that are not this run (its servers and evaluator children are waited for, so
+    they count as ours), and steal time: a busy machine makes every number here worse, so the report says
+    how busy it was."""
+    wall = after[0] - before[0]
+    others = max(0.0, (after[1] - before[1]) - (after[2] - before[2]))
+    return {"wall_s": round(wall, 1), "other_cpu_s": round(others, 1), "other_cores": round(others / wall, 2),
+            "steal_cores": round((after[3] - before[3]) / wall, 2)}
+
+
+def wait_until_quiet(max_seconds: float, threshold: float = 0.25, window: float = 3.0) -> dict:
+    """Wait (up to max_seconds) until other processes use under `threshold` cores over a `window`."""
+    t0 = time.monotonic()
+    while True:
+        before = cpu_snapshot()
+        time.sleep(window)
+        load = other_load(before, cpu_snapshot())["other_cores"]
+        waited = time.monotonic() - t0
+        if load < threshold or waited >= max_seconds:
+            return {"waited_s": round(waited, 1), "other_cores_at_start": load, "quiet": load < threshold}
+        print(f"[{time.strftime('%H:%M:%S')}] waiting for a quiet machine: other processes use {load:.2f} cores",
+              file=sys.stderr, flush=True)
+
+
+def run_all(quick: bool) -> dict:
+    results: dict = {"machine": machine(), "quick": quick, "sizes": {k: size(k, quick) for k in SIZES},
+                     "steps": {}, "loadavg_at_start": os.getloadavg()}
+    t0 = time.perf_counter()
+    cpu0 = cpu_snapshot()
+    results["ingest"] = [run_step(results, f"ingest {s}", bench_ingest.bench_ingest, s,
+                                  size("ingest_deliveries", quick)) for s in ("full", "normal")]
+    results["rest"] = [run_step(results, f"rest {s}", bench_store.bench_rest, s, size("rest_todos", quick), 8)
+                       for s in ("full", "normal")]
+    results["doorbell"] = run_step(results, "doorbell", bench_doorbell.bench_doorbell, size("doorbell_rings", quick))
+    results["rules"] = run_step(results, "rules", bench_rules.bench_rules, size("rules_runs", quick))
+    results["inproc"] = [run_step(results, f"inproc {s}", bench_store.bench_inproc, s, size("inproc_cycles", quick),
+                                  size("inproc_rounds", quick)) for s in ("FULL", "NORMAL")]
+    results["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    results["other_processes"] = other_load(cpu0, cpu_snapshot())
+    if bench_store.source_fingerprint() != results["machine"]["source"]:
+        results["warning"] = "switchboard.py or schema.sql changed on disk during the run"
+    results["failures"] = failures(results)
+    return results
+
+
+def failures(results: dict) -> list[str]:
+    bad = []
+    for key in ("ingest", "rest", "inproc"):
+        for i, item in enumerate(results[key]):
+            if "error" in item:
+                bad.append(f"{key}[{i}]: {item['error'].strip().splitlines()[-1]}")
+            elif "verified" in item and not item["verified"]["ok"]:
+                bad.append(f"{key} {item['synchronous']}: checks failed: {json.dumps(item['verified'])[:600]}")
+    for key in ("doorbell", "rules"):
+        item = results[key]
+        if "error" in item:
+            bad.append(f"{key}: {item['error'].strip().splitlines()[-1]}")
+    if "channels" in results["doorbell"]:
+        for ch in results["doorbell"]["channels"]:
+            if not ch["verified"]["ok"]:
+                bad.append(f"doorbell {ch['channel']}: checks failed: {json.dumps(ch['verified'])[:600]}")
+    return bad
+
+
+# ----------------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------------
+
+def f(x, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "?"
+    return f"{x:,.{digits}f}"
+
+
+def cores(cpu: dict) -> str:
+    parts = [f"server {f(cpu.get('server_cores'), 2)}"]
+    if cpu.get("evaluator_children_cores") is not None:
+        parts.append(f"evaluator children {f(cpu['evaluator_children_cores'], 2)}")
+    parts.append(f"client {f(cpu.get('client_cores'), 2)}")
+    return ", ".join(parts)
+
+
+def table(results: dict) -> list[str]:
+    rows = ["| # | benchmark | setting | result | p50 | p99 | notes |", "|---|---|---|---:|---:|---:|---|"]
+    failed = "FAILED (see results-all.json)"
+
+    for item in results["ingest"]:
+        if "error" in item:
+            rows.append(f"| 1 | ingest | | {failed} | | | |")
+            continue
+        share = ", ".join(f"{k} {v / item['deliveries']:.0%}" for k, v in sorted(item["dispositions"].items()))
+        rows.append(f"| 1 | ingest: signed GitHub `issues.labeled` over HTTP, fleet pack, 16 senders | "
+                    f"{item['synchronous']} | **{f(item['deliveries_per_s'], 0)} deliveries/s** | "
+                    f"{f(item['ack_p50_ms'])} ms | {f(item['ack_p99_ms'])} ms | {item['deliveries']} deliveries of "
+                    f"{item['body_bytes_mean'] / 1024:.1f} KB: {share}; CPU cores: {cores(item['cpu_during_ingest'])}"
+                    f"{'' if item['verified']['ok'] else '; CHECKS FAILED'} |")
+
+    for item in results["rest"]:
+        if "error" in item:
+            rows.append(f"| 2 | claim+complete | | {failed} | | | |")
+            continue
+        rows.append(f"| 2 | claim+complete over REST, 8 competing workers | {item['synchronous']} | "
+                    f"**{f(item['cycles_per_s'], 0)} cycles/s** | {f(item['cycle_p50_ms'])} ms | "
+                    f"{f(item['cycle_p99_ms'])} ms | {item['todos']} todos, each done exactly once: "
+                    f"{'yes' if item['verified']['ok'] else 'NO'}; claim p50/p99 {f(item['claim_p50_ms'])}/"
+                    f"{f(item['claim_p99_ms'])} ms, complete {f(item['complete_p50_ms'])}/"
+                    f"{f(item['complete_p99_ms'])} ms; CPU cores: {cores(item['cpu_during_cycles'])} |")
+
+    door = results["doorbell"]
+    labels = {"sse": "SSE `GET /api/v1/doorbell`", "mcp": "MCP `notifications/claude/channel`",
+              "wait": "waiting claim (`wait_seconds: 30`)"}
+    if "error" in door:
+        rows.append(f"| 3 | doorbell | | {failed} | | | |")
+    else:
+        for ch in door["channels"]:
+            early = round(ch["share_before_202"] * ch["rings"])
+            extra = "; ".join(x for x in (
+                f"notification parsed before the 202 for {early} of {ch['rings']}" if early else "",
+                "includes the claim's own commit" if ch["channel"] == "wait" else "") if x)
+            rows.append(f"| 3 | doorbell, 202 → notification: {labels[ch['channel']]} | "
+                        f"{door['synchronous']}, {ch['sessions']} sessions | {ch['rings']} rings | "
+                        f"{f(ch['p50_ms'], 2)} ms | {f(ch['p99_ms'], 2)} ms | "
+                        f"POST start → notification p50/p99 {f(ch['from_post_p50_ms'], 1)}/"
+                        f"{f(ch['from_post_p99_ms'], 1)} ms; {extra}{'; ' if extra else ''}"
+                        f"{ch['sessions_rung']} sessions rung, each todo exactly once: "
+                        f"{'yes' if ch['verified']['ok'] else 'NO'} |")
+
+    rules = results["rules"]
+    if "error" in rules:
+        rows.append(f"| 4 | rule evaluation | | {failed} | | | |")
+    else:
+        fl, tr, jq = rules["fleet"], rules["trivial_one_rule"], rules["jq_in_process"]
+        jq_note = f"; jq alone in-process p50 {f(jq['p50_ms'], 2)} ms" if "p50_ms" in jq else ""
+        rows.append(f"| 4 | rule evaluation per delivery, fleet pack ({rules['rules']} rules), sandbox round trip | "
+                    f"{rules['payload_bytes'] / 1024:.0f} KB payload | **mean {f(fl['mean_ms'], 2)} ms** | "
+                    f"{f(fl['p50_ms'], 2)} ms | {f(fl['p99_ms'], 2)} ms | target < 2 ms: mean "
+                    f"{'met' if fl['mean_ms'] < 2 else 'NOT met'}, p99 {'met' if fl['p99_ms'] < 2 else 'NOT met'}; "
+                    f"{fl['runs']} runs; first match rule "
+                    f"{rules['matched_index'] + 1} `{rules['matched']}`; one-rule `false` round trip p50 "
+                    f"{f(tr['p50_ms'], 2)} ms{jq_note} |")
+
+    for item in results["inproc"]:
+        if "error" in item:
+            rows.append(f"| 5 | in-process store vs peers | | {failed} | | | |")
+            continue
+        s = item["systems"]
+        sbx, lq, pq = s["switchboard"], s["litequeue"], s["persist-queue"]
+        rows.append(f"| 5 | claim+ack in-process, single thread: store vs litequeue / persist-queue | "
+                    f"{item['synchronous']} | **{lq['ratio_switchboard_over_peer']:.2f}x / "
+                    f"{pq['ratio_switchboard_over_peer']:.2f}x** | {f(sbx['p50_ms'], 2)} ms | "
+                    f"{f(sbx['p99_ms'], 2)} ms | "
+                    f"cycles/s: switchboard {f(sbx['ops_per_s'], 0)}, litequeue {f(lq['ops_per_s'], 0)}, "
+                    f"persist-queue {f(pq['ops_per_s'], 0)}; p50/p99 are Switchboard's |")
+    return rows
+
+
+HOW_MEASURED = (
+    "**How measured.** One command, `python tests/bench/run_all.py`, on the machine above, client and server "
+    "sharing its cores over loopback (so client CPU is part of every HTTP number; the CPU columns say how much). "
+    "Every HTTP benchmark starts a real `python switchboard.py serve` child on a fresh SQLite file, set up through "
+    "the CLI, and stops it by its pid. "
+    "(1) Ingest: the fleet pack installed with `rules set --file packs/fleet.json --params` on a router webhook "
+    "that owns the GitHub hook, with five lane endpoints routed as `packs/README.md` lays out; each delivery is the "
+    "`issues.labeled` fixture with its own issue number, a rotating `size/S|M|L` label and a fresh "
+    "`X-GitHub-Delivery`, signed in advance; 16 threads with one keep-alive httpx client each; `--ingest-rate 0`; "
+    "p50/p99 are the time from POST to parsed 202. "
+    "(2) claim+complete: todos pushed first, then 8 threads claim and complete until the queue is empty; a cycle is "
+    "one claim plus one complete; exactly-once is checked in the file. "
+    "(3) Doorbell: each channel has its own endpoint owning a GitHub webhook with no rules (plain fan-out) and 50 "
+    "sessions of that channel connected on the measured endpoint itself; the doorbell rings exactly one of them per "
+    "todo, so the time is taken on whichever session was rung (the run checks each todo rang once). Deliveries are "
+    "sent one at a time, the next after the previous notification; latency is from the 202 being parsed to the "
+    "notification being parsed, in the same process. The server rings right after COMMIT, before it writes the "
+    "202, so a notification can be parsed before the 202; such latencies count as negative (the notes say how "
+    "many). The waiting-claim latency ends at the "
+    "claim's 200 and includes that claim's own commit; after each ring the sender waits 50 ms so the woken worker "
+    "is waiting again. "
+    "(4) Rules: in-process `switchboard.decide` through a real `Evaluator` (sandboxed child, pipe round trip, "
+    "JSON parse of the envelope in the child), after a warm-up. "
+    "(5) In-process: one thread, claim then ack, two commits per cycle for every system, at the same "
+    "`PRAGMA synchronous`, median of the rounds; the ratio is Switchboard's cycles/s over the peer's. "
+    "`--wait-quiet SECONDS` first waits for other processes to leave the CPUs idle; the machine line says how "
+    "much CPU other processes took during the run anyway.")
+
+
+def markdown(results: dict) -> str:
+    m = results["machine"]
+    src = m["source"]
+    lines = [
+        f"Measured {m['date'].replace('+00:00', '').replace('T', ' ')} UTC"
+        f"{' (QUICK RUN: small sizes, not representative)' if results['quick'] else ''}, "
+        f"switchboard {m['switchboard']} at `{src['git_head']}`{' + uncommitted changes' if src['dirty'] else ''} "
+        f"(source hash {src['sha256_switchboard_and_schema']}); whole run {results['elapsed_s']:.0f} s.",
+        "",
+        f"Machine: {m['nproc']} CPUs ({m['cpu_model'] or 'model unknown'}), {m['memory']} memory, "
+        f"Python {m['python']}, SQLite {m['sqlite']}, {m['os']}. Other processes used "
+        f"{results['other_processes']['other_cores']:.2f} cores on average during the run (at most "
+        f"{max(v['other_cores'] for v in results['steps'].values()):.2f} during one benchmark); hypervisor steal "
+        f"{results['other_processes']['steal_cores']:.2f} cores.",
+        "",
+        *table(results),
+        "",
+        HOW_MEASURED,
+    ]
+    if results.get("warning"):
+        lines += ["", f"Warning: {results['warning']}."]
+    if results["failures"]:
+        lines += ["", "Failures in this run: " + "; ".join(x.replace("|", "/") for x in results["failures"])]
+    return "\n".join(lines)
+
+
+def rewrite_readme(block: str, path: Path = README) -> None:
+    """Replace what lies strictly between the marker lines, and nothing else."""
+    text = path.read_text()
+    lines = text.split("\n")
+    starts = [i for i, line in enumerate(lines) if line.strip() == START]
+    ends = [i for i, line in enumerate(lines) if line.strip() == END]
+    if len(starts) != 1 or len(ends) != 1 or starts[0] >= ends[0]:
+        raise RuntimeError(f"README.md must hold exactly one {START} line before exactly one {END} line")
+    new = lines[:starts[0] + 1] + block.split("\n") + lines[ends[0]:]
+    path.write_text("\n".join(new))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, to check the harness works")
+    parser.add_argument("--no-readme", action="store_true", help="leave README.md alone")
+    parser.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
+                        help="first wait up to SECONDS for other processes to leave the CPUs idle")
+    parser.add_argument("--out", default=str(RESULTS_PATH))
+    args = parser.parse_args(argv)
+    quiet = wait_until_quiet(args.wait_quiet) if args.wait_quiet > 0 else None
+    results = run_all(args.quick)
+    results["wait_quiet"] = quiet
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    block = markdown(results)
+    print(block)
+    if not args.no_readme:
+        rewrite_readme(block)
+    print(f"\n(wrote {args.out}{'' if args.no_readme else ' and README.md'}; {results['elapsed_s']:.0f} s)",
+          file=sys.stderr)
+    for problem in results["failures"]:
+        print(f"FAILURE: {problem}", file=sys.stderr)
+    if results.get("warning"):
+        print(f"WARNING: {results['warning']}", file=sys.stderr)
+    return 1 if results["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
