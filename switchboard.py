@@ -1583,12 +1583,11 @@ _UNBLOCKED = ("NOT EXISTS (SELECT 1 FROM todo_deps d JOIN todos p ON p.id = d.de
               " WHERE d.todo_id = todos.id AND p.state <> 'done')")
 
 
-def _claimable(now: int) -> str:
-    """SQL: a pending todo's dependencies are done and no live attempt (leased, or awaiting review) holds it
-    absorbed. `now` is the transaction's own clock, an integer."""
-    return (f"{_UNBLOCKED} AND NOT EXISTS (SELECT 1 FROM absorptions a JOIN todos h ON h.id = a.holder_id"
-            f" WHERE a.absorbed_id = todos.id AND (h.state = 'review'"
-            f" OR (h.state = 'claimed' AND h.lease_expires_at > {int(now)})))")
+# Claimable: a pending todo's dependencies are done and no live attempt (leased, or awaiting review) holds it
+# absorbed. The one `?` is the transaction's now; the text never changes, so SQLite reuses the prepared statement.
+_CLAIMABLE = (f"{_UNBLOCKED} AND NOT EXISTS (SELECT 1 FROM absorptions a JOIN todos h ON h.id = a.holder_id"
+              f" WHERE a.absorbed_id = todos.id AND (h.state = 'review'"
+              f" OR (h.state = 'claimed' AND h.lease_expires_at > ?)))")
 
 
 def _transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence: dict | None,
@@ -1628,7 +1627,7 @@ def _became_pending(txn: Txn, todo_id: str) -> None:
     if not txn.inline_rings:
         return
     row = txn.one(f"SELECT * FROM todos WHERE id = ? AND state = 'pending' AND available_at <= ? AND silent = 0"
-                  f" AND {_claimable(txn.now)}", (todo_id, txn.now))
+                  f" AND {_CLAIMABLE}", (todo_id, txn.now, txn.now))
     if row is not None:
         _mark_rung(txn, row)
 
@@ -1663,6 +1662,8 @@ def _let_go_of_absorbed(txn: Txn, holder_id: str) -> None:
 def _write_receipt(txn: Txn, holder: sqlite3.Row, actor: str) -> None:
     """On the holder's outright success: one receipt naming the still-pending todos the server handed to this
     attempt, each closed as done/absorbed. If writing fails, they are simply let go (fail open)."""
+    if not txn.one("SELECT 1 FROM absorptions WHERE holder_id = ? LIMIT 1", (holder["id"],)):
+        return
     seq = txn.one("SELECT MAX(seq) FROM attempts WHERE todo_id = ?", (holder["id"],))[0]
     absorbed = [r["id"] for r in txn.all(
         "SELECT t.id FROM absorptions a JOIN todos t ON t.id = a.absorbed_id"
@@ -1708,8 +1709,8 @@ def absorb(txn: Txn, principal: Principal, todo_id: str, body: Leased) -> dict:
     if holder["subject_key"] is not None:
         fresh = txn.all(
             f"SELECT id FROM todos WHERE endpoint_id = ? AND queue = ? AND subject_key = ? AND state = 'pending'"
-            f" AND id <> ? AND created_at <= ? AND {_claimable(txn.now)}",
-            (holder["endpoint_id"], holder["queue"], holder["subject_key"], todo_id, txn.now))
+            f" AND id <> ? AND created_at <= ? AND {_CLAIMABLE}",
+            (holder["endpoint_id"], holder["queue"], holder["subject_key"], todo_id, txn.now, txn.now))
         for row in fresh:
             txn.execute("INSERT OR REPLACE INTO absorptions (absorbed_id, holder_id, holder_seq, absorbed_at)"
                         " VALUES (?, ?, ?, ?)", (row["id"], todo_id, seq, txn.now))
@@ -1773,8 +1774,8 @@ def claim_next(txn: Txn, principal: Principal, body: ClaimNext) -> dict:
     _reap_endpoint(txn, principal.id)
     marks = ",".join("?" * len(queues))
     row = txn.one(f"SELECT * FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks})"
-                  f" AND available_at <= ? AND {_claimable(txn.now)} ORDER BY priority DESC, created_at, rowid LIMIT 1",
-                  (principal.id, *queues, txn.now))
+                  f" AND available_at <= ? AND {_CLAIMABLE} ORDER BY priority DESC, created_at, rowid LIMIT 1",
+                  (principal.id, *queues, txn.now, txn.now))
     if row is None:
         return {"empty": True}
     return _claim_row(txn, principal, row, body.lease_seconds, body.claimant)
@@ -1792,7 +1793,7 @@ def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) ->
         raise ApiError("conflict", f"todo is {todo['state']}, not claimable")
     if todo["available_at"] > txn.now:
         raise ApiError("conflict", f"todo is not available until {iso(todo['available_at'])}")
-    if txn.one(f"SELECT 1 FROM todos WHERE id = ? AND NOT ({_claimable(txn.now)})", (todo_id,)):
+    if txn.one(f"SELECT 1 FROM todos WHERE id = ? AND NOT ({_CLAIMABLE})", (todo_id, txn.now)):
         raise ApiError("conflict", "todo waits for its dependencies or is held by a run that absorbed it")
     return _claim_row(txn, principal, todo, body.lease_seconds, body.claimant)
 
@@ -1864,11 +1865,20 @@ def fail(txn: Txn, principal: Principal, todo_id: str, body: Fail) -> dict:
 
 def release(txn: Txn, principal: Principal, todo_id: str, body: Release) -> dict:
     """Hand the todo back untouched: pending at once, and the attempt does not count."""
-    todo = _held(txn, principal, "release", todo_id, body.lease_token)
-    _end_attempt(txn, todo, "released", body.note)
-    _transition(txn, todo, "pending", principal.actor, {"attempt": todo["attempt"], "note": body.note},
+    return _hand_back(txn, principal, _held(txn, principal, "release", todo_id, body.lease_token), body.note)
+
+
+def hand_back_unheard(txn: Txn, principal: Principal, todo_id: str, lease_token: str) -> dict:
+    """A waiting claim whose asker left before hearing the answer: the claim is undone as a release."""
+    todo = _held(txn, principal, "claim_next", todo_id, lease_token)
+    return _hand_back(txn, principal, todo, "the waiting client went away before the answer")
+
+
+def _hand_back(txn: Txn, principal: Principal, todo: sqlite3.Row, note: str | None) -> dict:
+    _end_attempt(txn, todo, "released", note)
+    _transition(txn, todo, "pending", principal.actor, {"attempt": todo["attempt"], "note": note},
                 attempt=todo["attempt"] - 1)
-    return todo_view(_reload(txn, todo_id))
+    return todo_view(_reload(txn, todo["id"]))
 
 
 def needs_input(txn: Txn, principal: Principal, todo_id: str, body: NeedsInput) -> dict:
@@ -2767,12 +2777,12 @@ def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
         _transition(txn, todo, "done", "system", {"expired_after_days": QUARANTINE_DAYS}, outcome="discarded",
                     state_reason="expired")
     unrung = txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count = 0 AND available_at <= ?"
-                     f" AND silent = 0 AND {_claimable(txn.now)} ORDER BY available_at LIMIT ?", (txn.now, limit))
+                     f" AND silent = 0 AND {_CLAIMABLE} ORDER BY available_at LIMIT ?", (txn.now, txn.now, limit))
     rerung: list[sqlite3.Row] = []
     for count, wait_ms in enumerate(RERING_AFTER_MS, start=1):
         rerung += txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count = ? AND last_ring_at <= ?"
-                          f" AND available_at <= ? AND silent = 0 AND {_claimable(txn.now)} LIMIT ?",
-                          (count, txn.now - wait_ms, txn.now, limit))
+                          f" AND available_at <= ? AND silent = 0 AND {_CLAIMABLE} LIMIT ?",
+                          (count, txn.now - wait_ms, txn.now, txn.now, limit))
     if txn.inline_rings:
         for todo in unrung + rerung:
             _mark_rung(txn, todo)
@@ -2786,8 +2796,8 @@ def rings_for_new_session(txn: Txn, endpoint_id: str, queues: Iterable[str], lim
     queues = list(queues)
     marks = ",".join("?" * len(queues))
     rows = txn.all(f"SELECT * FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks})"
-                   f" AND available_at <= ? AND silent = 0 AND {_claimable(txn.now)}"
-                   f" ORDER BY priority DESC, created_at, rowid LIMIT ?", (endpoint_id, *queues, txn.now, limit))
+                   f" AND available_at <= ? AND silent = 0 AND {_CLAIMABLE}"
+                   f" ORDER BY priority DESC, created_at, rowid LIMIT ?", (endpoint_id, *queues, txn.now, txn.now, limit))
     rings = [_mark_rung(txn, row) for row in rows]
     txn.rings.clear()
     return rings
@@ -2911,15 +2921,20 @@ class Doorbell:
         chosen.notify({k: ring[k] for k in ("todo_id", "queue", "kind", "source", "title")})
         return True
 
-    def waiter(self, endpoint_id: str, queues: Iterable[str]) -> tuple[Session, asyncio.Future]:
-        """A one-shot session for a waiting claim: its future resolves on the first ring it receives."""
+    def waiter(self, endpoint_id: str, queues: Iterable[str], first: bool = False) -> tuple[Session, asyncio.Future]:
+        """A one-shot session for a waiting claim: its future resolves on the first ring it receives. A waiter
+        that was rung but lost the todo to a faster claim goes back `first` in line, keeping its place."""
         future: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def notify(ring: dict | None) -> None:
             if not future.done():
                 future.set_result(ring)
 
-        return self.attach(Session(endpoint_id, frozenset(queues), "wait", notify, lambda: notify(None))), future
+        session = Session(endpoint_id, frozenset(queues), "wait", notify, lambda: notify(None))
+        if first:
+            self._sessions.setdefault(endpoint_id, []).insert(0, session)
+            return session, future
+        return self.attach(session), future
 
 
 # ======================================================================================================
@@ -2943,6 +2958,12 @@ async def read_capped(request: Request, cap: int) -> bytes:
             raise ApiError("too_large", f"request body is over {cap} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class RateLimiter:
@@ -3082,30 +3103,44 @@ class Api:
     async def claim_next(self, request: Request) -> Response:
         principal = await self.principal(request)
         body = await self.body(request, ClaimNext)
-        return JSONResponse(await self.claim_waiting(principal, body))
+        return JSONResponse(await self.claim_waiting(principal, body, request))
 
-    async def claim_waiting(self, principal: Principal, body: ClaimNext) -> dict:
-        """Claim now, or wait up to `wait_seconds` for a ring. The waiter is attached before each
-        attempt, so a todo that arrives between the attempt and the wait still wakes it."""
+    async def claim_waiting(self, principal: Principal, body: ClaimNext, request: Request | None = None) -> dict:
+        """Claim now, or wait up to `wait_seconds` for a ring. The waiter is attached before each attempt, so a
+        todo that arrives between the attempt and the wait still wakes it. If the asker goes away, the wait ends;
+        a todo claimed for an asker who left by then is handed back without charging an attempt."""
         principal.require_verb("claim_next")
         queues = _claim_queues(principal, body.queue_filter())
+        if not body.wait_seconds or request is None:
+            return await self.db.write(claim_next, principal, body)
+        gone = asyncio.ensure_future(_disconnected(request))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + body.wait_seconds
-        while True:
-            waits = body.wait_seconds and not self.doorbell.closing
-            session, rung = self.doorbell.waiter(principal.id, queues) if waits else (None, None)
-            try:
-                result = await self.db.write(claim_next, principal, body)
-                remaining = deadline - loop.time()
-                if not result.get("empty") or session is None or remaining <= 0:
-                    return result
+        rung_before = False
+        try:
+            while True:
+                waits = not self.doorbell.closing
+                session, rung = self.doorbell.waiter(principal.id, queues, rung_before) if waits else (None, None)
                 try:
-                    await asyncio.wait_for(rung, remaining)
-                except TimeoutError:
-                    return {"empty": True}
-            finally:
-                if session is not None:
-                    self.doorbell.detach(session)
+                    result = await self.db.write(claim_next, principal, body)
+                    if not result.get("empty"):
+                        if gone.done():
+                            await self.db.write(hand_back_unheard, principal, result["todo"]["id"],
+                                                result["lease_token"])
+                            return {"empty": True}
+                        return result
+                    remaining = deadline - loop.time()
+                    if session is None or remaining <= 0:
+                        return result
+                    done, _ = await asyncio.wait({rung, gone}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                    if not done or gone.done():
+                        return {"empty": True}
+                    rung_before = True
+                finally:
+                    if session is not None:
+                        self.doorbell.detach(session)
+        finally:
+            gone.cancel()
 
     async def connect_rings(self, principal: Principal, queues: list[str] | None) -> list[dict]:
         """Rings for a session that just connected: up to 3 of its oldest claimable todos."""
@@ -3471,39 +3506,47 @@ class Mcp:
         db = api.db
 
         def write(fn: Callable) -> Callable[..., Awaitable[dict]]:
-            async def run(principal: Principal, path: list[str], body: Any) -> dict:
+            async def run(principal: Principal, path: list[str], body: Any, request: Request) -> dict:
                 return await db.write(fn, principal, *path, *([body] if body is not None else []))
             return run
 
         def read(fn: Callable) -> Callable[..., Awaitable[dict]]:
-            async def run(principal: Principal, path: list[str], body: Any) -> dict:
+            async def run(principal: Principal, path: list[str], body: Any, request: Request) -> dict:
                 return await db.read(fn, principal, *path, *([body] if body is not None else []))
             return run
 
-        async def claim_next_tool(principal: Principal, path: list[str], body: ClaimNext) -> dict:
-            return await api.claim_waiting(principal, body)
+        async def claim_next_tool(principal: Principal, path: list[str], body: ClaimNext,
+                                  request: Request) -> dict:
+            return await api.claim_waiting(principal, body, request)
 
-        async def list_todos_tool(principal: Principal, path: list[str], body: TodoListQuery) -> dict:
+        async def list_todos_tool(principal: Principal, path: list[str], body: TodoListQuery,
+                                  request: Request) -> dict:
             return await db.read(list_todos, principal, body)
 
-        async def create_webhook_tool(principal: Principal, path: list[str], body: WebhookCreate) -> dict:
+        async def create_webhook_tool(principal: Principal, path: list[str], body: WebhookCreate,
+                                      request: Request) -> dict:
             return await db.write(create_webhook, principal, api.box, body, api.base_url or "http://127.0.0.1:8080")
 
-        async def rotate_webhook_tool(principal: Principal, path: list[str], body: None) -> dict:
+        async def rotate_webhook_tool(principal: Principal, path: list[str], body: None,
+                                      request: Request) -> dict:
             return await db.write(rotate_webhook, principal, api.box, path[0], api.base_url or "http://127.0.0.1:8080")
 
-        async def set_secret_tool(principal: Principal, path: list[str], body: WebhookSecret) -> dict:
+        async def set_secret_tool(principal: Principal, path: list[str], body: WebhookSecret,
+                                  request: Request) -> dict:
             return await db.write(set_webhook_secret, principal, api.box, path[0], body)
 
-        async def set_rules_tool(principal: Principal, path: list[str], body: RuleSet) -> dict:
+        async def set_rules_tool(principal: Principal, path: list[str], body: RuleSet,
+                                 request: Request) -> dict:
             principal.require_verb("set_webhook_rules")
             return await api.in_thread(set_rules, db, api.evaluator, principal, path[0], body)
 
-        async def test_rules_tool(principal: Principal, path: list[str], body: RulesTest) -> dict:
+        async def test_rules_tool(principal: Principal, path: list[str], body: RulesTest,
+                                  request: Request) -> dict:
             principal.require_verb("test_webhook_rules")
             return await api.in_thread(dry_run_rules, db, api.evaluator, principal, path[0], body)
 
-        async def list_events_tool(principal: Principal, path: list[str], body: EventListQuery) -> dict:
+        async def list_events_tool(principal: Principal, path: list[str], body: EventListQuery,
+                                   request: Request) -> dict:
             return await db.read(list_events, principal, path[0], body)
 
         return [
@@ -3556,7 +3599,8 @@ class Mcp:
         return [{"name": spec.name, "description": spec.description, "inputSchema": tool_schema(spec)}
                 for spec in self.tools.values() if spec.name in principal.verbs]
 
-    async def call_tool(self, principal: Principal, session: McpSession | None, params: dict) -> dict:
+    async def call_tool(self, principal: Principal, session: McpSession | None, params: dict,
+                        request: Request) -> dict:
         """A tools/call: the verb's own checks and store function; an ApiError is a tool error with its code."""
         name = params.get("name")
         spec = self.tools.get(name) if isinstance(name, str) else None
@@ -3581,7 +3625,7 @@ class Mcp:
             body = parse_model(spec.body, dump_json(fields, "arguments")) if spec.body else None
             if spec.body is None and fields:
                 raise ApiError("invalid_argument", f"{sorted(fields)[0]}: Extra inputs are not permitted")
-            result = await spec.run(principal, path, body)
+            result = await spec.run(principal, path, body, request)
         except ApiError as error:
             return {"content": [{"type": "text", "text": json.dumps(error.body())}], "structuredContent": error.body(),
                     "isError": True}
@@ -3657,9 +3701,9 @@ class Mcp:
         if session is None:
             return rpc_error(request_id, -32600, "Mcp-Session-Id required", 400)
         session.last_seen = time.monotonic()
-        return await self._dispatch(request_id, method, params, principal, session, modern=False)
+        return await self._dispatch(request, request_id, method, params, principal, session, modern=False)
 
-    async def _dispatch(self, request_id: Any, method: str, params: Any, principal: Principal,
+    async def _dispatch(self, request: Request, request_id: Any, method: str, params: Any, principal: Principal,
                         session: McpSession | None, modern: bool) -> Response:
         extra = {"resultType": "complete"} if modern else {}
         try:
@@ -3671,7 +3715,7 @@ class Mcp:
                 result = {"tools": self.tool_list(principal), **extra,
                           **({"ttlMs": 0, "cacheScope": "private"} if modern else {})}
             elif method == "tools/call":
-                result = {**await self.call_tool(principal, session, params), **extra}
+                result = {**await self.call_tool(principal, session, params, request), **extra}
             else:
                 raise JsonRpcError(-32601, f"method {method!r} not found", status=404 if modern else 200)
         except JsonRpcError as error:
@@ -3706,7 +3750,7 @@ class Mcp:
                 "_meta": {self.META + "serverInfo": self.SERVER_INFO}}})
         if method == "subscriptions/listen":
             return await self._listen(request_id, principal)
-        return await self._dispatch(request_id, method, params, principal, None, modern=True)
+        return await self._dispatch(request, request_id, method, params, principal, None, modern=True)
 
     # -- sessions and streams --------------------------------------------------------------------
     def _new_session(self, principal: Principal, version: str) -> McpSession:

@@ -305,3 +305,20 @@ def test_bad_tokens_origins_and_sessions(setup, db_path):
     assert httpx.post(url, json={"jsonrpc": "2.0", "id": 5, "method": "tools/list"}, headers=session).status_code == 404
     cli(db_path, "endpoint", "revoke", worker["id"])
     assert httpx.post(url, json=init, headers=auth).status_code == 401, "a revoked token stops at once"
+
+
+def test_a_waiting_claim_whose_client_left_takes_nothing(setup):
+    import socket
+    server, worker = setup["server"], setup["worker"]
+    body = json.dumps({"wait_seconds": 30}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /api/v1/todos/claim HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + worker["token"].encode() + b"\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.5)
+    time.sleep(0.3)
+    todo = setup["push"](worker["id"], "for whoever is still here")
+    time.sleep(0.5)
+    auth = {"Authorization": f"Bearer {worker['token']}"}
+    claimed = httpx.post(f"{server.url}/api/v1/todos/claim", headers=auth, json={}).json()
+    assert claimed["todo"]["id"] == todo["id"] and claimed["todo"]["attempt"] == 1, "no attempt was charged"
