@@ -1008,6 +1008,14 @@ def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified:
     }
 
 
+def payload_text(payload: Any, body: bytes) -> str:
+    """The payload as JSON text for a todo: the body itself when it parsed and is UTF-8 (no re-encoding)."""
+    if payload is not None:
+        with contextlib.suppress(UnicodeDecodeError):
+            return body.decode("utf-8")
+    return json.dumps(payload)
+
+
 def envelope_title(envelope: dict) -> str:
     """A one-line title for a todo made from a delivery; producer text, so only ever shown as data."""
     payload = envelope["payload"]
@@ -2327,6 +2335,7 @@ class Delivery:
     body: bytes
     envelope: dict
     envelope_text: str
+    payload_text: str
     delivery_key: str
     body_hash: str
     action: dict
@@ -2478,9 +2487,8 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
          int(envelope["verified"]), delivery.delivery_key, delivery.body_hash, json.dumps(envelope["headers"]),
          delivery.body, delivery.envelope_text, plan.disposition, json.dumps(plan.trace), json.dumps(outcome), txn.now))
     title = envelope_title(envelope)
-    payload = json.dumps(envelope["payload"])
     for todo_id, target in zip(todo_ids, plan.targets, strict=True):
-        _insert_todo(txn, todo_id, target, envelope, plan, event_id, title, payload)
+        _insert_todo(txn, todo_id, target, envelope, plan, event_id, title, delivery.payload_text)
     txn.logs.append(f"delivery {event_id} to {webhook['id']}: {plan.disposition}, {len(plan.targets)} todos")
     return outcome
 
@@ -3247,7 +3255,7 @@ class Api:
             raise ApiError("unavailable", "the rule evaluator cannot run; retry later") from None
         outcome = await self.db.write(record_delivery, Delivery(
             webhook_id=webhook["id"], token_hash=webhook["token_hash"], body=body, envelope=envelope,
-            envelope_text=envelope_text,
+            envelope_text=envelope_text, payload_text=payload_text(envelope["payload"], body),
             delivery_key=delivery_key(provider, headers, envelope["payload"], body),
             body_hash=hashlib.sha256(body).hexdigest(), action=action, trace=trace))
         if outcome.get("duplicate"):
