@@ -322,3 +322,45 @@ def test_a_waiting_claim_whose_client_left_takes_nothing(setup):
     auth = {"Authorization": f"Bearer {worker['token']}"}
     claimed = httpx.post(f"{server.url}/api/v1/todos/claim", headers=auth, json={}).json()
     assert claimed["todo"]["id"] == todo["id"] and claimed["todo"]["attempt"] == 1, "no attempt was charged"
+
+
+def test_two_waiting_claims_and_two_todos_both_get_one(setup):
+    server, worker = setup["server"], setup["worker"]
+    auth = {"Authorization": f"Bearer {worker['token']}"}
+    for _ in range(5):
+        answers: list[dict] = []
+
+        def wait():
+            answers.append(httpx.post(f"{server.url}/api/v1/todos/claim", headers=auth, timeout=30,
+                                      json={"queue": "build", "wait_seconds": 8}).json())
+
+        waiters = [threading.Thread(target=wait) for _ in range(2)]
+        for t in waiters:
+            t.start()
+        time.sleep(0.3)
+        pushers = [threading.Thread(target=setup["push"], args=(worker["id"], f"job {n}")) for n in range(2)]
+        started = time.monotonic()
+        for t in pushers:
+            t.start()
+        for t in pushers + waiters:
+            t.join(timeout=30)
+        assert all("todo" in a for a in answers), answers
+        assert time.monotonic() - started < 4, "no waiter sat out its whole wait while a todo was pending"
+        for answer in answers:
+            httpx.post(f"{server.url}/api/v1/todos/{answer['todo']['id']}/complete", headers=auth,
+                       json={"lease_token": answer["lease_token"]})
+
+
+def test_mcp_create_webhook_answers_the_url_producers_can_reach(setup, db_path):
+    server = setup["server"]
+    _, owner = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "build",
+                   "--verbs", "all")
+
+    async def run():
+        async with connect(server, owner["token"], "legacy") as client:
+            made = await client.call_tool("create_webhook", {"provider": "github", "queue": "build"})
+            assert not made.is_error, made.structured_content
+            assert made.structured_content["url"].startswith(f"{server.url}/hooks/")
+            assert made.structured_content["secret"].startswith("whsec_")
+
+    anyio.run(run)
