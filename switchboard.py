@@ -3303,9 +3303,9 @@ class Api:
         if provider == "slack" and _get(envelope["payload"], "type") == "url_verification":
             return JsonResponse({"challenge": _get(envelope["payload"], "challenge")})
         key, body_hash = delivery_key(provider, headers, envelope["payload"], body), hashlib.sha256(body).hexdigest()
-        # Dedup comes before evaluation: a redelivery answers its first outcome even when the sandbox is down.
-        # The write transaction checks again, so racing redeliveries still mint once.
-        seen = await self.db.read(duplicate_of, webhook, key, body_hash)
+        # With rules, dedup comes before evaluation: a redelivery answers its first outcome even when the sandbox
+        # is down. The write transaction checks again (and alone, without rules), so racing redeliveries mint once.
+        seen = await self.db.read(duplicate_of, webhook, key, body_hash) if webhook["rules"] else None
         if seen is not None:
             self.metrics.deliveries.labels(provider, "duplicate").inc()
             return JsonResponse(seen, status_code=202)

@@ -126,6 +126,12 @@ def world(client, app) -> World:
     return World(client, app.state.db)
 
 
+@pytest.fixture
+def alice(world) -> Human:
+    """The usual first human of a test."""
+    return world.human("alice")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

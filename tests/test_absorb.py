@@ -9,11 +9,6 @@ import pytest
 
 
 @pytest.fixture
-def alice(world):
-    return world.human("alice")
-
-
-@pytest.fixture
 def reviewer(world, alice):
     return world.endpoint(alice, ["review"], name="reviewer")
 

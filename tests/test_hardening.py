@@ -13,11 +13,6 @@ from conftest import cli
 
 
 @pytest.fixture
-def alice(world):
-    return world.human("alice")
-
-
-@pytest.fixture
 def router(world, alice):
     return world.endpoint(alice, ["triage", "build"], name="router", verbs=["all"])
 

@@ -14,11 +14,6 @@ import switchboard as sb
 
 
 @pytest.fixture
-def alice(world):
-    return world.human("alice")
-
-
-@pytest.fixture
 def owner(world, alice):
     return world.endpoint(alice, ["triage", "payments", "chat", "inbox"], name="router", verbs=["all"])
 

@@ -14,11 +14,6 @@ import switchboard as sb
 
 
 @pytest.fixture
-def alice(world):
-    return world.human("alice")
-
-
-@pytest.fixture
 def router(world, alice):
     return world.endpoint(alice, ["hold", "triage"], name="router", verbs=["all"])
 

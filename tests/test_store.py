@@ -13,11 +13,6 @@ import switchboard as sb
 
 
 @pytest.fixture
-def alice(world):
-    return world.human("alice")
-
-
-@pytest.fixture
 def worker(world, alice):
     return world.endpoint(alice, ["build", "docs"], name="worker")
 
