@@ -165,10 +165,18 @@ def test_sessionless_2026_era_with_listen_stream(setup):
     anyio.run(run)
 
 
-def test_a_ring_reaches_exactly_one_of_three_sessions_and_rotates(setup):
+def test_a_ring_reaches_exactly_one_of_three_sessions_and_rotates(setup, db_path):
     server, worker, bobs = setup["server"], setup["worker"], setup["bobs"]
     inboxes = [Inbox() for _ in range(3)]
     bobs_inbox = Inbox()
+    _, hook = cli(db_path, "webhook", "create", "--endpoint", worker["id"], "--provider", "github", "--queue",
+                  "build", "--base-url", server.url)
+    # Bob's endpoint uses the same queue name; it is not a target of this webhook and must never be rung.
+
+    def deliver(n: int) -> dict:
+        raw, headers = producers.github("issues.opened", hook["secret"], {"issue": {"number": 100 + n}})
+        outcome = httpx.post(hook["url"], content=raw, headers=headers).json()
+        return outcome["todos"][0]
 
     async def run():
         async with AsyncExitStack() as stack:
@@ -178,7 +186,7 @@ def test_a_ring_reaches_exactly_one_of_three_sessions_and_rotates(setup):
             await anyio.sleep(1.0)
             pushed = []
             for n in range(6):
-                pushed.append(await anyio.to_thread.run_sync(setup["push"], worker["id"], f"job {n}"))
+                pushed.append(await anyio.to_thread.run_sync(deliver, n))
                 await wait_for(lambda: sum(len(i.rings) for i in inboxes) == n + 1)
             await anyio.sleep(0.3)
         counts = [len(i.rings) for i in inboxes]
