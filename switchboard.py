@@ -2904,6 +2904,9 @@ def check_database(txn: Txn) -> dict:
 # The queue is the ledger; the doorbell is a hint. A ring goes to exactly one session of the todo's
 # endpoint whose queue filter covers it: the oldest waiting claim first, else the streams in turn.
 
+RING_FIELDS = ("todo_id", "queue", "kind", "source", "title")  # all a ring carries: no payload, lease or secret
+
+
 @dataclass(eq=False)
 class Session:
     endpoint_id: str
@@ -2960,7 +2963,7 @@ class Doorbell:
             chosen = candidates[turn % len(candidates)]
             self._turn[endpoint_id] = turn + 1
         self.rung += 1
-        chosen.notify({k: ring[k] for k in ("todo_id", "queue", "kind", "source", "title")})
+        chosen.notify({k: ring[k] for k in RING_FIELDS})
         return True
 
     def waiter(self, endpoint_id: str, queues: Iterable[str], first: bool = False) -> tuple[Session, asyncio.Future]:
@@ -3213,28 +3216,37 @@ class Api:
         """Rings for a session that just connected: up to 3 of its oldest claimable todos."""
         return await self.db.write(rings_for_new_session, principal.id, queues or principal.queues)
 
+    async def ring_stream(self, principal: Principal, queues: list[str] | None, render: Callable[[dict], str],
+                          lead: list[str], queue: asyncio.Queue | None = None, headers: dict | None = None,
+                          ended: Callable[[], None] | None = None) -> StreamingResponse:
+        """An open SSE answer that is a doorbell session: `lead` frames, then rings for up to 3 of the oldest
+        pending todos, then every ring the doorbell sends it, rendered by `render`, until the client leaves or
+        the server shuts down (the session's close puts None on the queue)."""
+        queue = queue or asyncio.Queue()
+        first = [*lead, *(render({k: r[k] for k in RING_FIELDS}) for r in await self.connect_rings(principal, queues))]
+        bell = self.doorbell.attach(Session(principal.id, frozenset(queues) if queues else None, "stream",
+                                            lambda ring: queue.put_nowait(render(ring)), lambda: queue.put_nowait(None)))
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for frame in stream_queue(queue, first):
+                    yield frame
+            finally:
+                self.doorbell.detach(bell)
+                if ended:
+                    ended()
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **(headers or {})})
+
     async def doorbell_stream(self, request: Request) -> Response:
         """GET /api/v1/doorbell: Server-Sent Events, `todo.ready` for each ring this session is chosen for."""
         principal = await self.principal(request)
         principal.require_verb("claim_next")
         query = parse_model(DoorbellQuery, dict(request.query_params))
         queues = _claim_queues(principal, [query.queue] if query.queue else None)
-        stream: asyncio.Queue = asyncio.Queue()
-        first = [sse_frame(ring, "todo.ready") for ring in
-                 ({k: r[k] for k in ("todo_id", "queue", "kind", "source", "title")}
-                  for r in await self.connect_rings(principal, queues))]
-        bell = self.doorbell.attach(Session(principal.id, frozenset(queues), "stream",
-                                            lambda ring: stream.put_nowait(sse_frame(ring, "todo.ready")),
-                                            lambda: stream.put_nowait(None)))
-
-        async def body() -> AsyncIterator[str]:
-            try:
-                async for frame in stream_queue(stream, [": connected\n\n", *first]):
-                    yield frame
-            finally:
-                self.doorbell.detach(bell)
-
-        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self.ring_stream(principal, queues, lambda ring: sse_frame(ring, "todo.ready"),
+                                      [": connected\n\n"])
 
     async def get_todo(self, request: Request) -> Response:
         principal = await self.principal(request)
@@ -3551,7 +3563,6 @@ class McpSession:
     version: str
     leases: dict[str, str] = field(default_factory=dict)
     stream: asyncio.Queue | None = None
-    bell: Session | None = None
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -3573,6 +3584,8 @@ class Mcp:
         self.api = api
         self.sessions: dict[str, McpSession] = {}
         self.tools = {spec.name: spec for spec in self._tool_specs()}
+        self.listing = [{"name": spec.name, "description": spec.description, "inputSchema": tool_schema(spec)}
+                        for spec in self.tools.values()]
 
     # -- tools -----------------------------------------------------------------------------------
     def _tool_specs(self) -> list[ToolSpec]:
@@ -3670,8 +3683,7 @@ class Mcp:
         ]
 
     def tool_list(self, principal: Principal) -> list[dict]:
-        return [{"name": spec.name, "description": spec.description, "inputSchema": tool_schema(spec)}
-                for spec in self.tools.values() if spec.name in principal.verbs]
+        return [tool for tool in self.listing if tool["name"] in principal.verbs]
 
     async def call_tool(self, principal: Principal, session: McpSession | None, params: dict,
                         request: Request) -> dict:
@@ -3844,31 +3856,17 @@ class Mcp:
     async def _open_stream(self, session: McpSession, principal: Principal) -> Response:
         if session.stream is not None:
             return rpc_error(None, -32600, "this session's stream is already open", 409)
-        queue: asyncio.Queue = asyncio.Queue()
-        session.stream = queue
+        queue = session.stream = asyncio.Queue()
 
-        def notify(ring: dict) -> None:
-            queue.put_nowait(sse_frame(channel_notification(ring)))
+        def ended() -> None:
+            if session.stream is queue:
+                session.stream = None  # the client may open a new stream on the same session
 
-        first = [sse_frame(channel_notification(r)) for r in await self.api.connect_rings(principal, None)]
-        session.bell = self.api.doorbell.attach(Session(principal.id, None, "stream", notify,
-                                                        lambda: queue.put_nowait(None)))
-
-        async def body() -> AsyncIterator[str]:
-            try:
-                async for frame in stream_queue(queue, first):
-                    yield frame
-            finally:
-                self.api.doorbell.detach(session.bell)
-                if session.stream is queue:
-                    session.stream = None
-
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "Mcp-Session-Id": session.id})
+        return await self.api.ring_stream(principal, None, lambda ring: sse_frame(channel_notification(ring)), [],
+                                          queue, {"Mcp-Session-Id": session.id}, ended)
 
     async def _listen(self, request_id: Any, principal: Principal) -> Response:
         """The sessionless era's only push channel: this POST's SSE answer stays open and carries rings."""
-        queue: asyncio.Queue = asyncio.Queue()
         stamp = {self.META + "subscriptionId": request_id}
 
         def frame(ring: dict) -> str:
@@ -3878,18 +3876,7 @@ class Mcp:
 
         ack = sse_frame({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged",
                          "params": {"notifications": {}, "_meta": stamp}})
-        first = [ack, *(frame(r) for r in await self.api.connect_rings(principal, None))]
-        bell = self.api.doorbell.attach(Session(principal.id, None, "stream", lambda ring: queue.put_nowait(frame(ring)),
-                                                lambda: queue.put_nowait(None)))
-
-        async def body() -> AsyncIterator[str]:
-            try:
-                async for chunk in stream_queue(queue, first):
-                    yield chunk
-            finally:
-                self.api.doorbell.detach(bell)
-
-        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self.api.ring_stream(principal, None, frame, [ack])
 
 
 class JsonRpcError(Exception):
