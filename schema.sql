@@ -51,6 +51,13 @@ CREATE TABLE IF NOT EXISTS webhooks (
     params            TEXT NOT NULL DEFAULT '{}' CHECK (json_valid(params) AND json_type(params) = 'object'),
     created_at        INTEGER NOT NULL,
     rotated_at        INTEGER,
+    -- The trust gate's list (forge and cairn webhooks only): {"logins": [...], "match": ...},
+    -- {"actor_ids": [...]} or {"allow_all": true}. An empty list holds every delivery.
+    trusted_actors    TEXT CHECK (trusted_actors IS NULL
+                                  OR (json_valid(trusted_actors) AND json_type(trusted_actors) = 'object')),
+    -- When the producer last proved it holds the secret with a ping (GitHub's first delivery).
+    pinged_at         INTEGER,
+    CHECK ((provider IN ('github', 'gitea', 'cairn')) = (trusted_actors IS NOT NULL)),
     CHECK ((trust_mode = 'token') = (provider = 'generic')),
     CHECK (provider <> 'generic' OR secret_sealed IS NULL)
 );
@@ -79,7 +86,8 @@ CREATE TABLE IF NOT EXISTS events (
     headers       TEXT NOT NULL DEFAULT '{}' CHECK (json_valid(headers)),
     body          BLOB,
     envelope      TEXT CHECK (envelope IS NULL OR json_valid(envelope)),
-    disposition   TEXT NOT NULL CHECK (disposition IN ('routed', 'dropped', 'repeat', 'quarantined')),
+    -- ping: a producer's hello (GitHub's `ping`), recorded and answered, never work.
+    disposition   TEXT NOT NULL CHECK (disposition IN ('routed', 'dropped', 'repeat', 'quarantined', 'ping')),
     trace         TEXT CHECK (trace IS NULL OR json_valid(trace)),
     outcome       TEXT CHECK (outcome IS NULL OR json_valid(outcome)),
     received_at   INTEGER NOT NULL
@@ -87,6 +95,7 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE UNIQUE INDEX IF NOT EXISTS events_delivery ON events(webhook_id, delivery_key) WHERE webhook_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS events_body ON events(webhook_id, body_hash) WHERE webhook_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS events_received ON events(received_at);
+CREATE INDEX IF NOT EXISTS events_by_webhook ON events(webhook_id, received_at) WHERE webhook_id IS NOT NULL;
 
 -- Once-only routing claims. event_id is deliberately not a foreign key: retention may prune the event,
 -- and the claim must outlive it. Never pruned.

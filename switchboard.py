@@ -25,8 +25,10 @@ import base64
 import collections
 import concurrent.futures
 import contextlib
+import difflib
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -35,12 +37,14 @@ import queue as queue_module
 import re
 import secrets
 import select
+import resource
 import signal
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -62,6 +66,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 # ======================================================================================================
 # 1. Configuration
@@ -69,9 +74,29 @@ from starlette.routing import Route
 
 VERSION = "0.1.0"
 SCHEMA_PATH = Path(__file__).with_name("schema.sql")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Migration:
+    """Upgrades a database from user_version v to v + 1. SQLite cannot change a CHECK in place, so a table whose
+    constraints changed is rebuilt from its definition in schema.sql, copying the columns both versions have;
+    `fill` gives SQL expressions (over the old row) for new columns that need a value. Then schema.sql runs
+    again (every statement is idempotent), which adds new tables and indexes."""
+    summary: str
+    rebuild: tuple[str, ...] = ()
+    fill: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
 # Explicit, ordered migrations: MIGRATIONS[v] upgrades a database from user_version v to v + 1.
-MIGRATIONS: dict[int, str] = {}
+MIGRATIONS: dict[int, Migration] = {
+    1: Migration(
+        "release 2: webhooks gain trusted_actors (existing forge and cairn webhooks keep receiving everything:"
+        " allow_all) and pinged_at; events may be pings; an index of events by webhook and time",
+        rebuild=("webhooks", "events"),
+        fill={"webhooks": {"trusted_actors": "CASE WHEN provider IN ('github', 'gitea', 'cairn')"
+                                             " THEN '{\"allow_all\": true}' END"}}),
+}
 
 DEFAULT_LEASE_SECONDS = 300
 MAX_REQUEST_BYTES = 1 << 20
@@ -86,9 +111,24 @@ SCHEDULER_TICK_SECONDS = 1.0
 CHECKPOINT_EVERY_SECONDS = 60.0
 PRUNE_EVERY_SECONDS = 3600.0
 WRITER_BATCH = 64
+WAL_LIMIT_BYTES = 64 << 20
 QUARANTINE_DAYS = 30
 # The re-ring sweep: after the first ring, again about 5 min, 20 min, 1 h and 6 h after the previous one.
 RERING_AFTER_MS = (5 * 60_000, 20 * 60_000, 60 * 60_000, 6 * 3_600_000)
+
+# Request bodies must arrive within this many seconds of the headers, and headers within HEADER_SECONDS of the
+# connection (or of the previous response): a client that trickles bytes holds nothing for long.
+BODY_SECONDS = 10.0
+HEADER_SECONDS = 10.0
+KEEPALIVE_IDLE_SECONDS = 5
+MAX_CONNECTIONS = 2048
+# Bytes of delivery bodies buffered at once, across every in-flight delivery (each is capped at 5 MiB).
+INGEST_BUFFER_BYTES = 64 << 20
+# A payload nested deeper than this is kept as its raw body with `payload: null` (reason `too_deep`).
+MAX_PAYLOAD_DEPTH = 128
+# Characters producer text never keeps on a line: C0 controls, DEL, and the bidirectional marks, overrides
+# and isolates, which make a title read differently from what it is.
+UNSAFE_TEXT = "\x00-\x1f\x7f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
 
 QUEUE_PATTERN = r"^[a-z0-9][a-z0-9._:-]{0,63}$"
 RESERVED_QUEUES = frozenset({"quarantine"})
@@ -134,6 +174,20 @@ class ApiError(Exception):
         return {"error": self.code, "message": self.message}
 
 
+class Vitals:
+    """Where the long-lived parts (the writer, the scheduler, the evaluator pool) report their death. Then
+    /healthz answers 503 and `on_death` (the server) stops the process, so its supervisor starts a fresh one."""
+
+    def __init__(self) -> None:
+        self.deaths: list[str] = []
+        self.on_death: Callable[[str], None] | None = None
+
+    def died(self, what: str) -> None:
+        self.deaths.append(what)
+        if self.on_death:
+            self.on_death(what)
+
+
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -166,7 +220,7 @@ def connect(path: str, synchronous: str = "FULL") -> sqlite3.Connection:
     conn.execute(f"PRAGMA synchronous={'NORMAL' if synchronous.upper() == 'NORMAL' else 'FULL'}")
     conn.execute("PRAGMA foreign_keys=ON")
     conn.execute("PRAGMA busy_timeout=5000")
-    conn.execute("PRAGMA journal_size_limit=67108864")
+    conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
     return conn
 
 
@@ -175,21 +229,58 @@ def apply_schema(conn: sqlite3.Connection) -> int:
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     if version > SCHEMA_VERSION:
         raise ApiError("unavailable", f"database schema {version} is newer than this program ({SCHEMA_VERSION})")
-    if version == 0:
+    if version == SCHEMA_VERSION:
+        return version
+    statements = _split_sql(SCHEMA_PATH.read_text())
+    # Rebuilding a table must not fire its foreign keys (a DROP would cascade); they are checked at the end.
+    conn.execute("PRAGMA foreign_keys=OFF")
+    try:
         conn.execute("BEGIN IMMEDIATE")
-        for statement in _split_sql(SCHEMA_PATH.read_text()):
-            conn.execute(statement)
-        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        conn.execute("COMMIT")
-        return SCHEMA_VERSION
-    while version < SCHEMA_VERSION:
-        conn.execute("BEGIN IMMEDIATE")
-        for statement in _split_sql(MIGRATIONS[version]):
-            conn.execute(statement)
-        version += 1
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == 0:
+            for statement in statements:
+                conn.execute(statement)
+            version = SCHEMA_VERSION
+        while version < SCHEMA_VERSION:
+            _migrate(conn, MIGRATIONS[version], statements)
+            version += 1
+        if conn.execute("PRAGMA foreign_key_check").fetchone() is not None:
+            raise sqlite3.IntegrityError("a migration left a dangling foreign key")
         conn.execute(f"PRAGMA user_version={version}")
         conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    finally:
+        conn.execute("PRAGMA foreign_keys=ON")
     return version
+
+
+def pending_migrations(conn: sqlite3.Connection) -> list[dict]:
+    """What opening this database with this program would change, without changing it."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version == 0:
+        return [{"from": 0, "to": SCHEMA_VERSION, "summary": "create the schema"}]
+    return [{"from": v, "to": v + 1, "summary": MIGRATIONS[v].summary, "rebuilds": list(MIGRATIONS[v].rebuild)}
+            for v in range(version, SCHEMA_VERSION)]
+
+
+def _migrate(conn: sqlite3.Connection, migration: Migration, statements: list[str]) -> None:
+    tables = {m.group(1): s for s in statements
+              if (m := re.search(r"^CREATE TABLE IF NOT EXISTS (\w+)", s, re.MULTILINE))}
+    for table in migration.rebuild:
+        old_columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+        conn.execute(tables[table].replace(f"CREATE TABLE IF NOT EXISTS {table} ", f"CREATE TABLE {table}__new ", 1))
+        new_columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table}__new)")]
+        fill = migration.fill.get(table, {})
+        columns = [c for c in new_columns if c in old_columns or c in fill]
+        values = [fill.get(c, c) for c in columns]
+        conn.execute(f"INSERT INTO {table}__new ({', '.join(columns)}) SELECT {', '.join(values)} FROM {table}")
+        conn.execute(f"DROP TABLE {table}")
+        conn.execute(f"ALTER TABLE {table}__new RENAME TO {table}")
+    for statement in statements:
+        conn.execute(statement)
 
 
 def _split_sql(script: str) -> list[str]:
@@ -252,6 +343,9 @@ class Database:
         apply_schema(writer)
         self._writer = writer
         self._jobs: queue_module.SimpleQueue = queue_module.SimpleQueue()
+        self._held: tuple | None = None
+        self.failure: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
@@ -283,32 +377,53 @@ class Database:
         return tuple(future.result())
 
     def _write_loop(self) -> None:
-        conn = self._writer
-        held = None
-        while True:
-            job, held = (held, None) if held is not None else (self._jobs.get(), None)
-            if job is None:
-                break
-            if job[0] is _CHECKPOINT:
+        """Take jobs in arrival order: a checkpoint alone, transaction bodies in batches. Whatever a job does,
+        the loop goes on; if the loop itself breaks, `failure` says why and `on_fatal` is told."""
+        try:
+            while (batch := self._next_batch()) is not None:
+                if batch[0][0] is _CHECKPOINT:
+                    self._run_checkpoint(batch[0][2])
+                else:
+                    self._run_batch(self._writer, batch)
+        except BaseException as exc:  # noqa: BLE001 - a dead writer must be reported, never silent
+            self.failure = f"the writer stopped: {type(exc).__name__}: {exc}"
+            log.critical(self.failure)
+            if self.on_fatal:
+                self.on_fatal(self.failure)
+        finally:
+            self._writer.close()
+
+    def _next_batch(self) -> list | None:
+        """The next job, plus (for transaction bodies) what else is already waiting, up to WRITER_BATCH. A job
+        whose caller stopped waiting (a cancelled future) is dropped unrun; None means close."""
+        batch: list = []
+        while not batch or (batch[0][0] is not _CHECKPOINT and len(batch) < WRITER_BATCH):
+            if self._held is not None:
+                job, self._held = self._held, None
+            elif batch:
                 try:
-                    job[2].set_result(conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone())
-                except sqlite3.Error as exc:
-                    job[2].set_exception(exc)
-                continue
-            batch = [job]
-            while len(batch) < WRITER_BATCH:
-                try:
-                    nxt = self._jobs.get_nowait()
+                    job = self._jobs.get_nowait()
                 except queue_module.Empty:
                     break
-                if nxt is None or nxt[0] is _CHECKPOINT:
-                    held = nxt if nxt is not None else None
-                    if nxt is None:
-                        self._jobs.put(None)
+            else:
+                job = self._jobs.get()
+            if job is None:
+                if batch:
+                    self._jobs.put(None)
                     break
-                batch.append(nxt)
-            self._run_batch(conn, batch)
-        conn.close()
+                return None
+            if batch and job[0] is _CHECKPOINT:
+                self._held = job
+                break
+            if job[2].set_running_or_notify_cancel():
+                batch.append(job)
+        return batch
+
+    def _run_checkpoint(self, future: concurrent.futures.Future) -> None:
+        try:
+            future.set_result(self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone())
+        except sqlite3.Error as exc:
+            future.set_exception(exc)
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list) -> None:
         outcomes: list[tuple[bool, Any, Txn | None]] = []
@@ -374,6 +489,9 @@ class Database:
     async def read(self, fn: Callable, *args) -> Any:
         return await anyio.to_thread.run_sync(self.read_sync, fn, *args)
 
+    def alive(self) -> bool:
+        return self.failure is None and self._thread.is_alive()
+
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join()
@@ -415,6 +533,19 @@ def hashes_match(stored: str | None, presented: str) -> bool:
     return stored is not None and hmac.compare_digest(stored, token_hash(presented))
 
 
+class KeyMismatch(ApiError):
+    """The secret key and the database do not belong together: a start error and a `check` failure."""
+
+    def __init__(self, message: str):
+        super().__init__("unavailable", message)
+
+
+def sealed_sample(txn: Txn) -> tuple[str, bytes] | None:
+    """One webhook secret the database holds, to prove a key against."""
+    row = txn.one("SELECT id, secret_sealed FROM webhooks WHERE secret_sealed IS NOT NULL LIMIT 1")
+    return (row["id"], row["secret_sealed"]) if row else None
+
+
 class SecretBox:
     """AES-256-GCM for webhook secrets at rest. The key comes from $SWITCHBOARD_SECRET_KEY (32 bytes, base64
     or hex) or from a key file beside the database, created with mode 0600 on first use."""
@@ -425,11 +556,31 @@ class SecretBox:
         self._aead = AESGCM(key)
 
     @classmethod
-    def for_database(cls, db_path: str) -> SecretBox:
+    def for_database(cls, db_path: str, sealed: tuple[str, bytes] | None = None) -> SecretBox:
+        """The key for this database. `sealed` is one (webhook id, sealed secret) the database holds, if any:
+        then a missing key file is not made anew and a key that cannot open it is refused, because either way
+        every signed webhook would answer 503 with nothing to say why."""
         configured = os.environ.get("SWITCHBOARD_SECRET_KEY")
+        path = key_file_path(db_path)
         if configured:
-            return cls(parse_key(configured))
-        return cls(load_or_create_key_file(key_file_path(db_path)))
+            box, where = cls(parse_key(configured)), "$SWITCHBOARD_SECRET_KEY"
+        elif sealed is not None and not path.exists():
+            raise KeyMismatch(f"{db_path} holds sealed webhook secrets but the key file {path} is missing: restore"
+                              " switchboard.key from the backup beside the database (or set SWITCHBOARD_SECRET_KEY);"
+                              " a new key cannot open them")
+        else:
+            box, where = cls(load_or_create_key_file(path)), str(path)
+        if sealed is not None and not box.opens(*sealed):
+            raise KeyMismatch(f"the key in {where} does not open the webhook secrets in {db_path}: use the key"
+                              " that was in use when this database was written")
+        return box
+
+    def opens(self, webhook_id: str, sealed: bytes) -> bool:
+        try:
+            self.open(sealed, webhook_id)
+        except ApiError:
+            return False
+        return True
 
     def seal(self, secret: str, bound_to: str) -> bytes:
         nonce = secrets.token_bytes(self.NONCE_BYTES)
@@ -479,7 +630,7 @@ def load_or_create_key_file(path: Path) -> bytes:
 
 QueueName = Annotated[str, StringConstraints(pattern=QUEUE_PATTERN)]
 # Text that reaches SQLite never holds NUL (SQLite's text functions stop at it); one-line text no control bytes.
-ONE_LINE = r"^[^\x00-\x1f\x7f]*$"
+ONE_LINE = rf"^[^{UNSAFE_TEXT}]*$"
 MULTI_LINE = r"^[^\x00]*$"
 TodoId = Annotated[str, StringConstraints(pattern=r"^td_[0-9a-f]{1,64}$")]
 EndpointId = Annotated[str, StringConstraints(pattern=r"^ep_[0-9a-f]{1,64}$")]
@@ -750,7 +901,18 @@ def parse_model(model: type[BaseModel], raw: bytes | str | dict) -> Any:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first.get("loc", ())) or "body"
         message = first.get("msg", "invalid").removeprefix("Value error, ")
+        if first.get("type") == "extra_forbidden" and len(first.get("loc", ())) == 1:
+            message = f"unknown field{_did_you_mean(str(first['loc'][0]), model)}"
         raise ApiError("invalid_argument", f"{where}: {message}") from None
+
+
+def _did_you_mean(name: str, model: type[BaseModel]) -> str:
+    """`; did you mean endpoint_id?` when a field of the model is close to the unknown one, else the fields."""
+    fields = [info.alias or field_name for field_name, info in model.model_fields.items()]
+    close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6) or [f for f in fields if f.startswith(name)]
+    if close:
+        return f"; did you mean {close[0]}?"
+    return f"; the fields are {', '.join(fields)}" if fields else ""
 
 
 # ======================================================================================================
@@ -778,13 +940,18 @@ def _hex_signature(value: str | None, prefix: str) -> str:
     if value is None:
         raise VerificationFailed("missing_signature")
     value = value.strip()
-    if not value.startswith(prefix) or not re.fullmatch(r"[0-9a-fA-F]{64}", value[len(prefix):]):
+    if not value.startswith(prefix) or not re.fullmatch(r"[0-9a-fA-F]{64}", value[len(prefix):], re.ASCII):
         raise VerificationFailed("malformed_signature")
     return value[len(prefix):].lower()
 
 
+def _same(expected: str, presented: str) -> bool:
+    """Constant-time comparison of bytes: a header may hold any byte, and compare_digest refuses non-ASCII str."""
+    return hmac.compare_digest(expected.encode(), presented.encode("utf-8", "surrogateescape"))
+
+
 def _require_match(expected: str, presented: str) -> None:
-    if not hmac.compare_digest(expected, presented):
+    if not _same(expected, presented):
         raise VerificationFailed("bad_signature")
 
 
@@ -794,7 +961,7 @@ def _require_fresh(moment_ms: int, now_ms: int) -> None:
 
 
 def _unix_seconds(text: str | None) -> int:
-    if text is None or not re.fullmatch(r"\d{1,12}", text.strip()):
+    if text is None or not re.fullmatch(r"[0-9]{1,12}", text.strip()):
         raise VerificationFailed("malformed_timestamp")
     return int(text.strip()) * 1000
 
@@ -849,7 +1016,7 @@ def verify_delivery(provider: str, secret: bytes | None, headers: dict[str, str]
         moment = _unix_seconds(stamps[0])
         expected = _hmac_hex(secret, stamps[0].encode() + b"." + body)
         # Every v1 is compared, so timing does not reveal which one matched.
-        if not sum(hmac.compare_digest(expected, s) for s in signatures):
+        if not sum(_same(expected, s) for s in signatures):
             raise VerificationFailed("bad_signature")
         _require_fresh(moment, now_ms)
     elif provider == "slack":
@@ -1014,9 +1181,45 @@ def artifact_view(payload: Any) -> dict | None:
     }
 
 
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON containers nest more than `limit` deep; iterative, so depth itself cannot break it."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        if children and depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def decode_payload(headers: dict[str, str], body: bytes) -> tuple[Any, str | None]:
+    """The body as one JSON value, or None and why not. GitHub's form encoding (its default content type)
+    carries the JSON in the `payload` field; the signature covers the raw form bytes, verified before this."""
+    media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type == "application/x-www-form-urlencoded":
+        try:
+            fields = urllib.parse.parse_qs(body, keep_blank_values=True, strict_parsing=True, max_num_fields=64)
+        except ValueError:
+            return None, "bad_form"
+        if len(fields.get(b"payload", ())) != 1:
+            return None, "form_without_payload"
+        body = fields[b"payload"][0]
+    if not body.strip():
+        return None, "empty"
+    try:
+        payload = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        return None, "too_deep"
+    except ValueError:
+        return None, "not_json"
+    if body.count(b"[") + body.count(b"{") > MAX_PAYLOAD_DEPTH and _deeper_than(payload, MAX_PAYLOAD_DEPTH):
+        return None, "too_deep"
+    return payload, None
+
+
 def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified: bool, headers: dict[str, str],
-                   body: bytes, release: dict | None = None) -> dict:
-    payload = _json_object(body)
+                   body: bytes, payload: Any, release: dict | None = None) -> dict:
     kind = event_kind(provider, headers, payload)
     key = subject_key(provider, kind, payload)
     return {
@@ -1052,7 +1255,7 @@ def envelope_title(envelope: dict) -> str:
         text = f"{repo}: push to {_text(_get(payload, 'ref'))}"
     else:
         text = f"{envelope['source']} {envelope['kind'] or 'delivery'}"
-    text = " ".join(re.sub(r"[\x00-\x1f\x7f]", " ", _text(str(text))).split())
+    text = " ".join(re.sub(f"[{UNSAFE_TEXT}]", " ", _text(str(text))).split())
     return text[:512] or "delivery"
 
 
@@ -1067,14 +1270,18 @@ EVAL_BUDGET_SECONDS = 0.25
 EVAL_KILL_SECONDS = 2.0
 EVAL_MEMORY_BYTES = 256 << 20
 EVAL_POOL_SIZE = 2
+# Deliveries of one owner waiting for the evaluator beyond this are refused (503) rather than queued.
+EVAL_QUEUE_PER_TENANT = 256
+EVAL_THREADS = 16
 DRY_RUN_EVENTS = 50
 
 # The child's whole program. Frames: a JSON header line, then `doc_bytes` bytes of envelope JSON.
 EVALUATOR_CHILD = r'''
-import json, resource, sys
+import json, os, resource, signal, sys
 import jq
 
 resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+parent = os.getppid()
 programs = {}
 read, write = sys.stdin.buffer, sys.stdout.buffer
 
@@ -1083,7 +1290,12 @@ def answer(message):
     write.flush()
 
 answer({"ready": True})
+# The child dies with the server: at end of input when idle, and (SIGALRM's default action, which ends the
+# process even inside jq's C loop) at its hard deadline when busy, whether or not anyone is left to kill it.
 for header in read:
+    if os.getppid() != parent:
+        break
+    signal.alarm(DEADLINE)
     request = json.loads(header)
     doc = read.read(request.get("doc_bytes", 0)).decode()
     try:
@@ -1095,18 +1307,21 @@ for header in read:
                 except ValueError as exc:
                     errors.append({"index": index, "detail": str(exc)[:500]})
             answer({"errors": errors})
-            continue
-        program = programs.get(request["key"])
-        if program is None:
-            if len(programs) >= 128:
-                programs.clear()
-            program = programs[request["key"]] = jq.compile(request["program"], args={"params": request["params"]})
-        answer({"result": program.input_text(doc).first()})
+        else:
+            program = programs.get(request["key"])
+            if program is None:
+                if len(programs) >= 128:
+                    programs.clear()
+                program = programs[request["key"]] = jq.compile(request["program"],
+                                                                 args={"params": request["params"]})
+            answer({"result": program.input_text(doc).first()})
     except MemoryError:
         answer({"fault": "budget_exhausted", "detail": "memory cap reached"})
     except Exception as exc:
         answer({"fault": "error", "detail": str(exc)[:500]})
-'''.replace("MEMORY", str(EVAL_MEMORY_BYTES))
+    finally:
+        signal.alarm(0)
+'''.replace("MEMORY", str(EVAL_MEMORY_BYTES)).replace("DEADLINE", str(int(EVAL_KILL_SECONDS) + 1))
 
 FORBIDDEN_IDENTIFIERS = frozenset({
     "env", "$ENV", "input", "inputs", "input_filename", "input_line_number", "debug", "stderr", "halt",
@@ -1114,61 +1329,74 @@ FORBIDDEN_IDENTIFIERS = frozenset({
     "include", "get_search_list", "get_prog_origin", "get_jq_origin", "$__prog_args"})
 
 
-def jq_identifiers(expr: str) -> list[str]:
-    """Identifiers in code, outside string literals (but inside `\\(...)` interpolations, which are code).
-    A name right after `.` is a field access, not a call, and is left out."""
-    found: list[str] = []
-    modes = ["code"]  # a stack: "code", "string", or "interp:<depth>"
-    depth = [0]
-    i = 0
-    while i < len(expr):
-        ch = expr[i]
-        if modes[-1] == "string":
-            if ch == "\\" and expr[i + 1:i + 2] == "(":
-                modes.append("code")
-                depth.append(0)
-                i += 2
+class JqText:
+    """A jq expression read the way jq reads it: its identifiers in code (outside string literals, but inside
+    `\\(...)` interpolations, which are code; a name right after `.` is a field access and is left out) and its
+    text with comments removed. A comment that ends in a backslash would run on into the next line (jq 1.7), so
+    it is refused rather than guessed at."""
+
+    NAME = re.compile(r"\$?[A-Za-z_][A-Za-z0-9_]*(?:::[A-Za-z_][A-Za-z0-9_]*)*")
+
+    def __init__(self, expr: str):
+        self.identifiers: list[str] = []
+        self.continued_comment = False
+        kept: list[str] = []
+        last = ""  # the last character kept that is not white space
+        modes, depth = ["code"], [0]  # a stack of "code" and "string"; open parentheses per code level
+        i = 0
+        while i < len(expr):
+            ch = expr[i]
+            if modes[-1] == "string":
+                step = 2 if ch == "\\" else 1
+                if expr[i:i + 2] == "\\(":
+                    modes.append("code")
+                    depth.append(0)
+                elif ch == '"':
+                    modes.pop()
+                kept.append(expr[i:i + step])
+                last = expr[i + step - 1]
+                i += step
                 continue
-            if ch == "\\":
-                i += 2
+            if ch == "#":
+                end = expr.find("\n", i)
+                end = len(expr) if end < 0 else end
+                self.continued_comment |= expr[i:end].rstrip("\r").endswith("\\")
+                i = end
+                continue
+            match = self.NAME.match(expr, i)
+            if match:
+                if last != "." or match.group().startswith("$"):
+                    self.identifiers.append(match.group())
+                kept.append(match.group())
+                last = match.group()[-1]
+                i = match.end()
                 continue
             if ch == '"':
-                modes.pop()
+                modes.append("string")
+            elif ch == "(":
+                depth[-1] += 1
+            elif ch == ")":
+                if depth[-1] == 0 and len(modes) > 1:
+                    modes.pop()
+                    depth.pop()
+                else:
+                    depth[-1] -= 1
+            kept.append(ch)
+            last = last if ch.isspace() else ch
             i += 1
-            continue
-        if ch == '"':
-            modes.append("string")
-        elif ch == "#":
-            newline = expr.find("\n", i)
-            i = len(expr) if newline < 0 else newline
-            continue
-        elif ch == "(":
-            depth[-1] += 1
-        elif ch == ")":
-            if depth[-1] == 0 and len(modes) > 1:
-                modes.pop()
-                depth.pop()
-                i += 1
-                continue
-            depth[-1] -= 1
-        else:
-            match = re.match(r"\$?[A-Za-z_][A-Za-z0-9_]*(?:::[A-Za-z_][A-Za-z0-9_]*)*", expr[i:])
-            if match:
-                before = expr[:i].rstrip()
-                if not before.endswith(".") or match.group().startswith("$"):
-                    found.append(match.group())
-                i += len(match.group())
-                continue
-        i += 1
-    return found
+        self.code = "".join(kept)
+
+    def forbidden(self) -> list[str]:
+        return sorted({name for name in self.identifiers if name in FORBIDDEN_IDENTIFIERS})
 
 
 def combined_program(exprs: list[str]) -> str:
     """One jq program for a whole rule set: rule i is tried only when rules 0..i-1 neither matched nor
-    faulted. Its answer is {"match": i}, {"fault": i, "detail": …} or {"none": true}."""
+    faulted. Its answer is {"match": i}, {"fault": i, "detail": …} or {"none": true}. Each rule runs without
+    its comments, inside its own parentheses: having compiled alone, it cannot reach into its neighbours."""
     program = '{"none": true}'
     for index, expr in reversed(list(enumerate(exprs))):
-        program = (f'(try ([limit(1; ({expr}\n))] | if length > 0 and (.[0] | . != false and . != null)'
+        program = (f'(try ([limit(1; ({JqText(expr).code}\n))] | if length > 0 and (.[0] | . != false and . != null)'
                    f' then 1 else 0 end) catch {{"error": .}}) as $__r{index}'
                    f' | if $__r{index} == 1 then {{"match": {index}}} elif $__r{index} == 0 then {program}'
                    f' else {{"fault": {index}, "detail": $__r{index}.error}} end')
@@ -1220,7 +1448,13 @@ class _Child:
                 raise EvaluatorDied("the evaluator died")
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
-        return json.loads(line)
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise EvaluatorDied("the evaluator answered something that is not an answer")
+        return answer
 
     def kill(self) -> None:
         with contextlib.suppress(OSError):
@@ -1234,45 +1468,76 @@ class _Child:
 class Evaluator:
     """A pool of sandbox children. A call that overruns its budget is a fault at once and its child leaves the
     pool: it gets until the kill deadline to finish (and rejoin, if there is room) before it is killed, while a
-    fresh child takes its place, so stuck rules never stall the deliveries behind them."""
+    fresh child takes its place, so stuck rules never stall the deliveries behind them.
+
+    Fairness: a tenant (the webhook owner) holds at most `per_tenant` children at once, counting its overrunning
+    ones until they are gone, so a tenant whose rules loop waits on itself and leaves the other slots free."""
 
     MAX_OVERRUNNING_PER_SLOT = 2
+    DEAD_AFTER_FAILED_STARTS = 3
 
     def __init__(self, size: int = EVAL_POOL_SIZE, budget: float = EVAL_BUDGET_SECONDS,
-                 kill_after: float = EVAL_KILL_SECONDS):
+                 kill_after: float = EVAL_KILL_SECONDS, per_tenant: int | None = None):
         self.size = size
         self.budget = budget
         self.kill_after = kill_after
+        self.per_tenant = per_tenant or max(1, size - 1)
         self._idle: list[_Child] = []
         self._changed = threading.Condition()
         self._count = 0
         self._overrunning = 0
+        self._tenant_load: collections.Counter = collections.Counter()
         self._closed = False
+        self._failed_starts = 0
+        self.on_death: Callable[[str], None] | None = None
+
+    def _wait(self, ready: Callable[[], bool], why: str) -> None:
+        """Under the lock: wait until `ready()`, at most as long as a stuck child can live."""
+        deadline = time.monotonic() + self.kill_after + 1
+        while not ready():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EvaluatorUnavailable(why)
+            self._changed.wait(remaining)
+
+    def _enter(self, tenant: str | None) -> None:
+        if tenant is not None:
+            with self._changed:
+                self._wait(lambda: self._tenant_load[tenant] < self.per_tenant, "this owner's rules are all busy")
+                self._tenant_load[tenant] += 1
+
+    def _exit(self, tenant: str | None) -> None:
+        if tenant is not None:
+            with self._changed:
+                self._tenant_load[tenant] -= 1
+                if self._tenant_load[tenant] <= 0:
+                    del self._tenant_load[tenant]
+                self._changed.notify_all()
 
     def _acquire(self) -> _Child:
-        deadline = time.monotonic() + self.kill_after + 1
         with self._changed:
-            while not self._idle:
-                if self._count < self.size and self._overrunning < self.size * self.MAX_OVERRUNNING_PER_SLOT:
-                    self._count += 1
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise EvaluatorUnavailable("every evaluator is busy")
-                self._changed.wait(remaining)
-            else:
+            self._wait(lambda: bool(self._idle) or (
+                self._count < self.size and self._overrunning < self.size * self.MAX_OVERRUNNING_PER_SLOT),
+                "every evaluator is busy")
+            if self._idle:
                 return self._idle.pop()
+            self._count += 1
         try:
-            return _Child()
-        except EvaluatorUnavailable:
+            child = _Child()
+        except EvaluatorUnavailable as exc:
             self._leave(None)
+            self._failed_starts += 1
+            if self._failed_starts == self.DEAD_AFTER_FAILED_STARTS and self.on_death:
+                self.on_death(f"the evaluator pool cannot start a child: {exc}")
             raise
+        self._failed_starts = 0
+        return child
 
     def _release(self, child: _Child) -> None:
         with self._changed:
             if not self._closed:
                 self._idle.append(child)
-                self._changed.notify()
+                self._changed.notify_all()
                 return
         self._leave(child)
 
@@ -1282,9 +1547,9 @@ class Evaluator:
             child.kill()
         with self._changed:
             self._count -= 1
-            self._changed.notify()
+            self._changed.notify_all()
 
-    def _overrun(self, child: _Child, started: float) -> None:
+    def _overrun(self, child: _Child, started: float, tenant: str | None) -> None:
         try:
             late = child.read(max(0.0, started + self.kill_after - time.monotonic()))
         except EvaluatorUnavailable:
@@ -1295,13 +1560,19 @@ class Evaluator:
             if rejoin:
                 self._count += 1
                 self._idle.append(child)
-            self._changed.notify()
+            self._changed.notify_all()
         if not rejoin:
             child.kill()
+        self._exit(tenant)
 
-    def _call(self, header: dict, doc: bytes, compile_only: bool = False) -> dict | None:
-        """The child's answer; None when it overran (and has left the pool)."""
-        child = self._acquire()
+    def _call(self, header: dict, doc: bytes, compile_only: bool = False, tenant: str | None = None) -> dict | None:
+        """The child's answer; None when it overran (and has left the pool, still counting for its tenant)."""
+        self._enter(tenant)
+        try:
+            child = self._acquire()
+        except BaseException:
+            self._exit(tenant)
+            raise
         started = time.monotonic()
         try:
             if not compile_only and header["key"] not in child.known:
@@ -1310,32 +1581,42 @@ class Evaluator:
             answer = child.read(self.kill_after if compile_only else self.budget)
         except EvaluatorUnavailable:
             self._leave(child)
+            self._exit(tenant)
             raise
         if answer is None:
             with self._changed:
                 self._count -= 1
                 self._overrunning += 1
-                self._changed.notify()
-            threading.Thread(target=self._overrun, args=(child, started), daemon=True).start()
+                self._changed.notify_all()
+            threading.Thread(target=self._overrun, args=(child, started, tenant), daemon=True).start()
             return None
         if not compile_only:
             child.known.add(header["key"])
         self._release(child)
+        self._exit(tenant)
         return answer
 
-    def compile_errors(self, programs: list[str], params: dict) -> list[dict]:
-        answer = self._call({"op": "compile", "programs": programs, "params": params}, b"", compile_only=True)
+    def compile_errors(self, programs: list[str], params: dict, tenant: str | None = None) -> list[dict]:
+        answer = self._call({"op": "compile", "programs": programs, "params": params}, b"", compile_only=True,
+                            tenant=tenant)
         if answer is None:
             raise ApiError("invalid_argument", "rules: compiling took too long")
-        return answer["errors"]
+        errors = answer.get("errors")
+        if not isinstance(errors, list) or not all(
+                isinstance(e, dict) and isinstance(e.get("index"), int) and 0 <= e["index"] < len(programs)
+                for e in errors):
+            raise EvaluatorUnavailable("the evaluator answered nonsense")
+        return errors
 
-    def run(self, exprs: list[str], params: dict, doc: bytes) -> dict:
+    def run(self, exprs: list[str], params: dict, doc: bytes, tenant: str | None = None) -> dict:
         """Evaluate a rule set over one envelope: {"match": i}, {"none": True} or {"fault": cause, "rule_index",
-        "detail"}. A fault the child could not pin on one rule has rule_index None."""
+        "detail"}. A fault the child could not pin on one rule has rule_index None. The child's answer is
+        untrusted: anything but a well-formed answer is a fault."""
         program = combined_program(exprs)
         key = hashlib.sha256(program.encode() + b"\x00" + json.dumps(params, sort_keys=True).encode()).hexdigest()
         try:
-            answer = self._call({"op": "eval", "key": key, "program_text": program, "params": params}, doc)
+            answer = self._call({"op": "eval", "key": key, "program_text": program, "params": params}, doc,
+                                tenant=tenant)
         except EvaluatorDied:
             # It started and then died mid-evaluation: the memory cap, or a crash in jq. A fault, not an outage.
             return {"fault": "budget_exhausted", "rule_index": None,
@@ -1343,15 +1624,7 @@ class Evaluator:
         if answer is None:
             return {"fault": "timeout", "rule_index": None,
                     "detail": f"no answer within {int(self.budget * 1000)} ms"}
-        result = answer.get("result")
-        if isinstance(result, dict) and "match" in result:
-            return {"match": result["match"]}
-        if isinstance(result, dict) and "fault" in result:
-            return {"fault": "error", "rule_index": result["fault"], "detail": _fault_detail(result.get("detail"))}
-        if isinstance(result, dict) and result.get("none"):
-            return {"none": True}
-        return {"fault": answer.get("fault", "error"), "rule_index": None,
-                "detail": _fault_detail(answer.get("detail", "no result"))}
+        return _read_answer(answer, len(exprs))
 
     def close(self) -> None:
         with self._changed:
@@ -1361,8 +1634,28 @@ class Evaluator:
             self._leave(child)
 
 
+def _rule_index(value: Any, count: int) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < count else None
+
+
+def _read_answer(answer: dict, count: int) -> dict:
+    """The child's answer to an evaluation, checked field by field."""
+    result = answer.get("result")
+    if isinstance(result, dict) and _rule_index(result.get("match"), count) is not None:
+        return {"match": result["match"]}
+    if isinstance(result, dict) and _rule_index(result.get("fault"), count) is not None:
+        return {"fault": "error", "rule_index": result["fault"], "detail": _fault_detail(result.get("detail"))}
+    if result == {"none": True}:
+        return {"none": True}
+    cause = answer.get("fault") if answer.get("fault") in ("error", "budget_exhausted") else "error"
+    return {"fault": cause, "rule_index": None, "detail": _fault_detail(answer.get("detail", "no usable answer"))}
+
+
 def _fault_detail(detail: Any) -> str:
-    text = detail if isinstance(detail, str) else json.dumps(detail)
+    try:
+        text = detail if isinstance(detail, str) else json.dumps(detail)
+    except (ValueError, RecursionError):
+        text = "an error value too deep to show"
     return " ".join(text.split())[:300]
 
 
@@ -1526,7 +1819,11 @@ def dump_json(value: Any, field_name: str) -> str | None:
 
 
 def _json(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
+    """Stored JSON, read back. Nothing stored may make a read fail: JSON nested too deep to read is null."""
+    try:
+        return None if text is None else json.loads(text)
+    except RecursionError:
+        return None
 
 
 def todo_view(row: sqlite3.Row) -> dict:
@@ -2026,6 +2323,13 @@ def reroute(txn: Txn, principal: Principal, todo_id: str, body: Reroute) -> dict
         raise ApiError("invalid_argument", f"queue: {body.queue} is reserved")
     todo = _human_todo(txn, principal, "reroute", todo_id, ("pending", "needs_input", "blocked", "deferred", "failed"))
     endpoint_id = _reroute_target(txn, todo, body.queue)
+    if todo["idempotency_key"] is not None:
+        twin = txn.one("SELECT id FROM todos WHERE endpoint_id = ? AND idempotency_key = ? AND id <> ?"
+                       " AND state NOT IN ('done', 'failed', 'cancelled')",
+                       (endpoint_id, todo["idempotency_key"], todo_id))
+        if twin is not None:
+            raise ApiError("conflict", f"todo {twin['id']} on {endpoint_id} already holds idempotency key"
+                                       f" {todo['idempotency_key']!r}; finish or cancel one of them first")
     txn.execute("DELETE FROM absorptions WHERE absorbed_id = ?", (todo_id,))
     _transition(txn, todo, "pending", principal.actor,
                 {"from_queue": todo["queue"], "to_queue": body.queue, "endpoint_id": endpoint_id},
@@ -2146,6 +2450,7 @@ def friend_link(txn: Txn, requester: str, approver: str) -> dict:
 def webhook_view(row: sqlite3.Row) -> dict:
     return {"id": row["id"], "endpoint_id": row["endpoint_id"], "provider": row["provider"], "queue": row["queue"],
             "trust_mode": row["trust_mode"], "secret_set": row["secret_sealed"] is not None,
+            "trusted_actors": _json(row["trusted_actors"]), "pinged_at": iso(row["pinged_at"]),
             "created_at": iso(row["created_at"]), "rotated_at": iso(row["rotated_at"])}
 
 
@@ -2206,11 +2511,12 @@ def create_webhook(txn: Txn, principal: Principal, box: SecretBox, spec: Webhook
     secret = _initial_secret(spec.provider, spec.secret)
     webhook_id = new_id("wh")
     token = secrets.token_urlsafe(16)
+    trusted = '{"allow_all": true}' if spec.provider in ("github", "gitea", "cairn") else None
     txn.execute("INSERT INTO webhooks (id, endpoint_id, provider, queue, trust_mode, token_hash, secret_sealed,"
-                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                " trusted_actors, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (webhook_id, owner["id"], spec.provider, spec.queue,
                  "token" if spec.provider == "generic" else "signed", token_hash(token),
-                 box.seal(secret, webhook_id) if secret else None, txn.now))
+                 box.seal(secret, webhook_id) if secret else None, trusted, txn.now))
     txn.logs.append(f"webhook {webhook_id} ({spec.provider}) created on {owner['id']}")
     return {"id": webhook_id, "url": _ingest_url(base_url, token), "secret": secret, "provider": spec.provider,
             "queue": spec.queue, "trust_mode": "token" if spec.provider == "generic" else "signed",
@@ -2447,6 +2753,8 @@ def plan_delivery(txn: Txn, webhook: sqlite3.Row, envelope: dict, action: dict, 
     """Turn a routing decision into todos. Reads only, so the dry run shares it with ingress."""
     trace = dict(trace)
     owner_hold = [(webhook["endpoint_id"], "quarantine", "quarantined")]
+    if action.get("ping"):
+        return Plan("ping", [], trace)
     if action.get("drop"):
         return Plan("dropped", [], trace)
     if action.get("quarantine"):
@@ -2510,9 +2818,13 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
         "todos": [{"id": tid, "endpoint_id": eid, "queue": q, "created": True}
                   for tid, (eid, q, _) in zip(todo_ids, plan.targets, strict=True)],
         "created": len(plan.targets)}
-    flag = {"dropped": "dropped", "quarantined": "held", "repeat": "repeat"}.get(plan.disposition)
+    flag = {"dropped": "dropped", "quarantined": "held", "repeat": "repeat", "ping": "ping"}.get(plan.disposition)
     if flag:
         outcome[flag] = True
+    if plan.trace.get("payload_error"):
+        outcome["payload_error"] = plan.trace["payload_error"]
+    if plan.disposition == "ping":
+        txn.execute("UPDATE webhooks SET pinged_at = ? WHERE id = ?", (txn.now, webhook["id"]))
     txn.execute(
         "INSERT INTO events (id, webhook_id, human_id, source, kind, trust_mode, verified, delivery_key, body_hash,"
         " headers, body, envelope, disposition, trace, outcome, received_at)"
@@ -2553,7 +2865,10 @@ def check_rules_statically(rules: list[Rule], params: dict) -> None:
             raise ApiError("invalid_argument", f"{label}: expr must be 1..{MAX_EXPR_BYTES} bytes")
         if "\x00" in rule.expr:
             raise ApiError("invalid_argument", f"{label}: expr holds a NUL byte")
-        forbidden = sorted({name for name in jq_identifiers(rule.expr) if name in FORBIDDEN_IDENTIFIERS})
+        text = JqText(rule.expr)
+        if text.continued_comment:
+            raise ApiError("invalid_argument", f"{label}: a comment may not end with a backslash")
+        forbidden = text.forbidden()
         if forbidden:
             raise ApiError("invalid_argument", f"{label}: {forbidden[0]} is not allowed in rules")
     try:
@@ -2624,13 +2939,21 @@ def save_rules(txn: Txn, principal: Principal, webhook_id: str, rules: list[Rule
 
 # -- routing decisions (the evaluator's side of the store) ------------------------------------------
 
+def gate(envelope: dict) -> tuple[dict, dict] | None:
+    """What is decided before any rule runs. A producer's hello (GitHub's `ping`, sent when a webhook is
+    created) proves the secret and is recorded, but is never work."""
+    if envelope["source"] == "github" and envelope["kind"] == "ping":
+        return {"ping": True}, {"stage": "ping", "action": {"ping": True}}
+    return None
+
+
 def decide(evaluator: Evaluator, rules: list[dict], default: dict | None, params: dict, fallback_queue: str,
-           doc: bytes) -> tuple[dict, dict]:
+           doc: bytes, tenant: str | None = None) -> tuple[dict, dict]:
     """The action for one envelope and the trace saying why. No rules: the child is never touched."""
     fallback = default or {"queue": fallback_queue}
     if not rules:
         return fallback, {"stage": "default", "cause": "no_rules", "action": fallback}
-    result = evaluator.run([r["expr"] for r in rules], params, doc)
+    result = evaluator.run([r["expr"] for r in rules], params, doc, tenant)
     if "match" in result:
         rule = rules[result["match"]]
         return rule["action"], {"stage": "rule", "rule_index": result["match"], "rule_id": rule["id"],
@@ -2645,15 +2968,18 @@ def decide(evaluator: Evaluator, rules: list[dict], default: dict | None, params
                     "action": action, "faults": [fault]}
 
 
-def decide_for_webhook(evaluator: Evaluator, webhook: sqlite3.Row, doc: bytes) -> tuple[dict, dict]:
+def decide_for_webhook(evaluator: Evaluator, webhook: sqlite3.Row, doc: bytes, tenant: str | None = None
+                       ) -> tuple[dict, dict]:
     stored = rules_view(webhook)
-    return decide(evaluator, stored["rules"], stored["default_action"], stored["params"], webhook["queue"], doc)
+    return decide(evaluator, stored["rules"], stored["default_action"], stored["params"], webhook["queue"], doc,
+                  tenant)
 
 
-def _first_faulting_rule(evaluator: Evaluator, rules: list[dict], params: dict, doc: bytes) -> int | None:
+def _first_faulting_rule(evaluator: Evaluator, rules: list[dict], params: dict, doc: bytes,
+                         tenant: str | None) -> int | None:
     """Pin a fault the one-pass program could not attribute (a timeout) by running the rules one by one."""
     for index, rule in enumerate(rules):
-        result = evaluator.run([rule["expr"]], params, doc)
+        result = evaluator.run([rule["expr"]], params, doc, tenant)
         if "fault" in result:
             return index
         if "match" in result:
@@ -2661,16 +2987,20 @@ def _first_faulting_rule(evaluator: Evaluator, rules: list[dict], params: dict, 
     return None
 
 
-def validate_rule_set(evaluator: Evaluator, rules: list[Rule], params: dict) -> None:
+def validate_rule_set(evaluator: Evaluator, rules: list[Rule], params: dict, tenant: str | None = None) -> None:
     """Static checks, then a compile of each rule and of the combined program in the sandbox."""
     check_rules_statically(rules, params)
     exprs = [r.expr for r in rules]
-    for error in evaluator.compile_errors(exprs, params):
+    for error in evaluator.compile_errors(exprs, params, tenant):
         raise ApiError("invalid_argument", f"{_rule_label(error['index'], rules[error['index']])}: "
                                            f"{_fault_detail(error['detail'])}")
-    if exprs and evaluator.compile_errors([combined_program(exprs)], params):
-        raise ApiError("invalid_argument", "rules: the rules do not combine into one program"
-                                           " (does one end inside a comment?)")
+    program = combined_program(exprs)
+    # What runs is the combined program: its identifiers are checked as jq will read them.
+    forbidden = JqText(program).forbidden()
+    if forbidden:
+        raise ApiError("invalid_argument", f"rules: {forbidden[0]} is not allowed in rules")
+    if exprs and evaluator.compile_errors([program], params, tenant):
+        raise ApiError("invalid_argument", "rules: the rules do not combine into one program")
 
 
 def set_rules(db: Database, evaluator: Evaluator, principal: Principal, webhook_id: str, body: RuleSet) -> dict:
@@ -2679,15 +3009,15 @@ def set_rules(db: Database, evaluator: Evaluator, principal: Principal, webhook_
     current = db.read_sync(lambda txn: rules_view(_visible_webhook(txn, principal, webhook_id, "set_webhook_rules")))
     explicit_params = body.params if "params" in body.model_fields_set and body.params is not None else None
     params = explicit_params if explicit_params is not None else current["params"]
-    validate_rule_set(evaluator, body.rules, params)
+    validate_rule_set(evaluator, body.rules, params, principal.human_id)
     docs = db.read_sync(_targets_checked_envelopes, principal, webhook_id, body.rules, body.default_action)
     rules = [r.model_dump(exclude_none=True) for r in body.rules]
     for event_id, doc in docs:
-        _, trace = decide(evaluator, rules, None, params, "unused", doc)
+        _, trace = decide(evaluator, rules, None, params, "unused", doc, principal.human_id)
         if trace["stage"] == "fault":
             index = trace["rule_index"]
             if index is None:
-                index = _first_faulting_rule(evaluator, rules, params, doc)
+                index = _first_faulting_rule(evaluator, rules, params, doc, principal.human_id)
             where = _rule_label(index, body.rules[index]) if index is not None else "rules"
             raise ApiError("invalid_argument", f"{where}: faults on stored delivery {event_id}"
                                                f" ({trace['cause']}: {trace['faults'][0]['detail']})")
@@ -2722,19 +3052,20 @@ def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webh
         default = body.default_action if "default_action" in body.model_fields_set else (
             parse_model(RuleSet, {"default_action": stored["default_action"]}).default_action)
     params = body.params if body.params is not None else stored["params"]
-    validate_rule_set(evaluator, rules_models, params)
+    validate_rule_set(evaluator, rules_models, params, principal.human_id)
     db.read_sync(lambda txn: check_rule_targets(txn, webhook, rules_models, default))
     if envelope is None:
         raw = dump_json(body.payload, "payload").encode() if body.payload is not None else b""
         headers = {k.lower(): v for k, v in (body.headers or {}).items()}
         verified = body.verified if body.verified is not None else webhook["trust_mode"] == "signed"
         envelope = build_envelope(provider=webhook["provider"], webhook_id=webhook["id"],
-                                  trust_mode=webhook["trust_mode"], verified=verified, headers=headers, body=raw)
+                                  trust_mode=webhook["trust_mode"], verified=verified, headers=headers, body=raw,
+                                  payload=body.payload)
     elif body.verified is not None:
         envelope["verified"] = body.verified
     action, trace = decide(evaluator, [r.model_dump(exclude_none=True) for r in rules_models],
                            default.model_dump(exclude_none=True) if default else None, params, webhook["queue"],
-                           json.dumps(envelope).encode())
+                           json.dumps(envelope).encode(), principal.human_id)
     plan = db.read_sync(plan_delivery, webhook, envelope, action, trace)
     return {"decision": {"drop": bool(action.get("drop")), "queue": plan.targets[0][1] if plan.targets else None,
                          "endpoints": [t[0] for t in plan.targets], "disposition": plan.disposition,
@@ -2772,7 +3103,7 @@ def prepare_release(db: Database, evaluator: Evaluator, principal: Principal, to
     if body.queue is not None:
         action = {"queue": body.queue, "exclusive": True}
         return HeldRelease(todo_id, envelope, action, {"stage": "release", "cause": "named_queue", "action": action})
-    action, trace = decide_for_webhook(evaluator, webhook, json.dumps(envelope).encode())
+    action, trace = decide_for_webhook(evaluator, webhook, json.dumps(envelope).encode(), principal.human_id)
     return HeldRelease(todo_id, envelope, action, trace)
 
 
@@ -2898,6 +3229,20 @@ def check_database(txn: Txn) -> dict:
             "journal_mode": txn.one("PRAGMA journal_mode")[0]}
 
 
+# The todo verbs by their REST and CLI names: the body's model and the store function that runs it.
+AGENT_ACTIONS: dict[str, tuple[type[Body], Callable]] = {
+    "claim": (ClaimById, claim_todo), "heartbeat": (Heartbeat, heartbeat), "complete": (Complete, complete),
+    "fail": (Fail, fail), "release": (Release, release), "needs-input": (NeedsInput, needs_input),
+    "block": (Block, block), "absorb": (Leased, absorb),
+}
+HUMAN_ACTIONS: dict[str, tuple[type[Body], Callable]] = {
+    "approve": (HumanNote, approve), "request-changes": (RequestChanges, request_changes),
+    "answer": (Answer, answer), "resume": (HumanNote, resume), "retry": (HumanNote, retry),
+    "defer": (Defer, defer), "undefer": (HumanNote, undefer), "cancel": (Cancel, cancel),
+    "reroute": (Reroute, reroute), "discard": (HumanNote, discard),
+}
+
+
 # ======================================================================================================
 # 9. Doorbell
 # ======================================================================================================
@@ -2995,24 +3340,77 @@ class JsonResponse(JSONResponse):
             return super().render(content)
         except UnicodeEncodeError:
             return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
+        except RecursionError:
+            return json.dumps(_shallow(content), allow_nan=False, separators=(",", ":")).encode()
+
+
+def _shallow(value: Any, depth: int = 0) -> Any:
+    """A value cut off below MAX_PAYLOAD_DEPTH levels, so no stored document can fail an answer."""
+    if depth >= MAX_PAYLOAD_DEPTH:
+        return "«nested too deep to show»"
+    if isinstance(value, dict):
+        return {k: _shallow(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shallow(v, depth + 1) for v in value]
+    return value
 
 
 def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
+    if isinstance(error, SlowBody):
+        headers = {**(headers or {}), "Connection": "close"}
     return JsonResponse(error.body(), status_code=error.status, headers=headers)
 
 
-async def read_capped(request: Request, cap: int) -> bytes:
-    """Read a request body as a stream, refusing it as soon as it passes `cap` bytes."""
+class SlowBody(ApiError):
+    """The body did not arrive within BODY_SECONDS: 408, and the connection is closed."""
+
+    def __init__(self) -> None:
+        super().__init__("invalid_argument", f"request body not received within {BODY_SECONDS:g} s")
+
+    @property
+    def status(self) -> int:
+        return 408
+
+
+class BodyBudget:
+    """Bytes of request bodies held in memory at once, across requests: a flood of large, slow or never-ending
+    bodies is refused (503, retry later) instead of pinning memory."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> None:
+        if self.held + size > self.limit:
+            raise ApiError("unavailable", "too many request bodies in flight; retry later")
+        self.held += size
+
+    def give_back(self, size: int) -> None:
+        self.held -= size
+
+
+async def read_capped(request: Request, cap: int, budget: BodyBudget | None = None) -> bytes:
+    """Read a request body as a stream within BODY_SECONDS, refusing it as soon as it passes `cap` bytes or
+    the shared `budget`."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > cap):
         raise ApiError("too_large" if declared.isdigit() else "invalid_argument",
                        f"request body is over {cap} bytes" if declared.isdigit() else "bad Content-Length")
     chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > cap:
-            raise ApiError("too_large", f"request body is over {cap} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(BODY_SECONDS):
+            async for chunk in request.stream():
+                if budget is not None:
+                    budget.take(len(chunk))
+                total += len(chunk)
+                chunks.append(chunk)
+                if total > cap:
+                    raise ApiError("too_large", f"request body is over {cap} bytes")
+    except TimeoutError:
+        raise SlowBody() from None
+    finally:
+        if budget is not None:
+            budget.give_back(sum(len(c) for c in chunks))
     return b"".join(chunks)
 
 
@@ -3099,33 +3497,39 @@ class _StoreCollector(Collector):
         rings.add_metric(["true"], self.doorbell.rung)
         rings.add_metric(["false"], self.doorbell.unheard)
         yield rings
+        wal = Path(self.db.path + "-wal")
+        yield GaugeMetricFamily("switchboard_wal_bytes", "Size of the write-ahead log file",
+                                value=wal.stat().st_size if wal.exists() else 0)
+        yield GaugeMetricFamily("switchboard_wal_limit_bytes", "The WAL size a checkpoint truncates back to",
+                                value=WAL_LIMIT_BYTES)
+
+
+@dataclass
+class TenantGate:
+    """One owner's share of the evaluator: its slots, and how many of its deliveries wait for one."""
+    slots: asyncio.Semaphore
+    waiting: int = 0
 
 
 class Api:
     """The REST surface. Handlers authenticate, validate the body against its model, and run one store
     function as one transaction; everything they answer comes from the store's views."""
 
-    AGENT_ACTIONS: dict[str, tuple[type[Body], Callable]] = {
-        "claim": (ClaimById, claim_todo), "heartbeat": (Heartbeat, heartbeat), "complete": (Complete, complete),
-        "fail": (Fail, fail), "release": (Release, release), "needs-input": (NeedsInput, needs_input),
-        "block": (Block, block), "absorb": (Leased, absorb),
-    }
-    HUMAN_ACTIONS: dict[str, tuple[type[Body], Callable]] = {
-        "approve": (HumanNote, approve), "request-changes": (RequestChanges, request_changes),
-        "answer": (Answer, answer), "resume": (HumanNote, resume), "retry": (HumanNote, retry),
-        "defer": (Defer, defer), "undefer": (HumanNote, undefer), "cancel": (Cancel, cancel),
-        "reroute": (Reroute, reroute), "discard": (HumanNote, discard),
-    }
-
     def __init__(self, db: Database, doorbell: Doorbell, box: SecretBox, limiter: RateLimiter, metrics: Metrics,
-                 evaluator: Evaluator, base_url: str | None):
+                 evaluator: Evaluator, base_url: str | None, vitals: Vitals, allowed_origins: frozenset[str]):
         self.db = db
+        self.vitals = vitals
+        self.allowed_origins = allowed_origins
         self.evaluator = evaluator
         self.doorbell = doorbell
         self.box = box
         self.limiter = limiter
         self.metrics = metrics
         self.base_url = base_url
+        self.ingest_buffer = BodyBudget(INGEST_BUFFER_BYTES)
+        # Evaluator calls get threads of their own, so reads, claims and /healthz never queue behind rules.
+        self.eval_threads = concurrent.futures.ThreadPoolExecutor(EVAL_THREADS, thread_name_prefix="switchboard-eval")
+        self.tenant_gates: dict[str, TenantGate] = {}
 
     async def principal(self, request: Request) -> Principal:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -3141,10 +3545,14 @@ class Api:
 
     # -- routes ----------------------------------------------------------------------------------
     async def healthz(self, request: Request) -> Response:
+        """200 `ok <version>`, or 503 naming what died (the process is then on its way out)."""
+        dead = list(self.vitals.deaths) + ([self.db.failure or "the writer stopped"] if not self.db.alive() else [])
+        if dead:
+            return PlainTextResponse(f"unavailable: {dead[0]}", status_code=503)
         try:
             await self.db.read(lambda txn: txn.one("SELECT 1"))
         except sqlite3.Error:
-            return PlainTextResponse("unavailable", status_code=503)
+            return PlainTextResponse("unavailable: the database cannot be read", status_code=503)
         return PlainTextResponse(f"ok {VERSION}")
 
     async def get_me(self, request: Request) -> Response:
@@ -3255,7 +3663,7 @@ class Api:
     async def todo_action(self, request: Request) -> Response:
         principal = await self.principal(request)
         action = request.path_params["action"]
-        entry = self.AGENT_ACTIONS.get(action) or self.HUMAN_ACTIONS.get(action)
+        entry = AGENT_ACTIONS.get(action) or HUMAN_ACTIONS.get(action)
         if entry is None:
             raise ApiError("not_found", f"no todo action {action!r}")
         model, fn = entry
@@ -3285,8 +3693,8 @@ class Api:
 
     # -- ingress ---------------------------------------------------------------------------------
     async def ingest(self, request: Request) -> Response:
-        """POST /hooks/{token}: cap, find, verify, dedup, project, route, and record in one transaction."""
-        body = await read_capped(request, MAX_DELIVERY_BYTES)
+        """POST /hooks/{token}: find, cap, verify, dedup, project, route, and record in one transaction. The URL
+        is looked up before a byte of the body is read: an unknown URL costs nothing."""
         webhook = await self.db.read(find_webhook, request.path_params["token"])
         if webhook is None:
             raise ApiError("not_found", "no such webhook")
@@ -3301,6 +3709,7 @@ class Api:
             self.metrics.deliveries.labels(provider, "rate_limited").inc()
             return error_response(ApiError("rate_limited", "too many deliveries from this address"),
                                   {"Retry-After": str(max(1, int(wait + 0.999)))})
+        body = await read_capped(request, MAX_DELIVERY_BYTES, self.ingest_buffer)
         headers = lower_headers(request.headers.raw)
         secret = self.box.open(webhook["secret_sealed"], webhook["id"]) if webhook["secret_sealed"] else None
         try:
@@ -3310,8 +3719,9 @@ class Api:
             self.metrics.deliveries.labels(provider, "unverified").inc()
             log.warning("delivery refused: webhook %s (%s) from %s: %s", webhook["id"], provider, source, failure.reason)
             raise ApiError("unauthenticated", f"signature verification failed: {failure.reason}") from None
+        payload, payload_error = decode_payload(headers, body)
         envelope = build_envelope(provider=provider, webhook_id=webhook["id"], trust_mode=webhook["trust_mode"],
-                                  verified=verified, headers=headers, body=body)
+                                  verified=verified, headers=headers, body=body, payload=payload)
         if provider == "slack" and _get(envelope["payload"], "type") == "url_verification":
             return JsonResponse({"challenge": _get(envelope["payload"], "challenge")})
         key, body_hash = delivery_key(provider, headers, envelope["payload"], body), hashlib.sha256(body).hexdigest()
@@ -3322,15 +3732,16 @@ class Api:
             self.metrics.deliveries.labels(provider, "duplicate").inc()
             return JsonResponse(seen, status_code=202)
         envelope_text = json.dumps(envelope)
-        try:
-            if webhook["rules"]:
-                action, trace = await anyio.to_thread.run_sync(decide_for_webhook, self.evaluator, webhook,
-                                                               envelope_text.encode())
-            else:
-                action, trace = decide_for_webhook(self.evaluator, webhook, b"")
-        except EvaluatorUnavailable as exc:
-            log.error("delivery to %s not evaluated: %s", webhook["id"], exc)
-            raise ApiError("unavailable", "the rule evaluator cannot run; retry later") from None
+        gated = gate(envelope)
+        if gated is not None:
+            action, trace = gated
+        elif webhook["rules"]:
+            action, trace = await self.evaluate(webhook["human_id"], decide_for_webhook, self.evaluator, webhook,
+                                                envelope_text.encode(), webhook["human_id"])
+        else:
+            action, trace = decide_for_webhook(self.evaluator, webhook, b"")
+        if payload_error:
+            trace = {**trace, "payload_error": payload_error}
         outcome = await self.db.write(record_delivery, Delivery(
             webhook_id=webhook["id"], token_hash=webhook["token_hash"], body=body, envelope=envelope,
             envelope_text=envelope_text, payload_text=payload_text(envelope["payload"], body),
@@ -3406,12 +3817,25 @@ class Api:
         principal = await self.principal(request)
         return JsonResponse(await self.db.read(get_event, principal, request.path_params["event_id"]))
 
-    async def in_thread(self, fn: Callable, *args) -> Any:
-        """Run a service that talks to the evaluator off the event loop; a dead evaluator is 503."""
+    async def evaluate(self, tenant: str, fn: Callable, *args) -> Any:
+        """Run `fn` (which talks to the evaluator) on the evaluator's own threads, never the readers', and at
+        most EVAL_PER_TENANT at once per tenant: the others wait in line here, on the event loop, holding no
+        thread. A tenant with EVAL_QUEUE_PER_TENANT already waiting is refused (503) at once."""
+        gate = self.tenant_gates.setdefault(tenant, TenantGate(asyncio.Semaphore(self.evaluator.per_tenant)))
+        if gate.waiting >= EVAL_QUEUE_PER_TENANT:
+            raise ApiError("unavailable", "this owner's deliveries are queued too deep; retry later")
+        gate.waiting += 1
         try:
-            return await anyio.to_thread.run_sync(fn, *args)
+            await gate.slots.acquire()
+        finally:
+            gate.waiting -= 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.eval_threads, fn, *args)
         except EvaluatorUnavailable as exc:
-            raise ApiError("unavailable", str(exc)) from None
+            log.error("rules not evaluated: %s", exc)
+            raise ApiError("unavailable", f"the rule evaluator cannot run ({exc}); retry later") from None
+        finally:
+            gate.slots.release()
 
     async def rules(self, request: Request) -> Response:
         principal = await self.principal(request)
@@ -3419,19 +3843,19 @@ class Api:
         if request.method == "GET":
             return JsonResponse(await self.db.read(get_rules, principal, webhook_id))
         body = await self.body(request, RuleSet)
-        return JsonResponse(await self.in_thread(set_rules, self.db, self.evaluator, principal, webhook_id, body))
+        return JsonResponse(await self.evaluate(principal.human_id or principal.id, set_rules, self.db, self.evaluator, principal, webhook_id, body))
 
     async def rules_test(self, request: Request) -> Response:
         principal = await self.principal(request)
         body = await self.body(request, RulesTest)
-        return JsonResponse(await self.in_thread(dry_run_rules, self.db, self.evaluator, principal,
+        return JsonResponse(await self.evaluate(principal.human_id or principal.id, dry_run_rules, self.db, self.evaluator, principal,
                                                  request.path_params["webhook_id"], body))
 
     async def release_quarantine(self, request: Request) -> Response:
         principal = await self.principal(request)
         principal.require_human("release-quarantine")
         body = await self.body(request, ReleaseQuarantine)
-        release = await self.in_thread(prepare_release, self.db, self.evaluator, principal,
+        release = await self.evaluate(principal.human_id or principal.id, prepare_release, self.db, self.evaluator, principal,
                                        request.path_params["todo_id"], body)
         return JsonResponse(await self.db.write(apply_release, principal, release, body.note))
 
@@ -3480,6 +3904,15 @@ class Api:
 # -- doorbell streams: Server-Sent Events and MCP -------------------------------------------------------
 
 KEEPALIVE_SECONDS = 15.0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def one_line(text: Any, limit: int = 200) -> str:
@@ -3625,12 +4058,12 @@ class Mcp:
         async def set_rules_tool(principal: Principal, path: list[str], body: RuleSet,
                                  request: Request) -> dict:
             principal.require_verb("set_webhook_rules")
-            return await api.in_thread(set_rules, db, api.evaluator, principal, path[0], body)
+            return await api.evaluate(principal.human_id or principal.id, set_rules, db, api.evaluator, principal, path[0], body)
 
         async def test_rules_tool(principal: Principal, path: list[str], body: RulesTest,
                                   request: Request) -> dict:
             principal.require_verb("test_webhook_rules")
-            return await api.in_thread(dry_run_rules, db, api.evaluator, principal, path[0], body)
+            return await api.evaluate(principal.human_id or principal.id, dry_run_rules, db, api.evaluator, principal, path[0], body)
 
         async def list_events_tool(principal: Principal, path: list[str], body: EventListQuery,
                                    request: Request) -> dict:
@@ -3737,9 +4170,14 @@ class Mcp:
         return await self._handshake(request, principal)
 
     def _origin_allowed(self, origin: str, request: Request) -> bool:
-        allowed = {o.strip().rstrip("/") for o in os.environ.get("SWITCHBOARD_ALLOWED_ORIGINS", "").split(",") if o}
-        host = request.headers.get("host", "")
-        return origin.rstrip("/") in allowed or origin.rstrip("/") in (f"http://{host}", f"https://{host}")
+        """Only origins the operator configured, plus loopback origins on a loopback socket. The request's own
+        Host proves nothing: a DNS-rebinding page sends a Host and an Origin of its choosing."""
+        if origin.rstrip("/") in self.api.allowed_origins:
+            return True
+        server = request.scope.get("server") or ("", 0)
+        parts = urllib.parse.urlsplit(origin)
+        return (_is_loopback(server[0]) and parts.scheme in ("http", "https")
+                and _is_loopback(parts.hostname or "") and not parts.path.strip("/"))
 
     async def _message(self, request: Request) -> dict:
         raw = await read_capped(request, MAX_REQUEST_BYTES)
@@ -3926,27 +4364,44 @@ async def _scheduler(db: Database) -> None:
 
 def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None = None, background: bool = True,
                ingest_rate: float = DEFAULT_INGEST_RATE, ingest_burst: int = DEFAULT_INGEST_BURST,
-               base_url: str | None = None) -> Starlette:
+               base_url: str | None = None, allowed_origins: str | None = None) -> Starlette:
     """The ASGI app. `background=False` leaves the scheduler to the caller (tests drive it by hand)."""
-    box = SecretBox.for_database(db_path)
     db = Database(db_path, synchronous=synchronous, clock=clock)
+    try:
+        box = SecretBox.for_database(db_path, db.read_sync(sealed_sample))
+    except ApiError:
+        db.close()
+        raise
+    vitals = Vitals()
+    db.on_fatal = vitals.died
     doorbell = Doorbell()
     db.on_rings = doorbell.ring
     evaluator = Evaluator()
+    evaluator.on_death = vitals.died
+    origins = allowed_origins if allowed_origins is not None else os.environ.get("SWITCHBOARD_ALLOWED_ORIGINS", "")
     api = Api(db, doorbell, box, RateLimiter(ingest_rate, ingest_burst), Metrics(db, doorbell), evaluator,
-              base_url or os.environ.get("SWITCHBOARD_BASE_URL"))
+              base_url or os.environ.get("SWITCHBOARD_BASE_URL"), vitals,
+              frozenset(o.strip().rstrip("/") for o in origins.split(",") if o.strip()))
+
+    def scheduler_ended(task: asyncio.Task) -> None:
+        if not task.cancelled():
+            vitals.died(f"the scheduler stopped: {task.exception()!r}")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         db.loop = asyncio.get_running_loop()
         task = asyncio.create_task(_scheduler(db)) if background else None
+        if task is not None:
+            task.add_done_callback(scheduler_ended)
         try:
             yield
         finally:
             if task is not None:
+                task.remove_done_callback(scheduler_ended)
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            api.eval_threads.shutdown(wait=False, cancel_futures=True)
             evaluator.close()
             db.close()
 
@@ -3959,25 +4414,74 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     app.state.api = api
     app.state.evaluator = evaluator
     app.state.mcp = mcp
+    app.state.vitals = vitals
     return app
 
 
 # ======================================================================================================
 # 11. CLI
 # ======================================================================================================
+# Each subcommand has its own handler (set with set_defaults); a handler takes the parsed arguments and an
+# open Database and returns one JSON object, which --json prints as is and otherwise prints for people.
+
+TABLE_COLUMNS = {
+    "humans": ("id", "name", "created_at"),
+    "endpoints": ("id", "name", "queues", "verbs", "revoked_at"),
+    "webhooks": ("id", "provider", "queue", "endpoint_id", "secret_set", "pinged_at"),
+    "todos": ("id", "state", "queue", "attempt", "updated_at", "title"),
+    "events": ("id", "kind", "disposition", "verified", "received_at"),
+    "routes": ("endpoint_id", "granted_at", "granted_by"),
+    "friends": ("id", "requester_id", "approver_id", "approved_at"),
+    "attempts": ("seq", "claimant", "claimed_at", "ended_at", "outcome", "summary"),
+    "history": ("at", "actor", "from", "to", "evidence"),
+}
+
+
+def _cell(value: Any, width: int = 48) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        text = ",".join(value)
+    elif isinstance(value, (dict, list)):
+        text = json.dumps(value, ensure_ascii=False)
+    else:
+        text = str(value)
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def format_table(rows: list[dict], columns: Iterable[str]) -> str:
+    """Rows as aligned columns under an upper-case header (the last column is not padded)."""
+    columns = list(columns)
+    cells = [[c.upper() for c in columns]] + [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+                     for line in cells)
+
+
+def format_for_people(obj: dict) -> str:
+    """Scalars as `key: value` lines, lists of objects as tables; a bare listing is just its table."""
+    if len(obj) == 1 and isinstance(next(iter(obj.values())), list):
+        key, rows = next(iter(obj.items()))
+        if not rows:
+            return f"(no {key})"
+        if all(isinstance(r, dict) for r in rows):
+            return format_table(rows, TABLE_COLUMNS.get(key) or [k for k, v in rows[0].items()
+                                                                  if not isinstance(v, (dict, list))])
+    lines: list[str] = []
+    for key, value in obj.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            columns = TABLE_COLUMNS.get(key) or [k for k, v in value[0].items() if not isinstance(v, (dict, list))]
+            lines += ["", f"{key}:", format_table(value, columns)]
+        elif isinstance(value, list) and not value:
+            lines.append(f"{key}: (none)")
+        elif value is not None:
+            lines.append(f"{key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+    return "\n".join(lines).strip("\n")
+
 
 def _print(args: argparse.Namespace, obj: dict) -> None:
-    if args.json:
-        print(json.dumps(obj))
-        return
-    for key, value in obj.items():
-        if isinstance(value, list) and value and isinstance(value[0], dict):
-            for item in value:
-                print("  ".join(f"{k}={v}" for k, v in item.items()
-                                if k in ("id", "name", "queue", "state", "title", "queues", "revoked_at")
-                                and v is not None))
-        elif value is not None:
-            print(f"{key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+    print(json.dumps(obj) if args.json else format_for_people(obj))
 
 
 def _read_json_file(path: str) -> Any:
@@ -3987,13 +4491,328 @@ def _read_json_file(path: str) -> Any:
         raise ApiError("invalid_argument", f"{path}: not a readable JSON file ({type(exc).__name__})") from None
 
 
+def write_private(path: str, obj: dict) -> str:
+    """Credentials the CLI writes to a file: created (or truncated) with mode 0600, never left readable."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(json.dumps(obj) + "\n")
+    return str(Path(path).resolve())
+
+
+def _with_out(args: argparse.Namespace, made: dict) -> dict:
+    if getattr(args, "out", None):
+        write_private(args.out, made)
+    return made
+
+
+# -- handlers ----------------------------------------------------------------------------------------
+
+def _cli_init(args: argparse.Namespace, db: Database) -> dict:
+    return {"path": str(Path(args.db).resolve()), "schema_version": SCHEMA_VERSION}
+
+
+def _cli_human_add(args: argparse.Namespace, db: Database) -> dict:
+    return _with_out(args, db.write_sync(add_human, args.name))
+
+
+def _cli_human_list(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(list_humans)
+
+
+def _cli_endpoint_vend(args: argparse.Namespace, db: Database) -> dict:
+    spec = parse_model(EndpointCreate, {
+        "name": args.name, "queues": [q for q in args.queues.split(",") if q],
+        "verbs": [v for v in args.verbs.split(",") if v],
+        **({"default_lease_seconds": args.lease} if args.lease is not None else {})})
+    human = db.read_sync(find_human, args.human)
+    vended = db.write_sync(vend_endpoint, human["id"], spec)
+    return _with_out(args, {k: vended[k] for k in ("id", "name", "token", "queues", "verbs")})
+
+
+def _cli_endpoint_list(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(list_endpoints, OPERATOR)
+
+
+def _cli_endpoint_revoke(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(revoke_endpoint, OPERATOR, args.id)
+
+
+def _cli_todo_push(args: argparse.Namespace, db: Database) -> dict:
+    fields: dict[str, Any] = {"title": args.title, "queue": args.queue, "priority": args.priority}
+    if args.payload is not None:
+        try:
+            fields["payload"] = json.loads(args.payload)
+        except json.JSONDecodeError as exc:
+            raise ApiError("invalid_argument", f"--payload is not JSON: {exc}") from None
+    if args.key is not None:
+        fields["key"] = args.key
+    if args.work_item is not None:
+        fields["work_item"] = _read_json_file(args.work_item)
+    return db.write_sync(push_todo, OPERATOR, args.endpoint, parse_model(TodoPush, json.dumps(fields)))
+
+
+def _cli_todo_list(args: argparse.Namespace, db: Database) -> dict:
+    query = parse_model(TodoListQuery, {k: v for k, v in (("queue", args.queue), ("state", args.state),
+                                                          ("endpoint", args.endpoint), ("limit", args.limit))
+                                        if v is not None})
+    return db.read_sync(list_todos, OPERATOR, query)
+
+
+def _cli_todo_show(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(get_todo, OPERATOR, args.id)
+
+
+def _cli_todo_release(args: argparse.Namespace, db: Database) -> dict:
+    body = parse_model(ReleaseQuarantine, {k: v for k, v in (("queue", args.queue), ("note", args.note))
+                                           if v is not None})
+    with _evaluator() as evaluator:
+        release = prepare_release(db, evaluator, OPERATOR, args.id, body)
+    return db.write_sync(apply_release, OPERATOR, release, body.note)
+
+
+def _cli_todo_action(args: argparse.Namespace, db: Database) -> dict:
+    fields = {name: getattr(args, name) for name in ("note", "answer", "reason", "until", "queue")
+              if getattr(args, name, None) is not None}
+    model, fn = HUMAN_ACTIONS[args.action]
+    return db.write_sync(fn, OPERATOR, args.id, parse_model(model, json.dumps(fields)))
+
+
+def _secret_box(args: argparse.Namespace, db: Database) -> SecretBox:
+    return SecretBox.for_database(args.db, db.read_sync(sealed_sample))
+
+
+def _base_url(args: argparse.Namespace) -> str:
+    return getattr(args, "base_url", None) or os.environ.get("SWITCHBOARD_BASE_URL") or "http://127.0.0.1:8080"
+
+
+def _cli_webhook_create(args: argparse.Namespace, db: Database) -> dict:
+    fields = {"endpoint_id": args.endpoint, "provider": args.provider, "queue": args.queue}
+    if args.secret is not None:
+        fields["secret"] = args.secret
+    made = db.write_sync(create_webhook, OPERATOR, _secret_box(args, db), parse_model(WebhookCreate, fields),
+                         _base_url(args))
+    return _with_out(args, {k: made[k] for k in ("id", "url", "secret", "provider", "queue")})
+
+
+def _cli_webhook_list(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(list_webhooks, OPERATOR)
+
+
+def _cli_webhook_rotate(args: argparse.Namespace, db: Database) -> dict:
+    return _with_out(args, db.write_sync(rotate_webhook, OPERATOR, _secret_box(args, db), args.id, _base_url(args)))
+
+
+def _cli_webhook_delete(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(delete_webhook, OPERATOR, args.id)
+
+
+def _cli_webhook_set_secret(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(set_webhook_secret, OPERATOR, _secret_box(args, db), args.id,
+                         parse_model(WebhookSecret, {"secret": args.secret}))
+
+
+def _cli_route_add(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(add_route, OPERATOR, args.webhook, parse_model(RouteAdd, {"endpoint_id": args.endpoint}))
+
+
+def _cli_route_list(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(list_routes, OPERATOR, args.webhook)
+
+
+def _cli_route_remove(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(remove_route, OPERATOR, args.webhook, args.endpoint)
+
+
+def _cli_friend_link(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(friend_link, args.human_a, args.human_b)
+
+
+def _cli_events_list(args: argparse.Namespace, db: Database) -> dict:
+    query = parse_model(EventListQuery, {k: v for k, v in (("disposition", args.disposition), ("limit", args.limit))
+                                         if v is not None})
+    return db.read_sync(list_events, OPERATOR, args.webhook, query)
+
+
+@contextlib.contextmanager
+def _evaluator() -> Iterable[Evaluator]:
+    """A one-child evaluator for one CLI command; a sandbox that cannot start is `unavailable`."""
+    evaluator = Evaluator(size=1)
+    try:
+        yield evaluator
+    except EvaluatorUnavailable as exc:
+        raise ApiError("unavailable", str(exc)) from None
+    finally:
+        evaluator.close()
+
+
+def _cli_rules_get(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(get_rules, OPERATOR, args.webhook)
+
+
+def _cli_rules_set(args: argparse.Namespace, db: Database) -> dict:
+    pack = _read_json_file(args.file)
+    if not isinstance(pack, dict):
+        raise ApiError("invalid_argument", f"{args.file}: a rules document is a JSON object")
+    if args.params is not None:
+        pack = {**pack, "params": _read_json_file(args.params)}
+    with _evaluator() as evaluator:
+        return set_rules(db, evaluator, OPERATOR, args.webhook, parse_model(RuleSet, json.dumps(pack)))
+
+
+def _cli_rules_test(args: argparse.Namespace, db: Database) -> dict:
+    headers = {}
+    for line in args.header:
+        name, sep, value = line.partition(":")
+        if not sep or not name.strip():
+            raise ApiError("invalid_argument", f"--header {line!r}: write 'Name: value'")
+        headers[name.strip()] = value.strip()
+    fields = {"payload": _read_json_file(args.payload), "headers": headers}
+    if args.unverified:
+        fields["verified"] = False
+    with _evaluator() as evaluator:
+        return dry_run_rules(db, evaluator, OPERATOR, args.webhook, parse_model(RulesTest, json.dumps(fields)))
+
+
+BACKUP_NAME = re.compile(r"^switchboard-\d{8}T\d{6}Z\.db$")
+
+
+def _cli_backup(args: argparse.Namespace, db: Database) -> dict:
+    """One file (OUT), or a dated file in --dir keeping the newest --keep of them."""
+    if (args.out is None) == (args.dir is None):
+        raise ApiError("invalid_argument", "give OUT.db or --dir DIR (not both)")
+    if args.dir is None:
+        out = Path(args.out)
+    else:
+        Path(args.dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        out = Path(args.dir) / f"switchboard-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.db"
+    if out.exists():
+        raise ApiError("conflict", f"{out} exists; choose a new file")
+    db.backup(str(out))
+    removed = []
+    if args.dir is not None and args.keep is not None:
+        dated = sorted(p for p in Path(args.dir).iterdir() if BACKUP_NAME.match(p.name))
+        for old in dated[:max(0, len(dated) - args.keep)]:
+            old.unlink()
+            removed.append(str(old.resolve()))
+    return {"backup": str(out.resolve()), "removed": removed,
+            "key_file": "back up switchboard.key (or SWITCHBOARD_SECRET_KEY) separately, once"}
+
+
+def _cli_prune(args: argparse.Namespace, db: Database) -> dict:
+    pruned = prune(db)
+    return {"pruned": pruned, "checkpoint": list(db.checkpoint())}
+
+
+def _key_health(db_path: str, sealed: tuple[str, bytes] | None) -> str:
+    """Where the secret key comes from: environment or file; else missing, invalid, or `wrong key` when it
+    cannot open the secrets this database holds (the key is never printed)."""
+    if os.environ.get("SWITCHBOARD_SECRET_KEY"):
+        source, text = "environment", os.environ["SWITCHBOARD_SECRET_KEY"]
+    elif key_file_path(db_path).exists():
+        source, text = "file", key_file_path(db_path).read_text()
+    else:
+        return "missing"
+    try:
+        box = SecretBox(parse_key(text))
+    except ApiError:
+        return "invalid"
+    return source if sealed is None or box.opens(*sealed) else "wrong key"
+
+
+def _sandbox_health() -> str:
+    try:
+        with _evaluator() as evaluator:
+            return "ok" if evaluator.run(["true"], {}, b"{}") == {"match": 0} else "wrong answer"
+    except ApiError as exc:
+        return exc.message
+
+
+def _cli_check(args: argparse.Namespace, db: Database) -> dict:
+    sealed = db.read_sync(sealed_sample)
+    report = {**db.read_sync(check_database), "key": _key_health(args.db, sealed), "sandbox": _sandbox_health()}
+    problems = []
+    if report["integrity"] != "ok" or report["foreign_keys"] != "ok":
+        problems.append("the database is damaged: restore the latest backup")
+    if report["sandbox"] != "ok":
+        problems.append(f"the rule sandbox cannot run ({report['sandbox']}): is the jq package installed?")
+    if report["schema_version"] != SCHEMA_VERSION:
+        problems.append("the schema is not this program's: run `switchboard.py migrate`")
+    if sealed is not None and report["key"] not in ("environment", "file"):
+        problems.append(f"the secret key is {report['key']}: webhook secrets cannot be opened; restore switchboard.key"
+                        " (beside the database) from the backup, or set SWITCHBOARD_SECRET_KEY")
+    if problems:
+        raise ApiError("internal", "check failed: " + "; ".join(problems) + f" ({json.dumps(report)})")
+    return report
+
+
+def _cli_migrate(args: argparse.Namespace, db: Database | None) -> dict:
+    """What the schema change is; with --dry-run only that, without touching the file."""
+    conn = sqlite3.connect(f"file:{Path(args.db).resolve()}?mode=ro", uri=True)
+    try:
+        steps = pending_migrations(conn)
+        before = conn.execute("PRAGMA user_version").fetchone()[0]
+    finally:
+        conn.close()
+    if not args.dry_run and steps:
+        Database(args.db).close()
+    return {"path": str(Path(args.db).resolve()), "from": before, "to": SCHEMA_VERSION, "steps": steps,
+            "applied": bool(steps) and not args.dry_run}
+
+
+# -- serve -----------------------------------------------------------------------------------------
+
+class _HeaderDeadline(HttpToolsProtocol):
+    """uvicorn's httptools protocol, plus a deadline for request headers: a connection that sends no complete
+    header block within HEADER_SECONDS of opening (or of starting its next request) is closed, so half-sent
+    requests cannot hold sockets open forever."""
+
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(HEADER_SECONDS, self._expire)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _expire(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
 class _Server(uvicorn.Server):
     """uvicorn, plus: on SIGTERM or SIGINT the doorbell first ends its streams and wakes waiting claims (an
-    open stream would otherwise hold graceful shutdown forever), and a clean shutdown exits 0."""
+    open stream would otherwise hold graceful shutdown forever), and a clean shutdown exits 0. When a long-lived
+    part dies, it stops too, and `fatal` says why (the process exits 1 for its supervisor)."""
 
     def __init__(self, config: uvicorn.Config, app: Starlette):
         super().__init__(config)
         self.app = app
+        self.fatal: str | None = None
+        app.state.vitals.on_death = self.stop_for
+
+    def stop_for(self, reason: str) -> None:
+        self.fatal = reason
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         loop = self.app.state.db.loop
@@ -4014,187 +4833,244 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line (for journald, Loki and friends): time, level, logger, event."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"time": iso(int(record.created * 1000)), "level": record.levelname.lower(), "logger": record.name,
+                "event": record.getMessage()}
+        if record.exc_info:
+            line["error"] = type(record.exc_info[1]).__name__
+        return json.dumps(line, ensure_ascii=False)
+
+
+def configure_logging(log_format: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLogFormatter() if log_format == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def _raise_file_limit() -> None:
+    """Many open connections need many descriptors; take what the hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 65536
+    if soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def _cli_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(args.log_format)
+    _raise_file_limit()
     app = create_app(args.db, synchronous=args.synchronous, ingest_rate=args.ingest_rate,
-                     ingest_burst=args.ingest_burst, base_url=args.base_url)
-    # The access log is off because ingest URLs carry credentials; Switchboard logs its own lines.
-    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_level="info",
-                            timeout_graceful_shutdown=30)
-    _Server(config, app).run()
+                     ingest_burst=args.ingest_burst, base_url=args.base_url, allowed_origins=args.allowed_origins)
+    # The access log is off because ingest URLs carry credentials; Switchboard logs its own lines. uvicorn's
+    # own lines go through the handler above (log_config=None), so they share its format.
+    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_config=None,
+                            timeout_graceful_shutdown=30, timeout_keep_alive=KEEPALIVE_IDLE_SECONDS,
+                            limit_concurrency=MAX_CONNECTIONS, http=_HeaderDeadline)
+    shown_host = f"[{args.host}]" if ":" in args.host else args.host
+    log.info("switchboard %s: database %s, listening on http://%s:%d, board at %s/board/", VERSION,
+             Path(args.db).resolve(), shown_host, args.port, (args.base_url or f"http://{shown_host}:{args.port}").rstrip("/"))
+    server = _Server(config, app)
+    server.run()
+    if server.fatal:
+        log.critical("exiting: %s", server.fatal)
+        return 1
     return 0
 
 
-def _cli_todo_action(db: Database, args: argparse.Namespace) -> dict:
-    fields = {name: getattr(args, name) for name in ("note", "answer", "reason", "until", "queue")
-              if getattr(args, name, None) is not None}
-    model, fn = Api.HUMAN_ACTIONS[args.action]
-    return db.write_sync(fn, OPERATOR, args.id, parse_model(model, json.dumps(fields)))
+# -- the parser --------------------------------------------------------------------------------------
 
-
-def _cli_webhooks(db: Database, args: argparse.Namespace, command: tuple[str, str | None]) -> dict:
-    box = SecretBox.for_database(args.db)
-    base_url = getattr(args, "base_url", None) or os.environ.get("SWITCHBOARD_BASE_URL") or "http://127.0.0.1:8080"
-    if command == ("webhook", "create"):
-        fields = {"endpoint_id": args.endpoint, "provider": args.provider, "queue": args.queue}
-        if args.secret is not None:
-            fields["secret"] = args.secret
-        made = db.write_sync(create_webhook, OPERATOR, box, parse_model(WebhookCreate, fields), base_url)
-        return {k: made[k] for k in ("id", "url", "secret", "provider", "queue")}
-    if command == ("webhook", "list"):
-        return db.read_sync(list_webhooks, OPERATOR)
-    if command == ("webhook", "rotate"):
-        return db.write_sync(rotate_webhook, OPERATOR, box, args.id, base_url)
-    if command == ("webhook", "delete"):
-        return db.write_sync(delete_webhook, OPERATOR, args.id)
-    if command == ("webhook", "set-secret"):
-        return db.write_sync(set_webhook_secret, OPERATOR, box, args.id,
-                             parse_model(WebhookSecret, {"secret": args.secret}))
-    if command == ("route", "add"):
-        return db.write_sync(add_route, OPERATOR, args.webhook, parse_model(RouteAdd, {"endpoint_id": args.endpoint}))
-    if command == ("route", "list"):
-        return db.read_sync(list_routes, OPERATOR, args.webhook)
-    if command == ("route", "remove"):
-        return db.write_sync(remove_route, OPERATOR, args.webhook, args.endpoint)
-    if command == ("rules", "get"):
-        return db.read_sync(get_rules, OPERATOR, args.webhook)
-    if command in (("rules", "set"), ("rules", "test")):
-        evaluator = Evaluator(size=1)
-        try:
-            return _cli_rules(db, evaluator, args, command)
-        except EvaluatorUnavailable as exc:
-            raise ApiError("unavailable", str(exc)) from None
-        finally:
-            evaluator.close()
-    if command == ("friend", "link"):
-        return db.write_sync(friend_link, args.human_a, args.human_b)
-    query = parse_model(EventListQuery, {k: v for k, v in (("disposition", args.disposition), ("limit", args.limit))
-                                         if v is not None})
-    return db.read_sync(list_events, OPERATOR, args.webhook, query)
-
-
-def _cli_rules(db: Database, evaluator: Evaluator, args: argparse.Namespace, command: tuple[str, str | None]) -> dict:
-    if command == ("rules", "set"):
-        pack = _read_json_file(args.file)
-        if not isinstance(pack, dict):
-            raise ApiError("invalid_argument", f"{args.file}: a rules document is a JSON object")
-        if args.params is not None:
-            pack = {**pack, "params": _read_json_file(args.params)}
-        return set_rules(db, evaluator, OPERATOR, args.webhook, parse_model(RuleSet, json.dumps(pack)))
-    headers = {}
-    for line in args.header:
-        name, sep, value = line.partition(":")
-        if not sep or not name.strip():
-            raise ApiError("invalid_argument", f"--header {line!r}: write 'Name: value'")
-        headers[name.strip()] = value.strip()
-    fields = {"payload": _read_json_file(args.payload), "headers": headers}
-    if args.unverified:
-        fields["verified"] = False
-    return dry_run_rules(db, evaluator, OPERATOR, args.webhook, parse_model(RulesTest, json.dumps(fields)))
-
-
-def _key_health(db_path: str) -> str:
-    """Where the secret key comes from: environment, file, missing, or invalid (it is never printed)."""
-    if os.environ.get("SWITCHBOARD_SECRET_KEY"):
-        source, text = "environment", os.environ["SWITCHBOARD_SECRET_KEY"]
-    elif key_file_path(db_path).exists():
-        source, text = "file", key_file_path(db_path).read_text()
-    else:
-        return "missing"
+def _env(flag: str, default: Any, kind: Callable[[str], Any] = str) -> Any:
+    """A serve flag's default from SWITCHBOARD_<FLAG>, so a unit file or a container sets it once."""
+    value = os.environ.get("SWITCHBOARD_" + flag.upper().replace("-", "_"))
+    if value is None:
+        return default
     try:
-        parse_key(text)
-    except ApiError:
-        return "invalid"
-    return source
+        return kind(value)
+    except ValueError:
+        raise SystemExit(f"switchboard: SWITCHBOARD_{flag.upper().replace('-', '_')}={value!r} is not valid") from None
 
 
-def _sandbox_health() -> str:
-    evaluator = Evaluator(size=1)
-    try:
-        return "ok" if evaluator.run(["true"], {}, b"{}") == {"match": 0} else "wrong answer"
-    except EvaluatorUnavailable as exc:
-        return str(exc)
-    finally:
-        evaluator.close()
+def _subcommand(group: argparse._SubParsersAction, name: str, handler: Callable, help_text: str,
+                common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser = group.add_parser(name, parents=[common], help=help_text, description=help_text)
+    parser.set_defaults(handler=handler)
+    return parser
 
 
-def _cli_run(args: argparse.Namespace) -> dict:
-    db = Database(args.db, inline_rings=False)
-    try:
-        command = (args.command, getattr(args, "sub", None))
-        if command == ("init", None):
-            return {"path": str(Path(args.db).resolve()), "schema_version": SCHEMA_VERSION}
-        if command == ("human", "add"):
-            return db.write_sync(add_human, args.name)
-        if command == ("human", "list"):
-            return db.read_sync(list_humans)
-        if command == ("endpoint", "vend"):
-            spec = parse_model(EndpointCreate, {
-                "name": args.name, "queues": [q for q in args.queues.split(",") if q],
-                "verbs": [v for v in args.verbs.split(",") if v],
-                **({"default_lease_seconds": args.lease} if args.lease is not None else {})})
-            human = db.read_sync(find_human, args.human)
-            vended = db.write_sync(vend_endpoint, human["id"], spec)
-            return {k: vended[k] for k in ("id", "name", "token", "queues", "verbs")}
-        if command == ("endpoint", "list"):
-            return db.read_sync(list_endpoints, OPERATOR)
-        if command == ("endpoint", "revoke"):
-            return db.write_sync(revoke_endpoint, OPERATOR, args.id)
-        if command == ("todo", "push"):
-            fields: dict[str, Any] = {"title": args.title, "queue": args.queue, "priority": args.priority}
-            if args.payload is not None:
-                try:
-                    fields["payload"] = json.loads(args.payload)
-                except json.JSONDecodeError as exc:
-                    raise ApiError("invalid_argument", f"--payload is not JSON: {exc}") from None
-            if args.key is not None:
-                fields["key"] = args.key
-            if args.work_item is not None:
-                fields["work_item"] = _read_json_file(args.work_item)
-            return db.write_sync(push_todo, OPERATOR, args.endpoint, parse_model(TodoPush, json.dumps(fields)))
-        if command == ("todo", "list"):
-            query = parse_model(TodoListQuery, {k: v for k, v in
-                                                (("queue", args.queue), ("state", args.state),
-                                                 ("endpoint", args.endpoint), ("limit", args.limit))
-                                                if v is not None})
-            return db.read_sync(list_todos, OPERATOR, query)
-        if command == ("todo", "show"):
-            return db.read_sync(get_todo, OPERATOR, args.id)
-        if command == ("todo", "release"):
-            evaluator = Evaluator(size=1)
-            try:
-                body = parse_model(ReleaseQuarantine, {k: v for k, v in (("queue", args.queue), ("note", args.note))
-                                                       if v is not None})
-                release = prepare_release(db, evaluator, OPERATOR, args.id, body)
-            except EvaluatorUnavailable as exc:
-                raise ApiError("unavailable", str(exc)) from None
-            finally:
-                evaluator.close()
-            return db.write_sync(apply_release, OPERATOR, release, body.note)
-        if args.command == "todo":
-            return _cli_todo_action(db, args)
-        if args.command in ("webhook", "route", "friend", "events", "rules"):
-            return _cli_webhooks(db, args, command)
-        if command == ("backup", None):
-            if Path(args.out).exists():
-                raise ApiError("conflict", f"{args.out} exists; choose a new file")
-            db.backup(args.out)
-            return {"backup": str(Path(args.out).resolve())}
-        if command == ("prune", None):
-            pruned = prune(db)
-            return {"pruned": pruned, "checkpoint": list(db.checkpoint())}
-        if command == ("check", None):
-            report = {**db.read_sync(check_database), "key": _key_health(args.db), "sandbox": _sandbox_health()}
-            sealed = db.read_sync(lambda txn: txn.one("SELECT count(*) FROM webhooks WHERE secret_sealed IS NOT NULL")[0])
-            healthy = (report["integrity"] == "ok" and report["foreign_keys"] == "ok" and report["sandbox"] == "ok"
-                       and report["schema_version"] == SCHEMA_VERSION
-                       and (report["key"] in ("environment", "file") or not sealed))
-            if not healthy:
-                raise ApiError("internal", f"check failed: {json.dumps(report)}")
-            return report
-        raise ApiError("invalid_argument", f"unknown command {args.command}")
-    finally:
-        db.close()
+def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    serve = _subcommand(commands, "serve", _cli_serve,
+                        "run the server (creates the database on first start); every flag also reads"
+                        " SWITCHBOARD_<FLAG>", common)
+    serve.add_argument("--host", default=_env("host", "127.0.0.1"), help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=_env("port", 8080, int), help="port (default 8080)")
+    serve.add_argument("--synchronous", choices=["full", "normal"], default=_env("synchronous", "full"),
+                       help="full: a 202 survives power loss (default); normal: faster, survives a crash")
+    serve.add_argument("--ingest-rate", dest="ingest_rate", type=float,
+                       default=_env("ingest-rate", DEFAULT_INGEST_RATE, float),
+                       help="deliveries per second per source address (0 turns the limit off)")
+    serve.add_argument("--ingest-burst", dest="ingest_burst", type=int,
+                       default=_env("ingest-burst", DEFAULT_INGEST_BURST, int), help="deliveries allowed at once")
+    serve.add_argument("--base-url", dest="base_url", default=_env("base-url", None),
+                       help="public base of ingest URLs and Board links (default: as requested)")
+    serve.add_argument("--allowed-origins", dest="allowed_origins", default=_env("allowed-origins", None),
+                       help="comma-separated browser origins allowed on /mcp (loopback origins are allowed on a"
+                            " loopback address)")
+    serve.add_argument("--log-format", dest="log_format", choices=["plain", "json"],
+                       default=_env("log-format", "plain"), help="plain lines (default) or one JSON object per line")
+
+
+def _add_principals(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    human = commands.add_parser("human", help="humans: the owners of endpoints and webhooks").add_subparsers(
+        dest="sub", required=True, metavar="{add,list}")
+    add = _subcommand(human, "add", _cli_human_add, "add a human; prints its token (sbh_…) once", common)
+    add.add_argument("name", help="a unique name, e.g. alice")
+    add.add_argument("--out", help="also write the answer (with the token) to this file, mode 0600")
+    _subcommand(human, "list", _cli_human_list, "list the humans", common)
+
+    endpoint = commands.add_parser("endpoint", help="endpoints: agents' capability grants").add_subparsers(
+        dest="sub", required=True, metavar="{vend,list,revoke}")
+    vend = _subcommand(endpoint, "vend", _cli_endpoint_vend, "vend an endpoint for a human; prints its token"
+                       " (sbk_…) once", common)
+    vend.add_argument("--human", required=True, help="the owning human's name or id")
+    vend.add_argument("--name", required=True, help="a name unique per human, e.g. qwen")
+    vend.add_argument("--queues", required=True, help="comma-separated queue names it may work on")
+    vend.add_argument("--verbs", default="drain", help="comma-separated verbs or presets: drain (default),"
+                                                       " webhooks, all")
+    vend.add_argument("--lease", type=int, help="default lease seconds (60..86400)")
+    vend.add_argument("--out", help="also write the answer (with the token) to this file, mode 0600")
+    _subcommand(endpoint, "list", _cli_endpoint_list, "list every endpoint", common)
+    _subcommand(endpoint, "revoke", _cli_endpoint_revoke, "revoke an endpoint (its open work becomes dead"
+                " letters)", common).add_argument("id", help="endpoint id (ep_…)")
+
+    friend = commands.add_parser("friend", help="friend edges between humans").add_subparsers(
+        dest="sub", required=True, metavar="{link}")
+    link = _subcommand(friend, "link", _cli_friend_link, "let HUMAN_A's webhooks route to HUMAN_B's endpoints"
+                       " (request and approval at once)", common)
+    link.add_argument("human_a", help="the human whose webhooks route")
+    link.add_argument("human_b", help="the human whose endpoints receive")
+
+
+def _add_todos(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    todo = commands.add_parser("todo", help="todos: list, show, push and the human actions").add_subparsers(
+        dest="sub", required=True, metavar="{push,list,show,release,approve,request-changes,answer,resume,retry,"
+                                           "defer,undefer,cancel,reroute,discard}")
+    push = _subcommand(todo, "push", _cli_todo_push, "write a todo for an endpoint", common)
+    push.add_argument("endpoint", help="endpoint id (ep_…)")
+    push.add_argument("--queue", required=True, help="one of the endpoint's queues")
+    push.add_argument("--title", required=True, help="one line, up to 512 characters")
+    push.add_argument("--payload", help="a JSON value for the worker")
+    push.add_argument("--key", help="idempotency key: a repeat returns the live todo instead of a new one")
+    push.add_argument("--priority", type=int, default=0, help="higher is claimed first (-1000..1000)")
+    push.add_argument("--work-item", dest="work_item", help="work item JSON file (switchboard.work_item.v1)")
+    listing = _subcommand(todo, "list", _cli_todo_list, "list todos, newest first", common)
+    listing.add_argument("--queue", help="only this queue")
+    listing.add_argument("--state", help="only this state (pending, claimed, review, failed, …)")
+    listing.add_argument("--endpoint", help="only this endpoint id")
+    listing.add_argument("--limit", type=int, help="at most this many (1..200, default 50)")
+    _subcommand(todo, "show", _cli_todo_show, "one todo with its attempts, history and receipt",
+                common).add_argument("id", help="todo id (td_…)")
+    release_held = _subcommand(todo, "release", _cli_todo_release, "release a quarantined (held) delivery", common)
+    release_held.add_argument("id", help="todo id (td_…) of the held item")
+    release_held.add_argument("--queue", help="send it to this queue instead of re-evaluating the rules")
+    release_held.add_argument("--note", help="why, for the history")
+    for action, (options, help_text) in TODO_ACTION_OPTIONS.items():
+        sub = _subcommand(todo, action, _cli_todo_action, help_text, common)
+        sub.set_defaults(action=action)
+        sub.add_argument("id", help="todo id (td_…)")
+        for option, option_help in options:
+            sub.add_argument(option.rstrip("!"), required=option.endswith("!"), help=option_help)
+
+
+TODO_ACTION_OPTIONS = {
+    "approve": ([("--note", "a note for the history")], "approve work waiting in review (done)"),
+    "request-changes": ([("--note!", "what to change")], "send reviewed work back (pending)"),
+    "answer": ([("--answer!", "the answer the next worker sees")], "answer a worker's question (pending)"),
+    "resume": ([("--note", "a note for the history")], "resume blocked work (pending)"),
+    "retry": ([("--note", "a note for the history")], "retry a dead letter with a fresh attempt budget"),
+    "defer": ([("--reason!", "why it waits"), ("--until", "ISO-8601 time it comes back by itself")],
+              "park pending work"),
+    "undefer": ([("--note", "a note for the history")], "bring deferred work back (pending)"),
+    "cancel": ([("--reason!", "why")], "cancel work in any live state"),
+    "reroute": ([("--queue!", "the queue to move it to")], "move work to another queue"),
+    "discard": ([("--note", "a note for the history")], "discard a held delivery (done, discarded)"),
+}
+
+
+def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    webhook = commands.add_parser("webhook", help="webhooks: signed ingress URLs").add_subparsers(
+        dest="sub", required=True, metavar="{create,list,rotate,delete,set-secret}")
+    create = _subcommand(webhook, "create", _cli_webhook_create, "make an ingest URL; prints its secret once",
+                         common)
+    create.add_argument("--endpoint", required=True, help="owner endpoint id (ep_…)")
+    create.add_argument("--provider", required=True, choices=PROVIDERS, help="who signs the deliveries")
+    create.add_argument("--queue", required=True, help="the queue deliveries go to when no rule decides")
+    create.add_argument("--secret", help="supply the secret instead of minting one (Stripe, Slack: theirs)")
+    create.add_argument("--base-url", dest="base_url", help="public base of the ingest URL")
+    create.add_argument("--out", help="also write the answer (URL and secret) to this file, mode 0600")
+    _subcommand(webhook, "list", _cli_webhook_list, "list every webhook", common)
+    rotate = _subcommand(webhook, "rotate", _cli_webhook_rotate, "new URL and secret (the old URL is 404 at once)",
+                         common)
+    rotate.add_argument("id", help="webhook id (wh_…)")
+    rotate.add_argument("--base-url", dest="base_url", help="public base of the ingest URL")
+    rotate.add_argument("--out", help="also write the answer (URL and secret) to this file, mode 0600")
+    _subcommand(webhook, "delete", _cli_webhook_delete, "delete a webhook (its URL is 404 at once)",
+                common).add_argument("id", help="webhook id (wh_…)")
+    set_secret = _subcommand(webhook, "set-secret", _cli_webhook_set_secret, "set the secret Stripe or Slack"
+                             " issued", common)
+    set_secret.add_argument("id", help="webhook id (wh_…)")
+    set_secret.add_argument("--secret", required=True, help="the producer's signing secret")
+
+    route = commands.add_parser("route", help="webhook routes to more endpoints").add_subparsers(
+        dest="sub", required=True, metavar="{add,list,remove}")
+    for name, handler, help_text in (("add", _cli_route_add, "route a webhook's deliveries to an endpoint too"),
+                                     ("remove", _cli_route_remove, "remove a route")):
+        sub = _subcommand(route, name, handler, help_text, common)
+        sub.add_argument("webhook", help="webhook id (wh_…)")
+        sub.add_argument("endpoint", help="endpoint id (ep_…)")
+    _subcommand(route, "list", _cli_route_list, "a webhook's routes", common).add_argument(
+        "webhook", help="webhook id (wh_…)")
+
+    rules = commands.add_parser("rules", help="routing rules (jq)").add_subparsers(
+        dest="sub", required=True, metavar="{get,set,test}")
+    _subcommand(rules, "get", _cli_rules_get, "a webhook's rules and params", common).add_argument(
+        "webhook", help="webhook id (wh_…)")
+    rules_set = _subcommand(rules, "set", _cli_rules_set, "validate and save rules (refused with the rule named)",
+                            common)
+    rules_set.add_argument("webhook", help="webhook id (wh_…)")
+    rules_set.add_argument("--file", required=True, help="rules document: {rules, default_action?, params?}")
+    rules_set.add_argument("--params", help="params JSON file (replaces the params in force)")
+    rules_test = _subcommand(rules, "test", _cli_rules_test, "dry run: what would this payload do?", common)
+    rules_test.add_argument("webhook", help="webhook id (wh_…)")
+    rules_test.add_argument("--payload", required=True, help="payload JSON file")
+    rules_test.add_argument("--header", action="append", default=[], help="'Name: value', repeatable")
+    rules_test.add_argument("--unverified", action="store_true", help="evaluate as an unverified delivery")
+
+    events = commands.add_parser("events", help="deliveries (events)").add_subparsers(
+        dest="sub", required=True, metavar="{list}")
+    events_list = _subcommand(events, "list", _cli_events_list, "a webhook's deliveries, newest first", common)
+    events_list.add_argument("webhook", help="webhook id (wh_…)")
+    events_list.add_argument("--disposition", help="routed, dropped, repeat, quarantined or ping")
+    events_list.add_argument("--limit", type=int, help="at most this many (1..200, default 50)")
+
+
+def _add_operations(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    _subcommand(commands, "init", _cli_init, "create the database (or migrate it) and stop", common)
+    backup = _subcommand(commands, "backup", _cli_backup, "online backup to a new file (safe while serving)",
+                         common)
+    backup.add_argument("out", nargs="?", help="the new file")
+    backup.add_argument("--dir", help="write switchboard-<UTC time>.db in this directory instead")
+    backup.add_argument("--keep", type=int, help="with --dir: keep only the newest N dated backups")
+    _subcommand(commands, "check", _cli_check, "integrity, key, sandbox and schema report (exit 1 on a problem)",
+                common)
+    _subcommand(commands, "prune", _cli_prune, "apply retention now and checkpoint the WAL", common)
+    migrate = _subcommand(commands, "migrate", _cli_migrate, "bring the schema up to this version", common)
+    migrate.add_argument("--dry-run", dest="dry_run", action="store_true", help="only show what would change")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -4202,137 +5078,57 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--db", default=argparse.SUPPRESS, help="database file (default $SWITCHBOARD_DB or ./switchboard.db)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON object")
     parser = argparse.ArgumentParser(prog="switchboard.py", parents=[common],
-                                     description="Signed webhooks in, durable leased work for AI agents out.")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    serve = commands.add_parser("serve", parents=[common], help="run the server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--synchronous", choices=["full", "normal"], default="full")
-    serve.add_argument("--ingest-rate", dest="ingest_rate", type=float, default=DEFAULT_INGEST_RATE,
-                       help="deliveries per second per source address (0 turns the limit off)")
-    serve.add_argument("--ingest-burst", dest="ingest_burst", type=int, default=DEFAULT_INGEST_BURST)
-    serve.add_argument("--base-url", dest="base_url", help="public base of ingest URLs (default: as requested)")
-    commands.add_parser("init", parents=[common], help="create or migrate the database")
-
-    human = commands.add_parser("human", parents=[common], help="humans").add_subparsers(dest="sub", required=True)
-    human.add_parser("add", parents=[common]).add_argument("name")
-    human.add_parser("list", parents=[common])
-
-    endpoint = commands.add_parser("endpoint", parents=[common], help="endpoints").add_subparsers(dest="sub", required=True)
-    vend = endpoint.add_parser("vend", parents=[common])
-    vend.add_argument("--human", required=True)
-    vend.add_argument("--name", required=True)
-    vend.add_argument("--queues", required=True, help="comma-separated queue names")
-    vend.add_argument("--verbs", default="drain", help="comma-separated verbs or presets (drain, webhooks, all)")
-    vend.add_argument("--lease", type=int, help="default lease seconds (60..86400)")
-    endpoint.add_parser("list", parents=[common])
-    endpoint.add_parser("revoke", parents=[common]).add_argument("id")
-
-    todo = commands.add_parser("todo", parents=[common], help="todos").add_subparsers(dest="sub", required=True)
-    push = todo.add_parser("push", parents=[common])
-    push.add_argument("endpoint")
-    push.add_argument("--queue", required=True)
-    push.add_argument("--title", required=True)
-    push.add_argument("--payload", help="JSON value")
-    push.add_argument("--key", help="idempotency key")
-    push.add_argument("--priority", type=int, default=0)
-    push.add_argument("--work-item", dest="work_item", help="work item JSON file")
-    listing = todo.add_parser("list", parents=[common])
-    listing.add_argument("--queue")
-    listing.add_argument("--state")
-    listing.add_argument("--endpoint")
-    listing.add_argument("--limit", type=int)
-    todo.add_parser("show", parents=[common]).add_argument("id")
-    action_options = {"approve": ["--note"], "request-changes": ["--note!"], "answer": ["--answer!"],
-                      "resume": ["--note"], "retry": ["--note"], "defer": ["--reason!", "--until"],
-                      "undefer": ["--note"], "cancel": ["--reason!"], "reroute": ["--queue!"], "discard": ["--note"]}
-    release_held = todo.add_parser("release", parents=[common], help="release a quarantined todo")
-    release_held.add_argument("id")
-    release_held.add_argument("--queue", help="send it to this queue instead of re-evaluating the rules")
-    release_held.add_argument("--note")
-    for action, options in action_options.items():
-        sub = todo.add_parser(action, parents=[common])
-        sub.set_defaults(action=action)
-        sub.add_argument("id")
-        for option in options:
-            sub.add_argument(option.rstrip("!"), required=option.endswith("!"))
-
-    webhook = commands.add_parser("webhook", parents=[common], help="webhooks").add_subparsers(dest="sub", required=True)
-    create = webhook.add_parser("create", parents=[common])
-    create.add_argument("--endpoint", required=True, help="owner endpoint id")
-    create.add_argument("--provider", required=True, choices=PROVIDERS)
-    create.add_argument("--queue", required=True)
-    create.add_argument("--secret", help="supply the secret instead of minting one")
-    create.add_argument("--base-url", dest="base_url", help="public base of the ingest URL")
-    webhook.add_parser("list", parents=[common])
-    rotate = webhook.add_parser("rotate", parents=[common])
-    rotate.add_argument("id")
-    rotate.add_argument("--base-url", dest="base_url")
-    webhook.add_parser("delete", parents=[common]).add_argument("id")
-    set_secret = webhook.add_parser("set-secret", parents=[common], help="the secret Stripe or Slack issued")
-    set_secret.add_argument("id")
-    set_secret.add_argument("--secret", required=True)
-
-    route = commands.add_parser("route", parents=[common], help="webhook routes").add_subparsers(dest="sub", required=True)
-    for name in ("add", "remove"):
-        sub = route.add_parser(name, parents=[common])
-        sub.add_argument("webhook")
-        sub.add_argument("endpoint")
-    route.add_parser("list", parents=[common]).add_argument("webhook")
-
-    rules = commands.add_parser("rules", parents=[common], help="routing rules").add_subparsers(dest="sub", required=True)
-    rules.add_parser("get", parents=[common]).add_argument("webhook")
-    rules_set = rules.add_parser("set", parents=[common])
-    rules_set.add_argument("webhook")
-    rules_set.add_argument("--file", required=True, help="rules document: {rules, default_action?, params?}")
-    rules_set.add_argument("--params", help="params JSON file (replaces the params in force)")
-    rules_test = rules.add_parser("test", parents=[common], help="dry run: what would this payload do?")
-    rules_test.add_argument("webhook")
-    rules_test.add_argument("--payload", required=True, help="payload JSON file")
-    rules_test.add_argument("--header", action="append", default=[], help="'Name: value', repeatable")
-    rules_test.add_argument("--unverified", action="store_true", help="evaluate as an unverified delivery")
-
-    friend = commands.add_parser("friend", parents=[common], help="friend edges").add_subparsers(dest="sub", required=True)
-    link = friend.add_parser("link", parents=[common], help="HUMAN_A may route to HUMAN_B's endpoints")
-    link.add_argument("human_a")
-    link.add_argument("human_b")
-
-    events = commands.add_parser("events", parents=[common], help="deliveries").add_subparsers(dest="sub", required=True)
-    events_list = events.add_parser("list", parents=[common])
-    events_list.add_argument("webhook")
-    events_list.add_argument("--disposition")
-    events_list.add_argument("--limit", type=int)
-
-    commands.add_parser("backup", parents=[common], help="online backup to a new file").add_argument("out")
-    commands.add_parser("check", parents=[common], help="integrity, key, sandbox and schema report")
-    commands.add_parser("prune", parents=[common], help="apply retention now and checkpoint the WAL")
+                                     description="Signed webhooks in, durable leased work for AI agents out.",
+                                     epilog="Every command takes --db and --json. Exit codes: 0 ok, 1 failure,"
+                                            " 2 usage. `switchboard.py COMMAND --help` tells more.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(commands, common)
+    _add_operations(commands, common)
+    _add_principals(commands, common)
+    _add_todos(commands, common)
+    _add_webhooks(commands, common)
     return parser
 
 
+CREATES_DATABASE = (_cli_init, _cli_serve)
+
+
+def _fail(args: argparse.Namespace, body: dict) -> int:
+    if args.json:
+        print(json.dumps(body))
+    else:
+        print(f"error: {body['error']}: {body['message']}", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Every file this process creates (database, WAL, backups, credentials) is the owner's alone.
+    os.umask(0o077)
     args = build_parser().parse_args(argv)
     args.db = getattr(args, "db", None) or default_db_path()
     args.json = getattr(args, "json", False)
-    if args.command == "serve":
-        return _cli_serve(args)
+    if args.handler not in CREATES_DATABASE and not Path(args.db).exists():
+        return _fail(args, {"error": "not_found", "message": f"no database at {Path(args.db).resolve()}: run"
+                            " `switchboard.py init` there first, or point --db or $SWITCHBOARD_DB at it"})
     try:
-        _print(args, _cli_run(args))
+        if args.handler is _cli_serve:
+            return _cli_serve(args)
+        if args.handler is _cli_migrate:
+            _print(args, _cli_migrate(args, None))
+            return 0
+        db = Database(args.db, inline_rings=False)
+        try:
+            _print(args, args.handler(args, db))
+        finally:
+            db.close()
         return 0
     except ApiError as exc:
-        if args.json:
-            print(json.dumps(exc.body()))
-        else:
-            print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
-        return 1
+        return _fail(args, exc.body())
     except sqlite3.Error as exc:
-        body = {"error": "unavailable", "message": f"database: {exc}"}
-        print(json.dumps(body) if args.json else f"error: {body['message']}", file=sys.stdout if args.json else sys.stderr)
-        return 1
+        return _fail(args, {"error": "unavailable", "message": f"database: {exc}"})
     except Exception as exc:  # noqa: BLE001 - the contract is one error body and exit 1, never a traceback
-        body = {"error": "internal", "message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-        print(json.dumps(body) if args.json else f"error: {body['message']}", file=sys.stdout if args.json else sys.stderr)
-        return 1
+        return _fail(args, {"error": "internal",
+                            "message": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
 
 
 if __name__ == "__main__":

@@ -185,7 +185,10 @@ def live_server(db_path):
 
 
 def cli(db_path: str, *args: str) -> tuple[int, dict]:
-    """Run the real CLI with --json and parse its one JSON object."""
+    """Run the real CLI with --json and parse its one JSON object. Like the README, the operator runs `init`
+    once before any other command (only init and serve create a database)."""
+    if not Path(db_path).exists() and args[:1] not in (("init",), ("serve",)):
+        sb.main(["init", "--db", db_path, "--json"])
     done = subprocess.run([sys.executable, str(ROOT / "switchboard.py"), *args, "--db", db_path, "--json"],
                           capture_output=True, text=True, timeout=60)
     return done.returncode, json.loads(done.stdout) if done.stdout.strip() else {}

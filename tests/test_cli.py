@@ -8,14 +8,15 @@ import sys
 import threading
 
 import httpx
+import switchboard as sb
 from conftest import ROOT, cli
 
 
 def test_init_is_idempotent_and_versions_the_schema(db_path):
-    assert cli(db_path, "init") == (0, {"path": db_path, "schema_version": 1})
+    assert cli(db_path, "init") == (0, {"path": db_path, "schema_version": sb.SCHEMA_VERSION})
     assert cli(db_path, "init")[0] == 0
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == sb.SCHEMA_VERSION
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
@@ -82,13 +83,14 @@ def test_backup_while_serving_is_consistent(live_server, db_path, tmp_path):
     todos, events = copy.execute("SELECT (SELECT count(*) FROM todos), (SELECT count(*) FROM events)").fetchone()
     assert todos == events, "every operator todo is in the copy with its event"
     code, check = cli(str(out), "check")
-    assert code == 0 and check["integrity"] == "ok" and check["schema_version"] == 1
+    assert code == 0 and check["integrity"] == "ok" and check["schema_version"] == sb.SCHEMA_VERSION
 
 
 def test_human_output_without_json_is_readable(db_path):
+    cli(db_path, "init")
     done = subprocess.run([sys.executable, str(ROOT / "switchboard.py"), "human", "add", "bob", "--db", db_path],
                           capture_output=True, text=True)
     assert done.returncode == 0 and "token: sbh_" in done.stdout
     listing = subprocess.run([sys.executable, str(ROOT / "switchboard.py"), "human", "list", "--db", db_path],
                              capture_output=True, text=True)
-    assert "name=bob" in listing.stdout
+    assert listing.stdout.split("\n")[0].split() == ["ID", "NAME", "CREATED_AT"] and " bob " in listing.stdout
