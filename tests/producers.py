@@ -1,4 +1,4 @@
-"""Deliveries shaped and signed the way each producer sends them, built from ../shared/fixtures."""
+"""Deliveries shaped and signed the way each producer sends them, built from tests/fixtures (see its README)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import copy
 import hashlib
 import hmac
 import json
+import os
 import time
 import uuid
 from pathlib import Path
 
-# shared/ lies beside the repository, on a developer's machine and in CI alike.
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+# The fixtures live in the repository (tests/fixtures); SWITCHBOARD_FIXTURES may point at another copy.
+FIXTURES = Path(os.environ.get("SWITCHBOARD_FIXTURES") or Path(__file__).resolve().parent / "fixtures")
 
 
 def deep_merge(base, patch):

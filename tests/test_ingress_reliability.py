@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import httpx
 from conftest import cli
 
-FIXTURES = Path(os.environ.get("SWITCHBOARD_FIXTURES") or Path(__file__).resolve().parents[2] / "shared" / "fixtures")
+FIXTURES = Path(os.environ.get("SWITCHBOARD_FIXTURES") or Path(__file__).resolve().parent / "fixtures")
 ISSUE_OPENED = (FIXTURES / "github" / "issues.opened.json").read_bytes()
 QUEUE = "triage"
 

@@ -8,7 +8,7 @@ Set-up, all through the real CLI before the server starts: a human; a router end
 lane-vision, triage), each added as a route of the webhook; `rules set WEBHOOK --file packs/fleet.json --params
 PARAMS.json` with params that make the deliveries eligible. Then `serve --ingest-rate 0`.
 
-Every delivery is `issues.labeled` from the shared fixtures, patched to a distinct issue number and one
+Every delivery is `issues.labeled` from tests/fixtures/github, patched to a distinct issue number and one
 `size/S|M|L` label (rotating), with a fresh X-GitHub-Delivery, and signed with the webhook's secret. All
 deliveries are built and signed before the clock starts. 16 sender threads, each with its own keep-alive
 httpx.Client, take the next delivery from a shared counter and POST it; the ack latency is the time from just
