@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import contextlib
 import difflib
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -889,6 +890,121 @@ class EventListQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
     disposition: Literal["routed", "dropped", "repeat", "quarantined"] | None = None
     limit: Annotated[int, Field(ge=1, le=200)] = 50
+
+
+# -- answers: what the API says back, documented in /api/v1/openapi.json and checked against real answers ----
+
+class AnswerModel(BaseModel):
+    """An answer's shape; extra fields are refused, so the document and the code cannot drift apart."""
+    model_config = ConfigDict(extra="forbid")
+
+
+Instant = Annotated[str | None, Field(description="ISO-8601 UTC, milliseconds, e.g. 2026-11-30T21:12:36.488Z")]
+
+
+class ErrorAnswer(AnswerModel):
+    error: Literal["invalid_argument", "unauthenticated", "forbidden", "not_found", "conflict", "too_large",
+                   "rate_limited", "unavailable", "internal"]
+    message: str
+
+
+class RingsAnswer(AnswerModel):
+    count: int
+    last_at: Instant
+    acked_at: Instant
+
+
+class AttemptAnswer(AnswerModel):
+    seq: int
+    claimant: str
+    claimed_at: Instant
+    lease_expires_at: Instant
+    heartbeats: int
+    ended_at: Instant
+    outcome: str | None
+    summary: str | None
+    artifact: str | None
+
+
+class HistoryAnswer(AnswerModel):
+    at: Instant
+    actor: str
+    from_: str | None = Field(alias="from")
+    to: str
+    evidence: Any
+
+
+class TodoAnswer(AnswerModel):
+    """A todo. `get_todo` adds attempts, history, depends_on and receipt; an operator push adds created."""
+    id: str
+    endpoint_id: str
+    queue: str
+    state: Literal[TODO_STATES]
+    outcome: Literal["completed", "approved", "absorbed", "discarded"] | None
+    title: str
+    source: str
+    kind: str | None
+    subject_key: str | None
+    priority: int
+    attempt: int
+    max_attempts: int
+    dead_letter: bool
+    lease_expires_at: Instant
+    available_at: Instant
+    created_at: Instant
+    updated_at: Instant
+    payload: Any
+    work_order: dict | None
+    work_item: dict | None
+    trace: dict | None
+    result: Any
+    last_error: str | None
+    key: str | None
+    state_reason: str | None
+    answer: str | None
+    deferred_until: Instant
+    event_id: str | None
+    rings: RingsAnswer
+    created: bool | None = None
+    attempts: list[AttemptAnswer] | None = None
+    history: list[HistoryAnswer] | None = None
+    depends_on: list[str] | None = None
+    receipt: dict | None = None
+
+
+class TodoListAnswer(AnswerModel):
+    todos: list[TodoAnswer]
+
+
+class ClaimAnswer(AnswerModel):
+    """A claim: the todo, its lease token (send it with every later verb), and what earlier attempts said; or
+    `{"empty": true}` when nothing was claimable."""
+    todo: TodoAnswer | None = None
+    lease_token: str | None = None
+    prior_attempts: list[AttemptAnswer] | None = None
+    empty: bool | None = None
+
+
+class MintedTodo(AnswerModel):
+    id: str
+    endpoint_id: str
+    queue: str
+    created: bool
+
+
+class DeliveryAnswer(AnswerModel):
+    """What a producer hears back (202)."""
+    event_id: str
+    disposition: Literal["routed", "dropped", "repeat", "quarantined", "ping"]
+    verified: bool
+    todos: list[MintedTodo]
+    created: int
+    duplicate: bool | None = None
+    repeat: bool | None = None
+    dropped: bool | None = None
+    held: bool | None = None
+    ping: bool | None = None
+    payload_error: Literal["empty", "not_json", "too_deep", "bad_form", "form_without_payload"] | None = None
 
 
 def parse_model(model: type[BaseModel], raw: bytes | str | dict) -> Any:
@@ -3504,6 +3620,148 @@ class _StoreCollector(Collector):
                                 value=WAL_LIMIT_BYTES)
 
 
+@dataclass(frozen=True)
+class ApiRoute:
+    """One method on one path: the Api handler that answers it and the models that document it. The app mounts
+    exactly these, and /api/v1/openapi.json is generated from them."""
+    method: str
+    path: str
+    handler: str
+    summary: str
+    body: type[BaseModel] | None = None
+    query: type[BaseModel] | None = None
+    answer: type[BaseModel] | None = None
+    status: int = 200
+    auth: Literal["token", "human", "endpoint", "none", "url", "metrics"] = "token"
+    media: str = "application/json"
+    bind: dict = field(default_factory=dict)
+
+
+def _action_routes() -> list[ApiRoute]:
+    routes = [ApiRoute("POST", f"/api/v1/todos/{{todo_id}}/{name}", "todo_action", f"{name} (agent, with the lease"
+                       " token)" if name != "claim" else "claim this todo by id", body=model,
+                       answer=ClaimAnswer if name == "claim" else None if name == "absorb" else TodoAnswer,
+                       auth="endpoint", bind={"action": name}) for name, (model, _) in AGENT_ACTIONS.items()]
+    routes += [ApiRoute("POST", f"/api/v1/todos/{{todo_id}}/{name}", "todo_action", f"{name} (human)", body=model,
+                        answer=TodoAnswer, auth="human", bind={"action": name})
+               for name, (model, _) in HUMAN_ACTIONS.items()]
+    return routes
+
+
+REST_ROUTES: list[ApiRoute] = [
+    ApiRoute("POST", "/hooks/{token}", "ingest", "a producer's signed delivery (the URL is the webhook's)",
+             answer=DeliveryAnswer, status=202, auth="url"),
+    ApiRoute("GET", "/healthz", "healthz", "200 `ok <version>`, or 503 naming what died", auth="none",
+             media="text/plain"),
+    ApiRoute("GET", "/metrics", "metrics_text", "Prometheus text (bearer $SWITCHBOARD_METRICS_TOKEN when set)",
+             auth="metrics", media="text/plain"),
+    ApiRoute("GET", "/api/v1/openapi.json", "openapi", "this document", auth="none"),
+    ApiRoute("GET", "/api/v1/me", "get_me", "who the token belongs to, and its scope"),
+    ApiRoute("GET", "/api/v1/todos", "list_todos", "todos, newest first (a human: across their endpoints)",
+             query=TodoListQuery, answer=TodoListAnswer),
+    ApiRoute("POST", "/api/v1/todos/claim", "claim_next", "claim the best claimable todo, waiting up to"
+             " wait_seconds for one", body=ClaimNext, answer=ClaimAnswer, auth="endpoint"),
+    ApiRoute("GET", "/api/v1/doorbell", "doorbell_stream", "Server-Sent Events: `todo.ready` when this session is"
+             " rung", query=DoorbellQuery, auth="endpoint", media="text/event-stream"),
+    ApiRoute("GET", "/api/v1/todos/{todo_id}", "get_todo", "a todo with attempts, history and receipt",
+             answer=TodoAnswer),
+    *_action_routes(),
+    ApiRoute("POST", "/api/v1/todos/{todo_id}/release-quarantine", "release_quarantine", "release a held"
+             " delivery: re-evaluate the rules, or send it to a queue", body=ReleaseQuarantine, answer=TodoAnswer,
+             auth="human"),
+    ApiRoute("GET", "/api/v1/endpoints", "endpoints", "the human's endpoints", auth="human"),
+    ApiRoute("POST", "/api/v1/endpoints", "endpoints", "vend an endpoint; its token is shown once",
+             body=EndpointCreate, status=201, auth="human"),
+    ApiRoute("POST", "/api/v1/endpoints/{endpoint_id}/revoke", "revoke", "revoke an endpoint", body=HumanNote,
+             auth="human"),
+    ApiRoute("POST", "/api/v1/endpoints/{endpoint_id}/todos", "push", "write a todo for an endpoint (201, or 200"
+             " with the live todo holding the same key)", body=TodoPush, answer=TodoAnswer, status=201,
+             auth="human"),
+    ApiRoute("GET", "/api/v1/webhooks", "webhooks", "webhooks the token may see"),
+    ApiRoute("POST", "/api/v1/webhooks", "webhooks", "make a webhook; its URL and secret are shown once",
+             body=WebhookCreate, status=201),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}", "webhook", "one webhook"),
+    ApiRoute("DELETE", "/api/v1/webhooks/{webhook_id}", "webhook", "delete a webhook"),
+    ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/rotate", "rotate", "a new URL and secret", body=HumanNote),
+    ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/secret", "secret", "set the secret Stripe or Slack issued",
+             body=WebhookSecret),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/routes", "webhook_routes", "a webhook's routes"),
+    ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/routes", "webhook_routes", "route deliveries to an endpoint",
+             body=RouteAdd, status=201),
+    ApiRoute("DELETE", "/api/v1/webhooks/{webhook_id}/routes/{endpoint_id}", "webhook_route", "remove a route"),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/events", "webhook_events", "a webhook's deliveries, newest"
+             " first", query=EventListQuery),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/rules", "rules", "rules, default action and params"),
+    ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/rules", "rules", "validate and save rules", body=RuleSet),
+    ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/rules/test", "rules_test", "dry run: the decision for one"
+             " payload or stored delivery", body=RulesTest),
+    ApiRoute("GET", "/api/v1/events/{event_id}", "event", "one delivery with its envelope and trace"),
+    ApiRoute("GET", "/api/v1/friends", "friends", "the human's friend edges", auth="human"),
+    ApiRoute("POST", "/api/v1/friends", "friends", "ask another human for a friend edge", body=FriendRequest,
+             status=201, auth="human"),
+    ApiRoute("POST", "/api/v1/friends/{edge_id}/approve", "approve_friend", "approve a friend edge",
+             body=HumanNote, auth="human"),
+]
+
+
+MCP_ROUTES = [ApiRoute(method, "/mcp", "handle", f"MCP Streamable HTTP (JSON-RPC 2.0): {what}", auth="endpoint")
+              for method, what in (("POST", "initialize, tools/list, tools/call, and the sessionless protocol"),
+                                   ("GET", "the session's notification stream (doorbell rings)"),
+                                   ("DELETE", "end the session"))]
+
+
+def _schema_ref(model: type[BaseModel], schemas: dict) -> dict:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schema.pop("$defs", {}))
+    schemas[model.__name__] = schema
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+AUTH_NOTES = {"token": "an endpoint token (sbk_…) or a human token (sbh_…)", "human": "a human token (sbh_…)",
+              "endpoint": "an endpoint token (sbk_…)", "none": "no credential", "url": "the URL is the credential;"
+              " signed providers also send their signature header", "metrics": "the metrics token, when set"}
+
+
+def _operation(route: ApiRoute, schemas: dict) -> dict:
+    parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                  for name in re.findall(r"{(\w+)}", route.path)]
+    if route.query is not None:
+        query = route.query.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(query.pop("$defs", {}))
+        parameters += [{"name": name, "in": "query", "required": name in query.get("required", ()), "schema": prop}
+                       for name, prop in query["properties"].items()]
+    answer = ({"schema": _schema_ref(route.answer, schemas)} if route.answer else
+              {"schema": {"type": "string"} if route.media != "application/json" else {"type": "object"}})
+    operation = {
+        "operationId": f"{route.method.lower()}_{re.sub(r'[^a-z0-9]+', '_', route.path.lower()).strip('_')}",
+        "summary": route.summary, "description": f"Credential: {AUTH_NOTES[route.auth]}.",
+        "parameters": parameters,
+        "responses": {str(route.status): {"description": "success", "content": {route.media: answer}},
+                      "4XX": {"description": "the error body", "content": {"application/json": {
+                          "schema": _schema_ref(ErrorAnswer, schemas)}}}},
+    }
+    if route.auth not in ("none", "url"):
+        operation["security"] = [{"bearer": []}]
+    if route.body is not None:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": _schema_ref(route.body, schemas)}}}
+    return operation
+
+
+def openapi_document(routes: list[ApiRoute]) -> dict:
+    """OpenAPI 3.1, generated from the route table and the very models the handlers validate with."""
+    schemas: dict = {}
+    paths: dict = {}
+    for route in routes:
+        paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, schemas)
+    return {"openapi": "3.1.0",
+            "info": {"title": "Switchboard", "version": VERSION,
+                     "description": "Signed webhooks in, durable leased work for AI agents out. MCP is at /mcp."},
+            "paths": paths,
+            "components": {"schemas": dict(sorted(schemas.items())),
+                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
+
+
 @dataclass
 class TenantGate:
     """One owner's share of the evaluator: its slots, and how many of its deliveries wait for one."""
@@ -3527,6 +3785,7 @@ class Api:
         self.metrics = metrics
         self.base_url = base_url
         self.ingest_buffer = BodyBudget(INGEST_BUFFER_BYTES)
+        self.openapi_document = openapi_document(REST_ROUTES + MCP_ROUTES)
         # Evaluator calls get threads of their own, so reads, claims and /healthz never queue behind rules.
         self.eval_threads = concurrent.futures.ThreadPoolExecutor(EVAL_THREADS, thread_name_prefix="switchboard-eval")
         self.tenant_gates: dict[str, TenantGate] = {}
@@ -3660,13 +3919,9 @@ class Api:
         principal = await self.principal(request)
         return JsonResponse(await self.db.read(get_todo, principal, request.path_params["todo_id"]))
 
-    async def todo_action(self, request: Request) -> Response:
+    async def todo_action(self, request: Request, action: str) -> Response:
         principal = await self.principal(request)
-        action = request.path_params["action"]
-        entry = AGENT_ACTIONS.get(action) or HUMAN_ACTIONS.get(action)
-        if entry is None:
-            raise ApiError("not_found", f"no todo action {action!r}")
-        model, fn = entry
+        model, fn = AGENT_ACTIONS.get(action) or HUMAN_ACTIONS[action]
         body = await self.body(request, model)
         return JsonResponse(await self.db.write(fn, principal, request.path_params["todo_id"], body))
 
@@ -3872,33 +4127,11 @@ class Api:
         return JsonResponse(await self.db.write(friend_approve, principal, request.path_params["edge_id"]))
 
     def route_table(self) -> list[Route]:
-        return [
-            Route("/hooks/{token}", self.ingest, methods=["POST"]),
-            Route("/metrics", self.metrics_text, methods=["GET"]),
-            Route("/api/v1/webhooks", self.webhooks, methods=["GET", "POST"]),
-            Route("/api/v1/webhooks/{webhook_id}", self.webhook, methods=["GET", "DELETE"]),
-            Route("/api/v1/webhooks/{webhook_id}/rotate", self.rotate, methods=["POST"]),
-            Route("/api/v1/webhooks/{webhook_id}/secret", self.secret, methods=["PUT"]),
-            Route("/api/v1/webhooks/{webhook_id}/routes", self.webhook_routes, methods=["GET", "POST"]),
-            Route("/api/v1/webhooks/{webhook_id}/routes/{endpoint_id}", self.webhook_route, methods=["DELETE"]),
-            Route("/api/v1/webhooks/{webhook_id}/events", self.webhook_events, methods=["GET"]),
-            Route("/api/v1/webhooks/{webhook_id}/rules", self.rules, methods=["GET", "PUT"]),
-            Route("/api/v1/webhooks/{webhook_id}/rules/test", self.rules_test, methods=["POST"]),
-            Route("/api/v1/todos/{todo_id}/release-quarantine", self.release_quarantine, methods=["POST"]),
-            Route("/api/v1/events/{event_id}", self.event, methods=["GET"]),
-            Route("/api/v1/friends", self.friends, methods=["GET", "POST"]),
-            Route("/api/v1/friends/{edge_id}/approve", self.approve_friend, methods=["POST"]),
-            Route("/healthz", self.healthz, methods=["GET"]),
-            Route("/api/v1/me", self.get_me, methods=["GET"]),
-            Route("/api/v1/todos", self.list_todos, methods=["GET"]),
-            Route("/api/v1/todos/claim", self.claim_next, methods=["POST"]),
-            Route("/api/v1/doorbell", self.doorbell_stream, methods=["GET"]),
-            Route("/api/v1/todos/{todo_id}", self.get_todo, methods=["GET"]),
-            Route("/api/v1/todos/{todo_id}/{action}", self.todo_action, methods=["POST"]),
-            Route("/api/v1/endpoints", self.endpoints, methods=["GET", "POST"]),
-            Route("/api/v1/endpoints/{endpoint_id}/revoke", self.revoke, methods=["POST"]),
-            Route("/api/v1/endpoints/{endpoint_id}/todos", self.push, methods=["POST"]),
-        ]
+        return [Route(r.path, functools.partial(getattr(self, r.handler), **r.bind) if r.bind else
+                      getattr(self, r.handler), methods=[r.method]) for r in REST_ROUTES]
+
+    async def openapi(self, request: Request) -> Response:
+        return JsonResponse(self.openapi_document)
 
 
 # -- doorbell streams: Server-Sent Events and MCP -------------------------------------------------------
@@ -4406,7 +4639,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
             db.close()
 
     mcp = Mcp(api)
-    routes = [Route("/mcp", mcp.handle, methods=["GET", "POST", "DELETE"]), *api.route_table()]
+    routes = [*(Route(r.path, getattr(mcp, r.handler), methods=[r.method]) for r in MCP_ROUTES), *api.route_table()]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected})
     app.state.db = db
