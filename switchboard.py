@@ -3192,7 +3192,7 @@ def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webh
 # -- quarantine -------------------------------------------------------------------------------------
 
 @dataclass
-class HeldRelease:
+class QuarantineRelease:
     """A held delivery's re-evaluated decision, made outside the writer and applied inside it."""
     todo_id: str
     envelope: dict
@@ -3209,8 +3209,8 @@ def _held_subject(txn: Txn, principal: Principal, todo_id: str) -> tuple[sqlite3
     return todo, webhook, json.loads(event["envelope"])
 
 
-def prepare_release(db: Database, evaluator: Evaluator, principal: Principal, todo_id: str,
-                    body: ReleaseQuarantine) -> HeldRelease:
+def prepare_quarantine_release(db: Database, evaluator: Evaluator, principal: Principal, todo_id: str,
+                    body: ReleaseQuarantine) -> QuarantineRelease:
     """Re-evaluate a held delivery with `.release` set, or send it to a named queue."""
     todo, webhook, envelope = db.read_sync(_held_subject, principal, todo_id)
     if webhook is None:
@@ -3218,12 +3218,12 @@ def prepare_release(db: Database, evaluator: Evaluator, principal: Principal, to
     envelope["release"] = {"by": principal.actor, "at": iso(db.clock.now_ms())}
     if body.queue is not None:
         action = {"queue": body.queue, "exclusive": True}
-        return HeldRelease(todo_id, envelope, action, {"stage": "release", "cause": "named_queue", "action": action})
+        return QuarantineRelease(todo_id, envelope, action, {"stage": "release", "cause": "named_queue", "action": action})
     action, trace = decide_for_webhook(evaluator, webhook, json.dumps(envelope).encode(), principal.human_id)
-    return HeldRelease(todo_id, envelope, action, trace)
+    return QuarantineRelease(todo_id, envelope, action, trace)
 
 
-def apply_release(txn: Txn, principal: Principal, release: HeldRelease, note: str | None = None) -> dict:
+def apply_quarantine_release(txn: Txn, principal: Principal, release: QuarantineRelease, note: str | None = None) -> dict:
     todo, webhook, _ = _held_subject(txn, principal, release.todo_id)
     if webhook is None:
         raise ApiError("conflict", "the webhook of this delivery is gone; discard it")
@@ -3444,7 +3444,382 @@ class Doorbell:
 
 
 # ======================================================================================================
-# 10. HTTP: REST, ingress, MCP, SSE, metrics, the app
+# 10. Flows: what REST, MCP, the CLI and the Board all do the same way
+# ======================================================================================================
+# The orchestration that is not HTTP: accepting a delivery, waiting claims, ring streams, rules with the
+# evaluator's fair share, releasing held work, and the background loop. The HTTP section below only reads
+# requests and writes answers around these.
+
+class RateLimiter:
+    """A token bucket per source address: `rate` per second, up to `burst` at once. A rate of 0 turns it off."""
+
+    MAX_SOURCES = 10_000
+
+    def __init__(self, rate: float, burst: int):
+        self.rate = rate
+        self.burst = max(burst, 1)
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def retry_after(self, source: str) -> float:
+        """0 when the request may go ahead (and is counted), else the seconds until it may."""
+        if self.rate <= 0:
+            return 0.0
+        now = time.monotonic()
+        tokens, last = self._buckets.get(source, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        if tokens < 1:
+            self._buckets[source] = (tokens, now)
+            return (1 - tokens) / self.rate
+        if len(self._buckets) >= self.MAX_SOURCES and source not in self._buckets:
+            self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < self.burst / self.rate}
+        self._buckets[source] = (tokens - 1, now)
+        return 0.0
+
+
+class RateLimited(ApiError):
+    """429 with the seconds to wait, which the HTTP layer sends as Retry-After."""
+
+    def __init__(self, seconds: float):
+        super().__init__("rate_limited", "too many deliveries from this address")
+        self.retry_after = max(1, math.ceil(seconds))
+
+
+class Metrics:
+    """Prometheus text through prometheus_client, one registry per app. Counters the HTTP layer sees are kept
+    here; what the store counted and what the database holds are collected at scrape time. No queue name or
+    id appears: /metrics is for the operator, and tenants' names stay out of it."""
+
+    def __init__(self, db: Database, doorbell: Doorbell) -> None:
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        self.deliveries = Counter("switchboard_deliveries", "Deliveries answered, by provider and verdict",
+                                  ["provider", "verdict"], registry=self.registry)
+        self.verification_failures = Counter("switchboard_verification_failures",
+                                             "Deliveries refused at verification, by reason",
+                                             ["provider", "reason"], registry=self.registry)
+        self.routing = Counter("switchboard_routing_decisions", "Routing decisions, by stage and disposition",
+                               ["stage", "disposition"], registry=self.registry)
+        self.faults = Counter("switchboard_rule_faults", "Rule faults that held a delivery, by cause", ["cause"],
+                              registry=self.registry)
+        self.registry.register(_StoreCollector(db, doorbell))
+
+    def count_delivery(self, provider: str, outcome: dict, trace: dict) -> None:
+        if outcome.get("duplicate"):
+            self.deliveries.labels(provider, "duplicate").inc()
+            return
+        self.deliveries.labels(provider, outcome["disposition"]).inc()
+        self.routing.labels(trace["stage"], outcome["disposition"]).inc()
+        if trace["stage"] == "fault":
+            self.faults.labels(trace["cause"]).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, db: Database, doorbell: Doorbell):
+        self.db = db
+        self.doorbell = doorbell
+
+    def collect(self) -> Iterable[Any]:
+        stats = self.db.read_sync(queue_stats)
+        depth = GaugeMetricFamily("switchboard_todos", "Todos by state", labels=["state"])
+        for state, count in stats["depth"].items():
+            depth.add_metric([state], count)
+        yield depth
+        yield GaugeMetricFamily("switchboard_oldest_pending_seconds", "Age of the oldest claimable pending todo",
+                                value=stats["oldest_pending_seconds"])
+        with self.db.counts_lock:
+            counts = dict(self.db.counts)
+        yield CounterMetricFamily("switchboard_todos_created", "Todos created", value=counts.get("created", 0))
+        yield CounterMetricFamily("switchboard_todos_claimed", "Claims granted", value=counts.get("claimed", 0))
+        completed = CounterMetricFamily("switchboard_todos_completed", "Todos done, by outcome", labels=["outcome"])
+        for outcome in ("completed", "approved", "absorbed", "discarded"):
+            completed.add_metric([outcome], counts.get(f"completed:{outcome}", 0))
+        yield completed
+        yield CounterMetricFamily("switchboard_lease_expiries", "Leases that lapsed",
+                                  value=counts.get("lease_expired", 0))
+        rings = CounterMetricFamily("switchboard_doorbell_rings", "Rings, by whether a session heard them",
+                                    labels=["heard"])
+        rings.add_metric(["true"], self.doorbell.rung)
+        rings.add_metric(["false"], self.doorbell.unheard)
+        yield rings
+        wal = Path(self.db.path + "-wal")
+        yield GaugeMetricFamily("switchboard_wal_bytes", "Size of the write-ahead log file",
+                                value=wal.stat().st_size if wal.exists() else 0)
+        yield GaugeMetricFamily("switchboard_wal_limit_bytes", "The WAL size a checkpoint truncates back to",
+                                value=WAL_LIMIT_BYTES)
+
+
+@dataclass
+class TenantGate:
+    """One owner's share of the evaluator: its slots, and how many of its deliveries wait for one."""
+    slots: asyncio.Semaphore
+    waiting: int = 0
+
+
+async def stream_queue(queue: asyncio.Queue, first: list[str]) -> AsyncIterator[str]:
+    """An SSE body: the first frames, then whatever is queued, with keep-alive comments; None ends it."""
+    for frame in first:
+        yield frame
+    while True:
+        try:
+            frame = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
+        except TimeoutError:
+            yield ": keepalive\n\n"
+            continue
+        if frame is None:
+            return
+        yield frame
+
+class WaitingClaim:
+    """One `claim_next` with `wait_seconds`: claim now, or wait for a ring and try again, until the deadline.
+
+    The waiter is attached before each attempt, so a todo that arrives between the attempt and the wait still
+    wakes it; at the deadline it tries once more. A ring this waiter took but did not use is passed on, so no
+    other session misses it. If the asker goes away (`gone`) the wait ends, and a todo claimed for an asker
+    already gone is handed back, uncharged."""
+
+    EMPTY = {"empty": True}
+
+    def __init__(self, flows: Flows, principal: Principal, body: ClaimNext, gone: asyncio.Future):
+        self.flows = flows
+        self.principal = principal
+        self.body = body
+        self.gone = gone
+        self.queues = _claim_queues(principal, body.queue_filter())
+        self.owed: dict | None = None  # a ring this waiter was given and has not yet claimed
+        self.claimed: str | None = None
+
+    async def run(self) -> dict:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body.wait_seconds
+        last_try = False
+        try:
+            while True:
+                listening = not (last_try or self.flows.doorbell.closing)
+                session, rung = (self.flows.doorbell.waiter(self.principal.id, self.queues, self.owed is not None)
+                                 if listening else (None, None))
+                try:
+                    result = await self._attempt()
+                    if result is not None or session is None or self.gone.done():
+                        return result or self.EMPTY
+                    rung_now = await self._wait(rung, deadline - loop.time())
+                    if self.gone.done():
+                        return self.EMPTY
+                    last_try = not rung_now
+                finally:
+                    self._settle(session, rung)
+        finally:
+            self.gone.cancel()
+
+    async def _attempt(self) -> dict | None:
+        """One claim: the answer, or None when nothing was claimable."""
+        result = await self.flows.db.write(claim_next, self.principal, self.body)
+        if result.get("empty"):
+            self.owed = None
+            return None
+        if self.gone.done():
+            await self.flows.db.write(hand_back_unheard, self.principal, result["todo"]["id"], result["lease_token"])
+            return self.EMPTY
+        self.claimed = result["todo"]["id"]
+        return result
+
+    async def _wait(self, rung: asyncio.Future, remaining: float) -> bool:
+        """Wait for the ring, the asker leaving, or the deadline; True when rung (the ring is now owed)."""
+        if remaining <= 0:
+            return False
+        done, _ = await asyncio.wait({rung, self.gone}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        if rung in done:
+            self.owed = rung.result()
+            return True
+        return False
+
+    def _settle(self, session: Session | None, rung: asyncio.Future | None) -> None:
+        """Leave the doorbell; pass on any ring not used once this claim is over (or a ring came late)."""
+        if session is not None:
+            self.flows.doorbell.detach(session)
+        late = rung.result() if rung is not None and rung.done() and rung.result() is not self.owed else None
+        if self.claimed is not None or self.gone.done() or late:
+            unused = {r["todo_id"]: r for r in (self.owed, late) if r and r["todo_id"] != self.claimed}
+            self.flows.doorbell.ring([{**r, "endpoint_id": self.principal.id} for r in unused.values()])
+            self.owed = None
+
+
+class Flows:
+    """The shared flows, over one database, doorbell, evaluator and secret box."""
+
+    def __init__(self, db: Database, doorbell: Doorbell, evaluator: Evaluator, box: SecretBox,
+                 limiter: RateLimiter, metrics: Metrics, vitals: Vitals):
+        self.db = db
+        self.doorbell = doorbell
+        self.evaluator = evaluator
+        self.box = box
+        self.limiter = limiter
+        self.metrics = metrics
+        self.vitals = vitals
+        # Evaluator calls get threads of their own, so reads, claims and /healthz never queue behind rules.
+        self.eval_threads = concurrent.futures.ThreadPoolExecutor(EVAL_THREADS, thread_name_prefix="switchboard-eval")
+        self.tenant_gates: dict[str, TenantGate] = {}
+
+    # -- the evaluator's fair share ------------------------------------------------------------------
+    async def evaluate(self, tenant: str, fn: Callable, *args) -> Any:
+        """Run `fn` (which talks to the evaluator) on the evaluator's threads, at most `per_tenant` at once per
+        tenant: the others wait in line here, on the event loop, holding no thread. A tenant with
+        EVAL_QUEUE_PER_TENANT already waiting is refused (503) at once."""
+        gate = self.tenant_gates.setdefault(tenant, TenantGate(asyncio.Semaphore(self.evaluator.per_tenant)))
+        if gate.waiting >= EVAL_QUEUE_PER_TENANT:
+            raise ApiError("unavailable", "this owner's deliveries are queued too deep; retry later")
+        gate.waiting += 1
+        try:
+            await gate.slots.acquire()
+        finally:
+            gate.waiting -= 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.eval_threads, fn, *args)
+        except EvaluatorUnavailable as exc:
+            log.error("rules not evaluated: %s", exc)
+            raise ApiError("unavailable", f"the rule evaluator cannot run ({exc}); retry later") from None
+        finally:
+            gate.slots.release()
+
+    # -- deliveries ----------------------------------------------------------------------------------
+    async def open_webhook(self, token: str, source: str) -> sqlite3.Row:
+        """The webhook behind an ingest URL, ready to take a delivery from `source`, before any body is read."""
+        webhook = await self.db.read(find_webhook, token)
+        if webhook is None:
+            raise ApiError("not_found", "no such webhook")
+        if webhook["owner_revoked_at"] is not None:
+            raise ApiError("unavailable", "this webhook's owner endpoint is revoked")
+        if webhook["trust_mode"] == "signed" and webhook["secret_sealed"] is None:
+            raise ApiError("unavailable", "this webhook's signing secret is not set yet")
+        wait = self.limiter.retry_after(source)
+        if wait:
+            self.metrics.deliveries.labels(webhook["provider"], "rate_limited").inc()
+            raise RateLimited(wait)
+        return webhook
+
+    def _verify(self, webhook: sqlite3.Row, headers: dict[str, str], body: bytes, source: str) -> bool:
+        provider = webhook["provider"]
+        secret = self.box.open(webhook["secret_sealed"], webhook["id"]) if webhook["secret_sealed"] else None
+        try:
+            return verify_delivery(provider, secret, headers, body, self.db.clock.now_ms())
+        except VerificationFailed as failure:
+            self.metrics.verification_failures.labels(provider, failure.reason).inc()
+            self.metrics.deliveries.labels(provider, "unverified").inc()
+            log.warning("delivery refused: webhook %s (%s) from %s: %s", webhook["id"], provider, source,
+                        failure.reason)
+            raise ApiError("unauthenticated", f"signature verification failed: {failure.reason}") from None
+
+    async def _decide(self, webhook: sqlite3.Row, envelope: dict, envelope_text: str) -> tuple[dict, dict]:
+        gated = gate(envelope)
+        if gated is not None:
+            return gated
+        if not webhook["rules"]:
+            return decide_for_webhook(self.evaluator, webhook, b"")
+        return await self.evaluate(webhook["human_id"], decide_for_webhook, self.evaluator, webhook,
+                                   envelope_text.encode(), webhook["human_id"])
+
+    async def accept_delivery(self, webhook: sqlite3.Row, headers: dict[str, str], body: bytes,
+                              source: str) -> tuple[int, dict]:
+        """Verify, project, dedup, decide and record one delivery: (status, answer)."""
+        provider = webhook["provider"]
+        verified = self._verify(webhook, headers, body, source)
+        payload, payload_error = decode_payload(headers, body)
+        envelope = build_envelope(provider=provider, webhook_id=webhook["id"], trust_mode=webhook["trust_mode"],
+                                  verified=verified, headers=headers, body=body, payload=payload)
+        if provider == "slack" and _get(payload, "type") == "url_verification":
+            return 200, {"challenge": _get(payload, "challenge")}
+        key, body_hash = delivery_key(provider, headers, payload, body), hashlib.sha256(body).hexdigest()
+        # With rules, dedup comes before evaluation: a redelivery answers its first outcome even when the sandbox
+        # is down. The write transaction checks again (and alone, without rules), so racing redeliveries mint once.
+        seen = await self.db.read(duplicate_of, webhook, key, body_hash) if webhook["rules"] else None
+        if seen is not None:
+            self.metrics.deliveries.labels(provider, "duplicate").inc()
+            return 202, seen
+        envelope_text = json.dumps(envelope)
+        action, trace = await self._decide(webhook, envelope, envelope_text)
+        if payload_error:
+            trace = {**trace, "payload_error": payload_error}
+        outcome = await self.db.write(record_delivery, Delivery(
+            webhook_id=webhook["id"], token_hash=webhook["token_hash"], body=body, envelope=envelope,
+            envelope_text=envelope_text, payload_text=payload_text(payload, body),
+            delivery_key=key, body_hash=body_hash, action=action, trace=trace))
+        self.metrics.count_delivery(provider, outcome, trace)
+        return 202, outcome
+
+    # -- claims and rings ----------------------------------------------------------------------------
+    async def claim(self, principal: Principal, body: ClaimNext, gone: asyncio.Future | None) -> dict:
+        """claim_next, waiting up to `wait_seconds` for a ring when the asker can wait (`gone` resolves when it
+        leaves)."""
+        principal.require_verb("claim_next")
+        _claim_queues(principal, body.queue_filter())
+        if not body.wait_seconds or gone is None:
+            return await self.db.write(claim_next, principal, body)
+        return await WaitingClaim(self, principal, body, gone).run()
+
+    async def ring_frames(self, principal: Principal, queues: list[str] | None, render: Callable[[dict], str],
+                          lead: list[str], queue: asyncio.Queue | None = None) -> AsyncIterator[str]:
+        """A doorbell session as a stream of frames: `lead`, then rings for up to 3 of the oldest pending todos,
+        then every ring the doorbell sends it, rendered by `render`, until the reader stops or the server shuts
+        down (the session's close puts None on the queue). The session is attached before this returns."""
+        queue = queue or asyncio.Queue()
+        connected = await self.db.write(rings_for_new_session, principal.id, queues or principal.queues)
+        first = [*lead, *(render({k: r[k] for k in RING_FIELDS}) for r in connected)]
+        bell = self.doorbell.attach(Session(principal.id, frozenset(queues) if queues else None, "stream",
+                                            lambda ring: queue.put_nowait(render(ring)), lambda: queue.put_nowait(None)))
+
+        async def frames() -> AsyncIterator[str]:
+            try:
+                async for frame in stream_queue(queue, first):
+                    yield frame
+            finally:
+                self.doorbell.detach(bell)
+
+        return frames()
+
+    # -- rules and held work -------------------------------------------------------------------------
+    async def set_rules(self, principal: Principal, webhook_id: str, body: RuleSet) -> dict:
+        return await self.evaluate(principal.human_id or principal.id, set_rules, self.db, self.evaluator,
+                                   principal, webhook_id, body)
+
+    async def dry_run(self, principal: Principal, webhook_id: str, body: RulesTest) -> dict:
+        return await self.evaluate(principal.human_id or principal.id, dry_run_rules, self.db, self.evaluator,
+                                   principal, webhook_id, body)
+
+    async def release_quarantined(self, principal: Principal, todo_id: str, body: ReleaseQuarantine) -> dict:
+        """Re-evaluate a held delivery off the writer, then apply the decision in one transaction."""
+        release = await self.evaluate(principal.human_id or principal.id, prepare_quarantine_release, self.db,
+                                      self.evaluator, principal, todo_id, body)
+        return await self.db.write(apply_quarantine_release, principal, release, body.note)
+
+    # -- the background loop -------------------------------------------------------------------------
+    async def background(self) -> None:
+        """Every second: leases, deferrals, rings. Every minute: a WAL checkpoint. Hourly and at start:
+        retention. One bad tick is logged and the loop goes on."""
+        last_checkpoint = last_prune = -math.inf
+        while True:
+            try:
+                now = time.monotonic()
+                if now - last_prune >= PRUNE_EVERY_SECONDS:
+                    last_prune = now
+                    pruned = await anyio.to_thread.run_sync(prune, self.db)
+                    log.info("retention: pruned %d todos and %d events", pruned["todos"], pruned["events"])
+                if now - last_checkpoint >= CHECKPOINT_EVERY_SECONDS:
+                    last_checkpoint = now
+                    await anyio.to_thread.run_sync(self.db.checkpoint)
+                await self.db.write(scheduler_tick)
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad tick; the cause is logged
+                log.exception("scheduler tick failed")
+            await asyncio.sleep(SCHEDULER_TICK_SECONDS)
+
+    def close(self) -> None:
+        self.eval_threads.shutdown(wait=False, cancel_futures=True)
+        self.evaluator.close()
+
+
+# ======================================================================================================
+# 11. HTTP: REST, ingress, MCP, SSE, the app
 # ======================================================================================================
 
 class JsonResponse(JSONResponse):
@@ -3474,6 +3849,8 @@ def _shallow(value: Any, depth: int = 0) -> Any:
 def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
     if isinstance(error, SlowBody):
         headers = {**(headers or {}), "Connection": "close"}
+    if isinstance(error, RateLimited):
+        headers = {**(headers or {}), "Retry-After": str(error.retry_after)}
     return JsonResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -3536,88 +3913,22 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-class RateLimiter:
-    """A token bucket per source address: `rate` per second, up to `burst` at once. A rate of 0 turns it off."""
-
-    MAX_SOURCES = 10_000
-
-    def __init__(self, rate: float, burst: int):
-        self.rate = rate
-        self.burst = max(burst, 1)
-        self._buckets: dict[str, tuple[float, float]] = {}
-
-    def retry_after(self, source: str) -> float:
-        """0 when the request may go ahead (and is counted), else the seconds until it may."""
-        if self.rate <= 0:
-            return 0.0
-        now = time.monotonic()
-        tokens, last = self._buckets.get(source, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
-        if tokens < 1:
-            self._buckets[source] = (tokens, now)
-            return (1 - tokens) / self.rate
-        if len(self._buckets) >= self.MAX_SOURCES and source not in self._buckets:
-            self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < self.burst / self.rate}
-        self._buckets[source] = (tokens - 1, now)
-        return 0.0
+def gone_future(request: Request, body: ClaimNext) -> asyncio.Future | None:
+    """For a claim that may wait: a future that resolves when the asker disconnects."""
+    return asyncio.ensure_future(_disconnected(request)) if body.wait_seconds else None
 
 
-class Metrics:
-    """Prometheus text through prometheus_client, one registry per app. Counters the HTTP layer sees are kept
-    here; what the store counted and what the database holds are collected at scrape time. No queue name or
-    id appears: /metrics is for the operator, and tenants' names stay out of it."""
-
-    def __init__(self, db: Database, doorbell: Doorbell) -> None:
-        disable_created_metrics()
-        self.registry = CollectorRegistry()
-        self.deliveries = Counter("switchboard_deliveries", "Deliveries answered, by provider and verdict",
-                                  ["provider", "verdict"], registry=self.registry)
-        self.verification_failures = Counter("switchboard_verification_failures",
-                                             "Deliveries refused at verification, by reason",
-                                             ["provider", "reason"], registry=self.registry)
-        self.routing = Counter("switchboard_routing_decisions", "Routing decisions, by stage and disposition",
-                               ["stage", "disposition"], registry=self.registry)
-        self.faults = Counter("switchboard_rule_faults", "Rule faults that held a delivery, by cause", ["cause"],
-                              registry=self.registry)
-        self.registry.register(_StoreCollector(db, doorbell))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+async def _then(frames: AsyncIterator[str], ended: Callable[[], None]) -> AsyncIterator[str]:
+    try:
+        async for frame in frames:
+            yield frame
+    finally:
+        ended()
 
 
-class _StoreCollector(Collector):
-    def __init__(self, db: Database, doorbell: Doorbell):
-        self.db = db
-        self.doorbell = doorbell
-
-    def collect(self) -> Iterable[Any]:
-        stats = self.db.read_sync(queue_stats)
-        depth = GaugeMetricFamily("switchboard_todos", "Todos by state", labels=["state"])
-        for state, count in stats["depth"].items():
-            depth.add_metric([state], count)
-        yield depth
-        yield GaugeMetricFamily("switchboard_oldest_pending_seconds", "Age of the oldest claimable pending todo",
-                                value=stats["oldest_pending_seconds"])
-        with self.db.counts_lock:
-            counts = dict(self.db.counts)
-        yield CounterMetricFamily("switchboard_todos_created", "Todos created", value=counts.get("created", 0))
-        yield CounterMetricFamily("switchboard_todos_claimed", "Claims granted", value=counts.get("claimed", 0))
-        completed = CounterMetricFamily("switchboard_todos_completed", "Todos done, by outcome", labels=["outcome"])
-        for outcome in ("completed", "approved", "absorbed", "discarded"):
-            completed.add_metric([outcome], counts.get(f"completed:{outcome}", 0))
-        yield completed
-        yield CounterMetricFamily("switchboard_lease_expiries", "Leases that lapsed",
-                                  value=counts.get("lease_expired", 0))
-        rings = CounterMetricFamily("switchboard_doorbell_rings", "Rings, by whether a session heard them",
-                                    labels=["heard"])
-        rings.add_metric(["true"], self.doorbell.rung)
-        rings.add_metric(["false"], self.doorbell.unheard)
-        yield rings
-        wal = Path(self.db.path + "-wal")
-        yield GaugeMetricFamily("switchboard_wal_bytes", "Size of the write-ahead log file",
-                                value=wal.stat().st_size if wal.exists() else 0)
-        yield GaugeMetricFamily("switchboard_wal_limit_bytes", "The WAL size a checkpoint truncates back to",
-                                value=WAL_LIMIT_BYTES)
+def sse_response(frames: AsyncIterator[str], headers: dict | None = None) -> StreamingResponse:
+    return StreamingResponse(frames, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                              **(headers or {})})
 
 
 @dataclass(frozen=True)
@@ -3762,33 +4073,17 @@ def openapi_document(routes: list[ApiRoute]) -> dict:
                            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
 
 
-@dataclass
-class TenantGate:
-    """One owner's share of the evaluator: its slots, and how many of its deliveries wait for one."""
-    slots: asyncio.Semaphore
-    waiting: int = 0
-
-
 class Api:
     """The REST surface. Handlers authenticate, validate the body against its model, and run one store
     function as one transaction; everything they answer comes from the store's views."""
 
-    def __init__(self, db: Database, doorbell: Doorbell, box: SecretBox, limiter: RateLimiter, metrics: Metrics,
-                 evaluator: Evaluator, base_url: str | None, vitals: Vitals, allowed_origins: frozenset[str]):
-        self.db = db
-        self.vitals = vitals
-        self.allowed_origins = allowed_origins
-        self.evaluator = evaluator
-        self.doorbell = doorbell
-        self.box = box
-        self.limiter = limiter
-        self.metrics = metrics
+    def __init__(self, flows: Flows, base_url: str | None, allowed_origins: frozenset[str]):
+        self.flows = flows
+        self.db = flows.db
         self.base_url = base_url
+        self.allowed_origins = allowed_origins
         self.ingest_buffer = BodyBudget(INGEST_BUFFER_BYTES)
         self.openapi_document = openapi_document(REST_ROUTES + MCP_ROUTES)
-        # Evaluator calls get threads of their own, so reads, claims and /healthz never queue behind rules.
-        self.eval_threads = concurrent.futures.ThreadPoolExecutor(EVAL_THREADS, thread_name_prefix="switchboard-eval")
-        self.tenant_gates: dict[str, TenantGate] = {}
 
     async def principal(self, request: Request) -> Principal:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -3805,7 +4100,7 @@ class Api:
     # -- routes ----------------------------------------------------------------------------------
     async def healthz(self, request: Request) -> Response:
         """200 `ok <version>`, or 503 naming what died (the process is then on its way out)."""
-        dead = list(self.vitals.deaths) + ([self.db.failure or "the writer stopped"] if not self.db.alive() else [])
+        dead = list(self.flows.vitals.deaths) + ([self.db.failure or "the writer stopped"] if not self.db.alive() else [])
         if dead:
             return PlainTextResponse(f"unavailable: {dead[0]}", status_code=503)
         try:
@@ -3826,85 +4121,7 @@ class Api:
     async def claim_next(self, request: Request) -> Response:
         principal = await self.principal(request)
         body = await self.body(request, ClaimNext)
-        return JsonResponse(await self.claim_waiting(principal, body, request))
-
-    async def claim_waiting(self, principal: Principal, body: ClaimNext, request: Request | None = None) -> dict:
-        """Claim now, or wait up to `wait_seconds` for a ring. The waiter is attached before each attempt, so a
-        todo that arrives between the attempt and the wait still wakes it; at the deadline it tries once more.
-        A ring this waiter took but did not use is passed on, so no other session misses it. If the asker goes
-        away the wait ends, and a todo claimed for an asker already gone is handed back, uncharged."""
-        principal.require_verb("claim_next")
-        queues = _claim_queues(principal, body.queue_filter())
-        if not body.wait_seconds or request is None:
-            return await self.db.write(claim_next, principal, body)
-        gone = asyncio.ensure_future(_disconnected(request))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + body.wait_seconds
-        owed: dict | None = None
-        last_try = False
-        try:
-            while True:
-                waits = not (last_try or self.doorbell.closing)
-                session, rung = self.doorbell.waiter(principal.id, queues, owed is not None) if waits else (None, None)
-                claimed: str | None = None
-                try:
-                    result = await self.db.write(claim_next, principal, body)
-                    if not result.get("empty"):
-                        if gone.done():
-                            await self.db.write(hand_back_unheard, principal, result["todo"]["id"],
-                                                result["lease_token"])
-                            return {"empty": True}
-                        claimed = result["todo"]["id"]
-                        return result
-                    owed = None
-                    if session is None or gone.done():
-                        return result
-                    remaining = deadline - loop.time()
-                    done = (await asyncio.wait({rung, gone}, timeout=remaining,
-                                               return_when=asyncio.FIRST_COMPLETED))[0] if remaining > 0 else set()
-                    if gone.done():
-                        return {"empty": True}
-                    if rung in done:
-                        owed, rung = rung.result(), None
-                    else:
-                        last_try = True
-                finally:
-                    if session is not None:
-                        self.doorbell.detach(session)
-                    late = rung.result() if rung is not None and rung.done() else None
-                    unused = {r["todo_id"]: r for r in (owed, late) if r and r["todo_id"] != claimed}
-                    if claimed is not None or gone.done() or late:
-                        self.doorbell.ring([{**r, "endpoint_id": principal.id} for r in unused.values()])
-                        owed = None
-        finally:
-            gone.cancel()
-
-    async def connect_rings(self, principal: Principal, queues: list[str] | None) -> list[dict]:
-        """Rings for a session that just connected: up to 3 of its oldest claimable todos."""
-        return await self.db.write(rings_for_new_session, principal.id, queues or principal.queues)
-
-    async def ring_stream(self, principal: Principal, queues: list[str] | None, render: Callable[[dict], str],
-                          lead: list[str], queue: asyncio.Queue | None = None, headers: dict | None = None,
-                          ended: Callable[[], None] | None = None) -> StreamingResponse:
-        """An open SSE answer that is a doorbell session: `lead` frames, then rings for up to 3 of the oldest
-        pending todos, then every ring the doorbell sends it, rendered by `render`, until the client leaves or
-        the server shuts down (the session's close puts None on the queue)."""
-        queue = queue or asyncio.Queue()
-        first = [*lead, *(render({k: r[k] for k in RING_FIELDS}) for r in await self.connect_rings(principal, queues))]
-        bell = self.doorbell.attach(Session(principal.id, frozenset(queues) if queues else None, "stream",
-                                            lambda ring: queue.put_nowait(render(ring)), lambda: queue.put_nowait(None)))
-
-        async def body() -> AsyncIterator[str]:
-            try:
-                async for frame in stream_queue(queue, first):
-                    yield frame
-            finally:
-                self.doorbell.detach(bell)
-                if ended:
-                    ended()
-
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **(headers or {})})
+        return JsonResponse(await self.flows.claim(principal, body, gone_future(request, body)))
 
     async def doorbell_stream(self, request: Request) -> Response:
         """GET /api/v1/doorbell: Server-Sent Events, `todo.ready` for each ring this session is chosen for."""
@@ -3912,8 +4129,9 @@ class Api:
         principal.require_verb("claim_next")
         query = parse_model(DoorbellQuery, dict(request.query_params))
         queues = _claim_queues(principal, [query.queue] if query.queue else None)
-        return await self.ring_stream(principal, queues, lambda ring: sse_frame(ring, "todo.ready"),
-                                      [": connected\n\n"])
+        frames = await self.flows.ring_frames(principal, queues, lambda ring: sse_frame(ring, "todo.ready"),
+                                              [": connected\n\n"])
+        return sse_response(frames)
 
     async def get_todo(self, request: Request) -> Response:
         principal = await self.principal(request)
@@ -3948,67 +4166,13 @@ class Api:
 
     # -- ingress ---------------------------------------------------------------------------------
     async def ingest(self, request: Request) -> Response:
-        """POST /hooks/{token}: find, cap, verify, dedup, project, route, and record in one transaction. The URL
-        is looked up before a byte of the body is read: an unknown URL costs nothing."""
-        webhook = await self.db.read(find_webhook, request.path_params["token"])
-        if webhook is None:
-            raise ApiError("not_found", "no such webhook")
-        provider = webhook["provider"]
-        if webhook["owner_revoked_at"] is not None:
-            raise ApiError("unavailable", "this webhook's owner endpoint is revoked")
-        if webhook["trust_mode"] == "signed" and webhook["secret_sealed"] is None:
-            raise ApiError("unavailable", "this webhook's signing secret is not set yet")
+        """POST /hooks/{token}. The URL is looked up before a byte of the body is read: an unknown URL costs
+        nothing, and the body is read under a deadline and the shared buffer budget."""
         source = request.client.host if request.client else "unknown"
-        wait = self.limiter.retry_after(source)
-        if wait:
-            self.metrics.deliveries.labels(provider, "rate_limited").inc()
-            return error_response(ApiError("rate_limited", "too many deliveries from this address"),
-                                  {"Retry-After": str(max(1, int(wait + 0.999)))})
+        webhook = await self.flows.open_webhook(request.path_params["token"], source)
         body = await read_capped(request, MAX_DELIVERY_BYTES, self.ingest_buffer)
-        headers = lower_headers(request.headers.raw)
-        secret = self.box.open(webhook["secret_sealed"], webhook["id"]) if webhook["secret_sealed"] else None
-        try:
-            verified = verify_delivery(provider, secret, headers, body, self.db.clock.now_ms())
-        except VerificationFailed as failure:
-            self.metrics.verification_failures.labels(provider, failure.reason).inc()
-            self.metrics.deliveries.labels(provider, "unverified").inc()
-            log.warning("delivery refused: webhook %s (%s) from %s: %s", webhook["id"], provider, source, failure.reason)
-            raise ApiError("unauthenticated", f"signature verification failed: {failure.reason}") from None
-        payload, payload_error = decode_payload(headers, body)
-        envelope = build_envelope(provider=provider, webhook_id=webhook["id"], trust_mode=webhook["trust_mode"],
-                                  verified=verified, headers=headers, body=body, payload=payload)
-        if provider == "slack" and _get(envelope["payload"], "type") == "url_verification":
-            return JsonResponse({"challenge": _get(envelope["payload"], "challenge")})
-        key, body_hash = delivery_key(provider, headers, envelope["payload"], body), hashlib.sha256(body).hexdigest()
-        # With rules, dedup comes before evaluation: a redelivery answers its first outcome even when the sandbox
-        # is down. The write transaction checks again (and alone, without rules), so racing redeliveries mint once.
-        seen = await self.db.read(duplicate_of, webhook, key, body_hash) if webhook["rules"] else None
-        if seen is not None:
-            self.metrics.deliveries.labels(provider, "duplicate").inc()
-            return JsonResponse(seen, status_code=202)
-        envelope_text = json.dumps(envelope)
-        gated = gate(envelope)
-        if gated is not None:
-            action, trace = gated
-        elif webhook["rules"]:
-            action, trace = await self.evaluate(webhook["human_id"], decide_for_webhook, self.evaluator, webhook,
-                                                envelope_text.encode(), webhook["human_id"])
-        else:
-            action, trace = decide_for_webhook(self.evaluator, webhook, b"")
-        if payload_error:
-            trace = {**trace, "payload_error": payload_error}
-        outcome = await self.db.write(record_delivery, Delivery(
-            webhook_id=webhook["id"], token_hash=webhook["token_hash"], body=body, envelope=envelope,
-            envelope_text=envelope_text, payload_text=payload_text(envelope["payload"], body),
-            delivery_key=key, body_hash=body_hash, action=action, trace=trace))
-        if outcome.get("duplicate"):
-            self.metrics.deliveries.labels(provider, "duplicate").inc()
-        else:
-            self.metrics.deliveries.labels(provider, outcome["disposition"]).inc()
-            self.metrics.routing.labels(trace["stage"], outcome["disposition"]).inc()
-            if trace["stage"] == "fault":
-                self.metrics.faults.labels(trace["cause"]).inc()
-        return JsonResponse(outcome, status_code=202)
+        status, answer = await self.flows.accept_delivery(webhook, lower_headers(request.headers.raw), body, source)
+        return JsonResponse(answer, status_code=status)
 
     async def metrics_text(self, request: Request) -> Response:
         expected = os.environ.get("SWITCHBOARD_METRICS_TOKEN")
@@ -4016,7 +4180,7 @@ class Api:
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
                 raise ApiError("unauthenticated", "send Authorization: Bearer <metrics token>")
-        return Response(await anyio.to_thread.run_sync(self.metrics.render), media_type=CONTENT_TYPE_LATEST)
+        return Response(await anyio.to_thread.run_sync(self.flows.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     # -- webhooks, routes, events, friends -------------------------------------------------------
     def ingest_base(self, request: Request) -> str:
@@ -4028,7 +4192,7 @@ class Api:
         if request.method == "GET":
             return JsonResponse(await self.db.read(list_webhooks, principal))
         body = await self.body(request, WebhookCreate)
-        made = await self.db.write(create_webhook, principal, self.box, body, self.ingest_base(request))
+        made = await self.db.write(create_webhook, principal, self.flows.box, body, self.ingest_base(request))
         return JsonResponse(made, status_code=201)
 
     async def webhook(self, request: Request) -> Response:
@@ -4041,13 +4205,13 @@ class Api:
     async def rotate(self, request: Request) -> Response:
         principal = await self.principal(request)
         await self.body(request, HumanNote)
-        return JsonResponse(await self.db.write(rotate_webhook, principal, self.box, request.path_params["webhook_id"],
+        return JsonResponse(await self.db.write(rotate_webhook, principal, self.flows.box, request.path_params["webhook_id"],
                                                 self.ingest_base(request)))
 
     async def secret(self, request: Request) -> Response:
         principal = await self.principal(request)
         body = await self.body(request, WebhookSecret)
-        return JsonResponse(await self.db.write(set_webhook_secret, principal, self.box,
+        return JsonResponse(await self.db.write(set_webhook_secret, principal, self.flows.box,
                                                 request.path_params["webhook_id"], body))
 
     async def webhook_routes(self, request: Request) -> Response:
@@ -4072,47 +4236,24 @@ class Api:
         principal = await self.principal(request)
         return JsonResponse(await self.db.read(get_event, principal, request.path_params["event_id"]))
 
-    async def evaluate(self, tenant: str, fn: Callable, *args) -> Any:
-        """Run `fn` (which talks to the evaluator) on the evaluator's own threads, never the readers', and at
-        most EVAL_PER_TENANT at once per tenant: the others wait in line here, on the event loop, holding no
-        thread. A tenant with EVAL_QUEUE_PER_TENANT already waiting is refused (503) at once."""
-        gate = self.tenant_gates.setdefault(tenant, TenantGate(asyncio.Semaphore(self.evaluator.per_tenant)))
-        if gate.waiting >= EVAL_QUEUE_PER_TENANT:
-            raise ApiError("unavailable", "this owner's deliveries are queued too deep; retry later")
-        gate.waiting += 1
-        try:
-            await gate.slots.acquire()
-        finally:
-            gate.waiting -= 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.eval_threads, fn, *args)
-        except EvaluatorUnavailable as exc:
-            log.error("rules not evaluated: %s", exc)
-            raise ApiError("unavailable", f"the rule evaluator cannot run ({exc}); retry later") from None
-        finally:
-            gate.slots.release()
-
     async def rules(self, request: Request) -> Response:
         principal = await self.principal(request)
         webhook_id = request.path_params["webhook_id"]
         if request.method == "GET":
             return JsonResponse(await self.db.read(get_rules, principal, webhook_id))
         body = await self.body(request, RuleSet)
-        return JsonResponse(await self.evaluate(principal.human_id or principal.id, set_rules, self.db, self.evaluator, principal, webhook_id, body))
+        return JsonResponse(await self.flows.set_rules(principal, webhook_id, body))
 
     async def rules_test(self, request: Request) -> Response:
         principal = await self.principal(request)
         body = await self.body(request, RulesTest)
-        return JsonResponse(await self.evaluate(principal.human_id or principal.id, dry_run_rules, self.db, self.evaluator, principal,
-                                                 request.path_params["webhook_id"], body))
+        return JsonResponse(await self.flows.dry_run(principal, request.path_params["webhook_id"], body))
 
     async def release_quarantine(self, request: Request) -> Response:
         principal = await self.principal(request)
         principal.require_human("release-quarantine")
         body = await self.body(request, ReleaseQuarantine)
-        release = await self.evaluate(principal.human_id or principal.id, prepare_release, self.db, self.evaluator, principal,
-                                       request.path_params["todo_id"], body)
-        return JsonResponse(await self.db.write(apply_release, principal, release, body.note))
+        return JsonResponse(await self.flows.release_quarantined(principal, request.path_params["todo_id"], body))
 
     async def friends(self, request: Request) -> Response:
         principal = await self.principal(request)
@@ -4168,21 +4309,6 @@ def channel_notification(ring: dict) -> dict:
 
 def sse_frame(data: dict, event: str = "message") -> str:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-async def stream_queue(queue: asyncio.Queue, first: list[str]) -> AsyncIterator[str]:
-    """An SSE body: the first frames, then whatever is queued, with keep-alive comments; None ends it."""
-    for frame in first:
-        yield frame
-    while True:
-        try:
-            frame = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
-        except TimeoutError:
-            yield ": keepalive\n\n"
-            continue
-        if frame is None:
-            return
-        yield frame
 
 
 @dataclass(frozen=True)
@@ -4256,7 +4382,8 @@ class Mcp:
     # -- tools -----------------------------------------------------------------------------------
     def _tool_specs(self) -> list[ToolSpec]:
         api = self.api
-        db = api.db
+        flows = api.flows
+        db = flows.db
 
         def write(fn: Callable) -> Callable[..., Awaitable[dict]]:
             async def run(principal: Principal, path: list[str], body: Any, request: Request) -> dict:
@@ -4270,7 +4397,7 @@ class Mcp:
 
         async def claim_next_tool(principal: Principal, path: list[str], body: ClaimNext,
                                   request: Request) -> dict:
-            return await api.claim_waiting(principal, body, request)
+            return await flows.claim(principal, body, gone_future(request, body))
 
         async def list_todos_tool(principal: Principal, path: list[str], body: TodoListQuery,
                                   request: Request) -> dict:
@@ -4278,25 +4405,25 @@ class Mcp:
 
         async def create_webhook_tool(principal: Principal, path: list[str], body: WebhookCreate,
                                       request: Request) -> dict:
-            return await db.write(create_webhook, principal, api.box, body, api.ingest_base(request))
+            return await db.write(create_webhook, principal, flows.box, body, api.ingest_base(request))
 
         async def rotate_webhook_tool(principal: Principal, path: list[str], body: None,
                                       request: Request) -> dict:
-            return await db.write(rotate_webhook, principal, api.box, path[0], api.ingest_base(request))
+            return await db.write(rotate_webhook, principal, flows.box, path[0], api.ingest_base(request))
 
         async def set_secret_tool(principal: Principal, path: list[str], body: WebhookSecret,
                                   request: Request) -> dict:
-            return await db.write(set_webhook_secret, principal, api.box, path[0], body)
+            return await db.write(set_webhook_secret, principal, flows.box, path[0], body)
 
         async def set_rules_tool(principal: Principal, path: list[str], body: RuleSet,
                                  request: Request) -> dict:
             principal.require_verb("set_webhook_rules")
-            return await api.evaluate(principal.human_id or principal.id, set_rules, db, api.evaluator, principal, path[0], body)
+            return await flows.set_rules(principal, path[0], body)
 
         async def test_rules_tool(principal: Principal, path: list[str], body: RulesTest,
                                   request: Request) -> dict:
             principal.require_verb("test_webhook_rules")
-            return await api.evaluate(principal.human_id or principal.id, dry_run_rules, db, api.evaluator, principal, path[0], body)
+            return await flows.dry_run(principal, path[0], body)
 
         async def list_events_tool(principal: Principal, path: list[str], body: EventListQuery,
                                    request: Request) -> dict:
@@ -4533,8 +4660,9 @@ class Mcp:
             if session.stream is queue:
                 session.stream = None  # the client may open a new stream on the same session
 
-        return await self.api.ring_stream(principal, None, lambda ring: sse_frame(channel_notification(ring)), [],
-                                          queue, {"Mcp-Session-Id": session.id}, ended)
+        frames = await self.api.flows.ring_frames(principal, None, lambda ring: sse_frame(channel_notification(ring)),
+                                                  [], queue)
+        return sse_response(_then(frames, ended), {"Mcp-Session-Id": session.id})
 
     async def _listen(self, request_id: Any, principal: Principal) -> Response:
         """The sessionless era's only push channel: this POST's SSE answer stays open and carries rings."""
@@ -4547,7 +4675,7 @@ class Mcp:
 
         ack = sse_frame({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged",
                          "params": {"notifications": {}, "_meta": stamp}})
-        return await self.api.ring_stream(principal, None, frame, [ack])
+        return sse_response(await self.api.flows.ring_frames(principal, None, frame, [ack]))
 
 
 class JsonRpcError(Exception):
@@ -4576,25 +4704,6 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return JsonResponse({"error": "internal", "message": "internal error"}, status_code=500)
 
 
-async def _scheduler(db: Database) -> None:
-    """Every second: leases, deferrals, rings. Every minute: a WAL checkpoint. Hourly and at start: retention."""
-    last_checkpoint = last_prune = -math.inf
-    while True:
-        try:
-            now = time.monotonic()
-            if now - last_prune >= PRUNE_EVERY_SECONDS:
-                last_prune = now
-                pruned = await anyio.to_thread.run_sync(prune, db)
-                log.info("retention: pruned %d todos and %d events", pruned["todos"], pruned["events"])
-            if now - last_checkpoint >= CHECKPOINT_EVERY_SECONDS:
-                last_checkpoint = now
-                await anyio.to_thread.run_sync(db.checkpoint)
-            await db.write(scheduler_tick)
-        except Exception:  # noqa: BLE001 - the loop must outlive one bad tick; the cause is logged
-            log.exception("scheduler tick failed")
-        await asyncio.sleep(SCHEDULER_TICK_SECONDS)
-
-
 def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None = None, background: bool = True,
                ingest_rate: float = DEFAULT_INGEST_RATE, ingest_burst: int = DEFAULT_INGEST_BURST,
                base_url: str | None = None, allowed_origins: str | None = None) -> Starlette:
@@ -4611,9 +4720,9 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     db.on_rings = doorbell.ring
     evaluator = Evaluator()
     evaluator.on_death = vitals.died
+    flows = Flows(db, doorbell, evaluator, box, RateLimiter(ingest_rate, ingest_burst), Metrics(db, doorbell), vitals)
     origins = allowed_origins if allowed_origins is not None else os.environ.get("SWITCHBOARD_ALLOWED_ORIGINS", "")
-    api = Api(db, doorbell, box, RateLimiter(ingest_rate, ingest_burst), Metrics(db, doorbell), evaluator,
-              base_url or os.environ.get("SWITCHBOARD_BASE_URL"), vitals,
+    api = Api(flows, base_url or os.environ.get("SWITCHBOARD_BASE_URL"),
               frozenset(o.strip().rstrip("/") for o in origins.split(",") if o.strip()))
 
     def scheduler_ended(task: asyncio.Task) -> None:
@@ -4623,7 +4732,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         db.loop = asyncio.get_running_loop()
-        task = asyncio.create_task(_scheduler(db)) if background else None
+        task = asyncio.create_task(flows.background()) if background else None
         if task is not None:
             task.add_done_callback(scheduler_ended)
         try:
@@ -4634,8 +4743,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            api.eval_threads.shutdown(wait=False, cancel_futures=True)
-            evaluator.close()
+            flows.close()
             db.close()
 
     mcp = Mcp(api)
@@ -4645,6 +4753,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     app.state.db = db
     app.state.doorbell = doorbell
     app.state.api = api
+    app.state.flows = flows
     app.state.evaluator = evaluator
     app.state.mcp = mcp
     app.state.vitals = vitals
@@ -4652,7 +4761,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
 
 
 # ======================================================================================================
-# 11. CLI
+# 12. CLI
 # ======================================================================================================
 # Each subcommand has its own handler (set with set_defaults); a handler takes the parsed arguments and an
 # open Database and returns one JSON object, which --json prints as is and otherwise prints for people.
@@ -4800,8 +4909,8 @@ def _cli_todo_release(args: argparse.Namespace, db: Database) -> dict:
     body = parse_model(ReleaseQuarantine, {k: v for k, v in (("queue", args.queue), ("note", args.note))
                                            if v is not None})
     with _evaluator() as evaluator:
-        release = prepare_release(db, evaluator, OPERATOR, args.id, body)
-    return db.write_sync(apply_release, OPERATOR, release, body.note)
+        release = prepare_quarantine_release(db, evaluator, OPERATOR, args.id, body)
+    return db.write_sync(apply_quarantine_release, OPERATOR, release, body.note)
 
 
 def _cli_todo_action(args: argparse.Namespace, db: Database) -> dict:
