@@ -2033,6 +2033,50 @@ _CLAIMABLE = (f"{_UNBLOCKED} AND NOT EXISTS (SELECT 1 FROM absorptions a JOIN to
               f" OR (h.state = 'claimed' AND h.lease_expires_at > ?)))")
 
 
+TODO_DEFAULTS = {"state": "pending", "subject_key": None, "work_order": None, "work_item": None,
+                 "idempotency_key": None, "priority": 0, "gated": 0, "state_reason": None, "silent": 0}
+_INSERT_TODO = (f"INSERT INTO todos (id, endpoint_id, queue, title, source, kind, payload, trace, event_id,"
+                f" {', '.join(TODO_DEFAULTS)}, available_at, created_at, updated_at)"
+                f" VALUES ({', '.join('?' * (9 + len(TODO_DEFAULTS) + 3))})")
+
+
+def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: str, title: str, source: str,
+                kind: str | None, payload: str | None, trace: str, event_id: str, depends_on: Iterable[str] = (),
+                **optional: Any) -> None:
+    """The one place a todo is born (the counterpart of _transition): its row, its dependencies, its first
+    history entry, the count, and a ring when it is claimable now. `optional` overrides TODO_DEFAULTS."""
+    values = {**TODO_DEFAULTS, **optional}
+    txn.execute(_INSERT_TODO, (todo_id, endpoint_id, queue, title, source, kind, payload, trace, event_id,
+                               *values.values(), txn.now, txn.now, txn.now))
+    for dependency in depends_on:
+        txn.execute("INSERT INTO todo_deps (todo_id, depends_on_id) VALUES (?, ?)", (todo_id, dependency))
+    txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence)"
+                " VALUES (?, ?, ?, NULL, ?, ?)", (todo_id, txn.now, actor, values["state"],
+                                                   json.dumps({"event_id": event_id})))
+    txn.logs.append(f"todo {todo_id} created on {endpoint_id} by {actor}")
+    txn.counts["created"] += 1
+    if values["state"] == "pending":
+        _became_pending(txn, todo_id)
+
+
+def record_event(txn: Txn, event_id: str, *, human_id: str, source: str, kind: str | None, trust_mode: str,
+                 verified: bool, body: bytes | str | None, disposition: str, trace: str, webhook_id: str | None = None,
+                 delivery_key: str | None = None, body_hash: str | None = None, headers: str = "{}",
+                 envelope: str | None = None, outcome: str | None = None) -> None:
+    """The one place an event (a delivery, or an operator-authored todo's provenance) is written."""
+    txn.execute("INSERT INTO events (id, webhook_id, human_id, source, kind, trust_mode, verified, delivery_key,"
+                " body_hash, headers, body, envelope, disposition, trace, outcome, received_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (event_id, webhook_id, human_id, source, kind, trust_mode, int(verified), delivery_key, body_hash,
+                 headers, body, envelope, disposition, trace, outcome, txn.now))
+
+
+def claim_once(txn: Txn, webhook_id: str, key: str, event_id: str, queue: str) -> None:
+    """The one place a `once` claim is made: the subject is now taken for this queue, for good."""
+    txn.execute("INSERT INTO routing_once (webhook_id, once_key, event_id, queue, claimed_at) VALUES (?, ?, ?, ?, ?)",
+                (webhook_id, key, event_id, queue, txn.now))
+
+
 def _transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence: dict | None,
                 **changes: Any) -> None:
     """The one place a todo changes state: the row, its history line, the log line, and what follows."""
@@ -2481,33 +2525,18 @@ def push_todo(txn: Txn, principal: Principal, endpoint_id: str, body: TodoPush) 
             raise ApiError("not_found", f"work_item.depends_on: no todo {dep}")
         dep_states.append((dep, row["state"]))
     payload = dump_json(body.payload, "payload")
-    event_id = new_id("ev")
-    actor = principal.actor
-    txn.execute("INSERT INTO events (id, human_id, source, kind, trust_mode, verified, headers, body, disposition,"
-                " trace, received_at) VALUES (?, ?, 'operator', 'todo', 'operator', 1, '{}', ?, 'routed', ?, ?)",
-                (event_id, human_id, payload, json.dumps({"stage": "operator", "actor": actor}), txn.now))
-    todo_id = new_id("td")
-    gated = int(bool(work_item and "review" in (work_item.approval_gates or [])))
-    txn.execute(
-        "INSERT INTO todos (id, endpoint_id, queue, state, title, source, kind, payload, work_item, trace, event_id,"
-        " idempotency_key, priority, gated, available_at, created_at, updated_at)"
-        " VALUES (?, ?, ?, 'pending', ?, 'operator', 'todo', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (todo_id, endpoint_id, body.queue, body.title, payload,
-         work_item.model_dump_json(by_alias=True, exclude_none=True) if work_item else None,
-         json.dumps({"stage": "operator", "actor": actor}), event_id, body.key, body.priority, gated,
-         txn.now, txn.now, txn.now))
-    for dep, _ in dep_states:
-        txn.execute("INSERT INTO todo_deps (todo_id, depends_on_id) VALUES (?, ?)", (todo_id, dep))
-    txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence) VALUES (?, ?, ?, NULL,"
-                " 'pending', ?)", (todo_id, txn.now, actor, json.dumps({"event_id": event_id})))
-    txn.logs.append(f"todo {todo_id} created on {endpoint_id} by {actor}")
-    txn.counts["created"] += 1
+    event_id, todo_id = new_id("ev"), new_id("td")
+    trace = json.dumps({"stage": "operator", "actor": principal.actor})
+    record_event(txn, event_id, human_id=human_id, source="operator", kind="todo", trust_mode="operator",
+                 verified=True, body=payload, disposition="routed", trace=trace)
     dead = [(dep, state) for dep, state in dep_states if state in ("failed", "cancelled")]
-    if dead:
-        _transition(txn, _reload(txn, todo_id), "blocked", "system", {"dependency": dead[0][0], "state": dead[0][1]},
-                    state_reason=f"dependency {dead[0][0]} {dead[0][1]}")
-    else:
-        _became_pending(txn, todo_id)
+    create_todo(txn, todo_id, principal.actor, endpoint_id=endpoint_id, queue=body.queue, title=body.title,
+                source="operator", kind="todo", payload=payload, trace=trace, event_id=event_id,
+                work_item=work_item.model_dump_json(by_alias=True, exclude_none=True) if work_item else None,
+                idempotency_key=body.key, priority=body.priority,
+                gated=int(bool(work_item and "review" in (work_item.approval_gates or []))),
+                depends_on=[dep for dep, _ in dep_states],
+                **({"state": "blocked", "state_reason": f"dependency {dead[0][0]} {dead[0][1]}"} if dead else {}))
     return {**todo_view(_reload(txn, todo_id)), "created": True}
 
 
@@ -2891,24 +2920,16 @@ def plan_delivery(txn: Txn, webhook: sqlite3.Row, envelope: dict, action: dict, 
                 {t["id"]: t["human_id"] for t in chosen})
 
 
-def _insert_todo(txn: Txn, todo_id: str, target: tuple[str, str, str], envelope: dict, plan: Plan, event_id: str,
-                 title: str, payload: str) -> None:
+def _create_planned_todo(txn: Txn, todo_id: str, target: tuple[str, str, str], envelope: dict, plan: Plan,
+                         event_id: str, title: str, payload: str) -> None:
     endpoint_id, queue, state = target
-    txn.execute(
-        "INSERT INTO todos (id, endpoint_id, queue, state, title, source, kind, subject_key, payload, work_order,"
-        " trace, event_id, state_reason, silent, available_at, created_at, updated_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (todo_id, endpoint_id, queue, state, title, envelope["source"], envelope["kind"], envelope["subject_key"],
-         payload, json.dumps(plan.work_order) if plan.work_order else None, json.dumps(plan.trace_for(endpoint_id)),
-         event_id,
-         plan.trace.get("hold") if state == "quarantined" else None,
-         # Only verified, token-trust or operator work rings; signed work that did not verify never does.
-         int(envelope["trust_mode"] == "signed" and not envelope["verified"]), txn.now, txn.now, txn.now))
-    txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence)"
-                " VALUES (?, ?, 'system', NULL, ?, ?)", (todo_id, txn.now, state, json.dumps({"event_id": event_id})))
-    txn.counts["created"] += 1
-    if state == "pending":
-        _became_pending(txn, todo_id)
+    create_todo(txn, todo_id, "system", endpoint_id=endpoint_id, queue=queue, state=state, title=title,
+                source=envelope["source"], kind=envelope["kind"], subject_key=envelope["subject_key"],
+                payload=payload, work_order=json.dumps(plan.work_order) if plan.work_order else None,
+                trace=json.dumps(plan.trace_for(endpoint_id)), event_id=event_id,
+                state_reason=plan.trace.get("hold") if state == "quarantined" else None,
+                # Only verified, token-trust or operator work rings; signed work that did not verify never does.
+                silent=int(envelope["trust_mode"] == "signed" and not envelope["verified"]))
 
 
 def record_delivery(txn: Txn, delivery: Delivery) -> dict:
@@ -2926,8 +2947,7 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
     plan = plan_delivery(txn, webhook, envelope, delivery.action, delivery.trace)
     event_id = new_id("ev")
     if plan.disposition == "routed" and plan.once_key:
-        txn.execute("INSERT INTO routing_once (webhook_id, once_key, event_id, queue, claimed_at) VALUES (?, ?, ?, ?, ?)",
-                    (webhook["id"], plan.once_key, event_id, delivery.action["queue"], txn.now))
+        claim_once(txn, webhook["id"], plan.once_key, event_id, delivery.action["queue"])
     todo_ids = [new_id("td") for _ in plan.targets]
     outcome: dict[str, Any] = {
         "event_id": event_id, "disposition": plan.disposition, "verified": envelope["verified"],
@@ -2941,16 +2961,14 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
         outcome["payload_error"] = plan.trace["payload_error"]
     if plan.disposition == "ping":
         txn.execute("UPDATE webhooks SET pinged_at = ? WHERE id = ?", (txn.now, webhook["id"]))
-    txn.execute(
-        "INSERT INTO events (id, webhook_id, human_id, source, kind, trust_mode, verified, delivery_key, body_hash,"
-        " headers, body, envelope, disposition, trace, outcome, received_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (event_id, webhook["id"], webhook["human_id"], envelope["source"], envelope["kind"], envelope["trust_mode"],
-         int(envelope["verified"]), delivery.delivery_key, delivery.body_hash, json.dumps(envelope["headers"]),
-         delivery.body, delivery.envelope_text, plan.disposition, json.dumps(plan.trace), json.dumps(outcome), txn.now))
+    record_event(txn, event_id, webhook_id=webhook["id"], human_id=webhook["human_id"], source=envelope["source"],
+                 kind=envelope["kind"], trust_mode=envelope["trust_mode"], verified=envelope["verified"],
+                 delivery_key=delivery.delivery_key, body_hash=delivery.body_hash,
+                 headers=json.dumps(envelope["headers"]), body=delivery.body, envelope=delivery.envelope_text,
+                 disposition=plan.disposition, trace=json.dumps(plan.trace), outcome=json.dumps(outcome))
     title = envelope_title(envelope)
     for todo_id, target in zip(todo_ids, plan.targets, strict=True):
-        _insert_todo(txn, todo_id, target, envelope, plan, event_id, title, delivery.payload_text)
+        _create_planned_todo(txn, todo_id, target, envelope, plan, event_id, title, delivery.payload_text)
     txn.logs.append(f"delivery {event_id} to {webhook['id']}: {plan.disposition}, {len(plan.targets)} todos")
     return outcome
 
@@ -3237,14 +3255,13 @@ def apply_quarantine_release(txn: Txn, principal: Principal, release: Quarantine
         _transition(txn, todo, "done", principal.actor, evidence, outcome="discarded", state_reason=plan.disposition)
         return todo_view(_reload(txn, todo["id"]))
     if plan.once_key:
-        txn.execute("INSERT INTO routing_once (webhook_id, once_key, event_id, queue, claimed_at) VALUES (?, ?, ?, ?, ?)",
-                    (webhook["id"], plan.once_key, todo["event_id"], release.action["queue"], txn.now))
+        claim_once(txn, webhook["id"], plan.once_key, todo["event_id"], release.action["queue"])
     (endpoint_id, queue, _), *others = plan.targets
     _transition(txn, todo, "pending", principal.actor, evidence, queue=queue, endpoint_id=endpoint_id,
                 trace=json.dumps(plan.trace_for(endpoint_id)), work_order=json.dumps(plan.work_order) if plan.work_order else None,
                 state_reason=None)
     for target in others:
-        _insert_todo(txn, new_id("td"), target, release.envelope, plan, todo["event_id"], todo["title"], todo["payload"])
+        _create_planned_todo(txn, new_id("td"), target, release.envelope, plan, todo["event_id"], todo["title"], todo["payload"])
     return todo_view(_reload(txn, todo["id"]))
 
 

@@ -3,6 +3,8 @@ uvicorn process on a free loopback port), and principals made through the store 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import make_webhook, post_delivery
 from starlette.testclient import TestClient
 
 import switchboard as sb
@@ -80,6 +83,14 @@ class World:
         assert r.status_code == 201, r.text
         made = r.json()
         return Endpoint(made["id"], made["token"], human.id)
+
+    def webhook(self, human: Human, endpoint, provider: str = "github", queue: str = "triage", **extra) -> dict:
+        """A webhook `human` makes over REST for `endpoint`; the answer must be 201."""
+        return make_webhook(self.client, human, endpoint, provider, queue, **extra)
+
+    def deliver(self, webhook: dict, raw: bytes, headers: dict) -> httpx.Response:
+        """POST a delivery, bytes and headers as given, to the webhook's ingest URL."""
+        return post_delivery(self.client, webhook, raw, headers)
 
     def push(self, human: Human, endpoint: Endpoint, queue: str, title: str = "work", **extra) -> dict:
         r = self.client.post(f"/api/v1/endpoints/{endpoint.id}/todos", headers=human.auth,
@@ -185,13 +196,31 @@ def live_server(db_path):
 
 
 def cli(db_path: str, *args: str) -> tuple[int, dict]:
-    """Run the real CLI with --json and parse its one JSON object. Like the README, the operator runs `init`
-    once before any other command (only init and serve create a database)."""
-    if not Path(db_path).exists() and args[:1] not in (("init",), ("serve",)):
-        sb.main(["init", "--db", db_path, "--json"])
+    """Run the real CLI with --json and parse its one JSON object."""
+    _init_first(db_path, args)
     done = subprocess.run([sys.executable, str(ROOT / "switchboard.py"), *args, "--db", db_path, "--json"],
                           capture_output=True, text=True, timeout=60)
     return done.returncode, json.loads(done.stdout) if done.stdout.strip() else {}
+
+
+def cli_inproc(db_path: str, *args: str) -> tuple[int, dict]:
+    """`cli` without a Python start-up per call: the same command, exit code and --json object, run in this
+    process through `switchboard.main`. For set-up (principals, webhooks) where the CLI itself is not under test;
+    tests of the CLI use `cli`."""
+    _init_first(db_path, args)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = sb.main([*args, "--db", db_path, "--json"])
+    text = out.getvalue()
+    return code, json.loads(text) if text.strip() else {}
+
+
+def _init_first(db_path: str, args: tuple) -> None:
+    """Like the README, the operator runs `init` once before any other command (only init and serve create a
+    database)."""
+    if not Path(db_path).exists() and args[:1] not in (("init",), ("serve",)):
+        with contextlib.redirect_stdout(io.StringIO()):
+            sb.main(["init", "--db", db_path, "--json"])
 
 
 def snapshot(db_path: str) -> dict:

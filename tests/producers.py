@@ -33,8 +33,13 @@ def github(event: str, secret: str, patch: dict | None = None, delivery: str | N
     """`event` is a fixture name such as 'issues.opened'; the header event is its first part."""
     body = json.loads((FIXTURES / "github" / f"{event}.json").read_text())
     raw = json.dumps(deep_merge(body, patch) if patch else body).encode()
-    return raw, {"X-GitHub-Event": event.split(".")[0], "X-GitHub-Delivery": delivery or str(uuid.uuid4()),
-                 "Content-Type": "application/json", "X-Hub-Signature-256": "sha256=" + hex_hmac(secret, raw)}
+    return raw, github_headers(secret, raw, delivery, event.split(".")[0])
+
+
+def github_headers(secret: str, raw: bytes, delivery: str | None = None, event: str = "issues") -> dict:
+    """GitHub's headers for a body as sent: the event, a delivery id (fresh unless given), the signature."""
+    return {"X-GitHub-Event": event, "X-GitHub-Delivery": delivery or str(uuid.uuid4()),
+            "Content-Type": "application/json", "X-Hub-Signature-256": "sha256=" + hex_hmac(secret, raw)}
 
 
 def gitea(event: str, secret: str, patch: dict | None = None, delivery: str | None = None) -> tuple[bytes, dict]:
@@ -60,10 +65,14 @@ def cairn(secret: str, patch: dict | None = None, created_at: float | None = Non
 
 def stripe(secret: str, body: dict, at: int | None = None, extra_signatures: tuple[str, ...] = ()) -> tuple[bytes, dict]:
     raw = json.dumps(body).encode()
-    stamp = str(at if at is not None else int(time.time()))
-    signature = hex_hmac(secret, stamp.encode() + b"." + raw)
-    header = ",".join([f"t={stamp}", *(f"v1={s}" for s in extra_signatures), f"v1={signature}"])
-    return raw, {"Stripe-Signature": header, "Content-Type": "application/json"}
+    return raw, stripe_headers(secret, raw, at if at is not None else int(time.time()), extra_signatures)
+
+
+def stripe_headers(secret: str, raw: bytes, at: int, extra_signatures: tuple[str, ...] = ()) -> dict:
+    """Stripe's headers for a body as sent at `at` (unix seconds): `t=`, any extra `v1=`, then the signature."""
+    signature = hex_hmac(secret, str(at).encode() + b"." + raw)
+    header = ",".join([f"t={at}", *(f"v1={s}" for s in extra_signatures), f"v1={signature}"])
+    return {"Stripe-Signature": header, "Content-Type": "application/json"}
 
 
 def slack(secret: str, body: dict, at: int | None = None) -> tuple[bytes, dict]:

@@ -15,15 +15,14 @@ def reviewer(world, alice):
 
 @pytest.fixture
 def hook(world, alice, reviewer):
-    return world.client.post("/api/v1/webhooks", headers=alice.auth, json={
-        "provider": "github", "queue": "review", "endpoint_id": reviewer.id}).json()
+    return world.webhook(alice, reviewer, "github", "review")
 
 
 def push(world, hook, n: int, number: int = 2) -> str:
     """The pull request gets a new head: a `synchronize` delivery about the same subject."""
     raw, headers = producers.github("pull_request.synchronize", hook["secret"],
                                     {"number": number, "pull_request": {"number": number, "head": {"sha": f"{n:040x}"}}})
-    outcome = world.client.post(hook["url"].removeprefix("http://testserver"), content=raw, headers=headers).json()
+    outcome = world.deliver(hook, raw, headers).json()
     return outcome["todos"][0]["id"]
 
 

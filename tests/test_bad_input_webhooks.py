@@ -28,6 +28,7 @@ STRIPE_SECRET = "whsec_" + "a" * 32
 SLACK_SECRET = "8f742231b10e8888abcd99yyyzzz85a5"
 
 from conftest import snapshot
+from helpers import hook_token
 
 # -- the scene -------------------------------------------------------------------------------------
 
@@ -68,15 +69,12 @@ def scene(world, clock) -> Scene:
         return r.json()
 
     def webhook(human, endpoint: dict, provider: str, queue: str, **extra) -> dict:
-        r = client.post("/api/v1/webhooks", headers=human.auth,
-                        json={"provider": provider, "queue": queue, "endpoint_id": endpoint["id"], **extra})
-        assert r.status_code == 201, r.text
-        made = r.json()
-        made["token"] = made["url"].rsplit("/hooks/", 1)[1]
+        made = world.webhook(human, endpoint, provider, queue, **extra)
+        made["token"] = hook_token(made["url"])
         return made
 
     def ingest(hook: dict, raw: bytes, headers: dict) -> dict:
-        r = client.post(f"/hooks/{hook['token']}", content=raw, headers=headers)
+        r = world.deliver(hook, raw, headers)
         assert r.status_code == 202, r.text
         return r.json()
 

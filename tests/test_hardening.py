@@ -9,7 +9,7 @@ import pytest
 
 import producers
 import switchboard as sb
-from conftest import cli
+from conftest import cli, cli_inproc
 
 
 @pytest.fixture
@@ -17,22 +17,11 @@ def router(world, alice):
     return world.endpoint(alice, ["triage", "build"], name="router", verbs=["all"])
 
 
-def make_hook(world, human, endpoint, provider="generic", queue="triage") -> dict:
-    r = world.client.post("/api/v1/webhooks", headers=human.auth,
-                          json={"provider": provider, "queue": queue, "endpoint_id": endpoint.id})
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-def post(world, hook, body: bytes, headers: dict):
-    return world.client.post(hook["url"].removeprefix("http://testserver"), content=body, headers=headers)
-
-
 def test_revoking_an_endpoint_that_holds_quarantined_work(world, alice, router):
-    hook = make_hook(world, alice, router)
+    hook = world.webhook(alice, router, "generic")
     world.client.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=alice.auth,
                      json={"rules": [{"id": "hold", "expr": "true", "action": {"quarantine": True}}]})
-    held = post(world, hook, b"{}", {"X-Delivery-Id": "h1"}).json()["todos"][0]["id"]
+    held = world.deliver(hook, b"{}", {"X-Delivery-Id": "h1"}).json()["todos"][0]["id"]
     revoked = world.client.post(f"/api/v1/endpoints/{router.id}/revoke", headers=alice.auth)
     assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
     assert world.client.get("/api/v1/me", headers=router.auth).status_code == 401
@@ -66,8 +55,8 @@ def test_the_writer_survives_a_full_disk(tmp_path):
     b'{"a": 1e999}', b'\xef\xbb\xbf{"a": 1}', '{"a": "utf-16"}'.encode("utf-16-le"), b'{"a": "\\ud800"}',
     b'[1, 2, "\\u0000"]'])
 def test_hostile_bodies_are_accepted_without_a_500(world, alice, router, db_path, body):
-    hook = make_hook(world, alice, router)
-    r = post(world, hook, body, {"X-Delivery-Id": "d1"})
+    hook = world.webhook(alice, router, "generic")
+    r = world.deliver(hook, body, {"X-Delivery-Id": "d1"})
     assert r.status_code == 202, r.text
     todo = world.client.get(f"/api/v1/todos/{r.json()['todos'][0]['id']}", headers=alice.auth)
     assert todo.status_code == 200
@@ -75,11 +64,11 @@ def test_hostile_bodies_are_accepted_without_a_500(world, alice, router, db_path
 
 
 def test_a_lone_surrogate_in_a_signed_title_is_no_500(world, alice, router):
-    hook = make_hook(world, alice, router, provider="github")
+    hook = world.webhook(alice, router, "github")
     raw, headers = producers.github("issues.opened", hook["secret"])
     raw = raw.replace(b'"Spelling error in the README file"', b'"x\\ud800y"')
     headers["X-Hub-Signature-256"] = "sha256=" + producers.hex_hmac(hook["secret"], raw)
-    r = post(world, hook, raw, headers)
+    r = world.deliver(hook, raw, headers)
     assert r.status_code == 202, r.text
     todo = world.client.get(f"/api/v1/todos/{r.json()['todos'][0]['id']}", headers=alice.auth).json()
     assert todo["title"] == "Codertocat/Hello-World#1: x\ufffdy"
@@ -94,12 +83,12 @@ def test_defer_until_the_last_representable_moment(world, alice, router):
 def test_reroute_never_crosses_humans(world, alice, router, db_path):
     bob = world.human("bob")
     bobs = world.endpoint(bob, ["review"], name="bobs")
-    cli(db_path, "friend", "link", "alice", "bob")
-    hook = make_hook(world, alice, router, queue="triage")
+    cli_inproc(db_path, "friend", "link", "alice", "bob")
+    hook = world.webhook(alice, router, "generic", queue="triage")
     world.client.post(f"/api/v1/webhooks/{hook['id']}/routes", headers=alice.auth, json={"endpoint_id": bobs.id})
     world.client.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=alice.auth,
                      json={"rules": [{"id": "review", "expr": "true", "action": {"queue": "review"}}]})
-    todo = post(world, hook, b"{}", {"X-Delivery-Id": "r1"}).json()["todos"][0]
+    todo = world.deliver(hook, b"{}", {"X-Delivery-Id": "r1"}).json()["todos"][0]
     assert todo["endpoint_id"] == bobs.id
     trace = world.client.get(f"/api/v1/todos/{todo['id']}", headers=bob.auth).json()["trace"]
     assert trace["endpoints"] == [bobs.id], "a friend's todo names no endpoint of the webhook's owner"
@@ -110,11 +99,11 @@ def test_reroute_never_crosses_humans(world, alice, router, db_path):
 def test_reroute_lets_go_of_an_absorbed_todo(world, alice):
     reviewer = world.endpoint(alice, ["review"], name="reviewer")
     elsewhere = world.endpoint(alice, ["other"], name="elsewhere")
-    hook = make_hook(world, alice, reviewer, provider="github", queue="review")
+    hook = world.webhook(alice, reviewer, "github", queue="review")
     world.client.post(f"/api/v1/webhooks/{hook['id']}/routes", headers=alice.auth, json={"endpoint_id": elsewhere.id})
     for n in (1, 2):
         raw, headers = producers.github("issues.opened", hook["secret"], {"issue": {"body": f"v{n}"}})
-        post(world, hook, raw, headers)
+        world.deliver(hook, raw, headers)
     claim = world.claim(reviewer)
     absorbed = world.act(reviewer, claim["todo"]["id"], "absorb", lease_token=claim["lease_token"]).json()["absorbed"]
     moved = world.act(alice, absorbed[0]["id"], "reroute", queue="other").json()
@@ -125,16 +114,16 @@ def test_reroute_lets_go_of_an_absorbed_todo(world, alice):
 
 
 def test_a_redelivery_is_answered_even_when_the_sandbox_is_down(world, alice, router, app, monkeypatch):
-    hook = make_hook(world, alice, router)
+    hook = world.webhook(alice, router, "generic")
     world.client.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=alice.auth,
                      json={"rules": [{"id": "all", "expr": "true", "action": {"queue": "triage"}}]})
-    first = post(world, hook, b'{"n": 1}', {"X-Delivery-Id": "once"}).json()
+    first = world.deliver(hook, b'{"n": 1}', {"X-Delivery-Id": "once"}).json()
     app.state.evaluator.close()
     monkeypatch.setattr(sb, "EVALUATOR_CHILD", "import sys; sys.exit(3)")
-    again = post(world, hook, b'{"n": 1}', {"X-Delivery-Id": "once"})
+    again = world.deliver(hook, b'{"n": 1}', {"X-Delivery-Id": "once"})
     assert again.status_code == 202 and again.json()["duplicate"] is True
     assert again.json()["event_id"] == first["event_id"]
-    assert post(world, hook, b'{"n": 2}', {"X-Delivery-Id": "new"}).status_code == 503
+    assert world.deliver(hook, b'{"n": 2}', {"X-Delivery-Id": "new"}).status_code == 503
 
 
 def test_an_endpoint_may_set_rules_without_the_get_verb(world, alice, router):

@@ -18,17 +18,6 @@ def owner(world, alice):
     return world.endpoint(alice, ["triage", "payments", "chat", "inbox"], name="router", verbs=["all"])
 
 
-def make_webhook(world, human, endpoint, provider, queue="triage", **extra) -> dict:
-    r = world.client.post("/api/v1/webhooks", headers=human.auth,
-                          json={"provider": provider, "queue": queue, "endpoint_id": endpoint.id, **extra})
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-def deliver(world, webhook: dict, raw: bytes, headers: dict):
-    return world.client.post(webhook["url"].removeprefix("http://testserver"), content=raw, headers=headers)
-
-
 def counts(db_path) -> tuple[int, int]:
     conn = sqlite3.connect(db_path)
     return conn.execute("SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM todos)").fetchone()
@@ -48,7 +37,7 @@ def test_githubs_documented_signature_example():
 
 
 def test_webhook_creation_mints_a_secret_and_a_128_bit_url(world, alice, owner):
-    hook = make_webhook(world, alice, owner, "github")
+    hook = world.webhook(alice, owner, "github")
     assert hook["secret"].startswith("whsec_") and len(hook["secret"]) == 6 + 64
     token = hook["url"].rsplit("/hooks/", 1)[1]
     assert hook["id"] not in hook["url"] and len(token) >= 22
@@ -74,16 +63,16 @@ def test_supplied_secret_rules(world, alice, owner):
     unscoped = world.client.post("/api/v1/webhooks", headers=alice.auth, json={
         "provider": "github", "queue": "nobody-has-it", "endpoint_id": owner.id})
     assert unscoped.status_code == 400
-    own = make_webhook(world, alice, owner, "github", secret="my own secret, 16+ chars")
+    own = world.webhook(alice, owner, "github", secret="my own secret, 16+ chars")
     assert own["secret"] == "my own secret, 16+ chars"
 
 
 @pytest.mark.parametrize("fixture", ["issues.opened", "issues.labeled", "issue_comment.created",
                                      "pull_request.opened", "push", "ping"])
 def test_github_good_and_bad_signatures(world, alice, owner, db_path, fixture):
-    hook = make_webhook(world, alice, owner, "github")
+    hook = world.webhook(alice, owner, "github")
     raw, headers = producers.github(fixture, hook["secret"])
-    ok = deliver(world, hook, raw, headers)
+    ok = world.deliver(hook, raw, headers)
     # A ping (GitHub's hello when a webhook is made) verifies and is recorded, but is never work.
     minted = 0 if fixture == "ping" else 1
     assert ok.status_code == 202 and ok.json()["verified"] is True and ok.json()["created"] == minted
@@ -97,9 +86,9 @@ def test_github_good_and_bad_signatures(world, alice, owner, db_path, fixture):
     ]
     for bad in bad_cases:
         bad = {**bad, "X-GitHub-Delivery": "another-" + str(bad_cases.index(bad))}
-        r = deliver(world, hook, raw, bad)
+        r = world.deliver(hook, raw, bad)
         assert r.status_code == 401 and r.json()["error"] == "unauthenticated"
-    tampered = deliver(world, hook, raw.replace(b'"', b"'", 1) if raw else b"x", headers)
+    tampered = world.deliver(hook, raw.replace(b'"', b"'", 1) if raw else b"x", headers)
     assert tampered.status_code == 401
     assert counts(db_path) == before, "a refused delivery stores nothing"
     metrics = world.client.get("/metrics").text
@@ -111,105 +100,105 @@ def test_github_good_and_bad_signatures(world, alice, owner, db_path, fixture):
                                      "issue_comment.created", "pull_request.review_requested",
                                      "pull_request_approved"])
 def test_gitea_good_and_bad_signatures(world, alice, owner, fixture):
-    hook = make_webhook(world, alice, owner, "gitea")
+    hook = world.webhook(alice, owner, "gitea")
     raw, headers = producers.gitea(fixture, hook["secret"])
-    assert deliver(world, hook, raw, headers).status_code == 202
+    assert world.deliver(hook, raw, headers).status_code == 202
     wrong = {**headers, "X-Gitea-Signature": producers.hex_hmac("wrong", raw), "X-Gitea-Delivery": "x2"}
-    assert deliver(world, hook, raw, wrong).status_code == 401
+    assert world.deliver(hook, raw, wrong).status_code == 401
     # Without its own header, Gitea's GitHub-style header is accepted.
     raw2, headers2 = producers.gitea(fixture, hook["secret"], patch={"extra": 1}, delivery="d-2")
     github_style = {k: v for k, v in headers2.items() if k != "X-Gitea-Signature"}
     github_style["X-Hub-Signature-256"] = "sha256=" + producers.hex_hmac(hook["secret"], raw2)
-    assert deliver(world, hook, raw2, github_style).status_code == 202
+    assert world.deliver(hook, raw2, github_style).status_code == 202
 
 
 def test_cairn_signature_freshness_and_event_id(world, alice, owner, clock, db_path):
-    hook = make_webhook(world, alice, owner, "cairn")
+    hook = world.webhook(alice, owner, "cairn")
     at = now_s(clock)
     raw, headers = producers.cairn(hook["secret"], created_at=at)
-    ok = deliver(world, hook, raw, headers)
+    ok = world.deliver(hook, raw, headers)
     assert ok.status_code == 202 and ok.json()["verified"] is True
     before = counts(db_path)
     stale_raw, stale_headers = producers.cairn(hook["secret"], patch={"event_id": "e-stale"}, created_at=at - 301)
-    assert deliver(world, hook, stale_raw, stale_headers).json()["message"].endswith("stale_timestamp")
+    assert world.deliver(hook, stale_raw, stale_headers).json()["message"].endswith("stale_timestamp")
     future_raw, future_headers = producers.cairn(hook["secret"], patch={"event_id": "e-future"}, created_at=at + 301)
-    assert deliver(world, hook, future_raw, future_headers).status_code == 401
+    assert world.deliver(hook, future_raw, future_headers).status_code == 401
     edge_raw, edge_headers = producers.cairn(hook["secret"], patch={"event_id": "e-edge"}, created_at=at - 299)
     mismatch = {**edge_headers, "X-Cairn-Event-Id": "someone-else"}
-    assert deliver(world, hook, edge_raw, mismatch).json()["message"].endswith("event_id_mismatch")
+    assert world.deliver(hook, edge_raw, mismatch).json()["message"].endswith("event_id_mismatch")
     assert counts(db_path) == before
-    assert deliver(world, hook, edge_raw, edge_headers).status_code == 202
+    assert world.deliver(hook, edge_raw, edge_headers).status_code == 202
     without_header = {k: v for k, v in headers.items() if k != "X-Cairn-Event-Id"}
-    again = deliver(world, hook, raw, without_header).json()
+    again = world.deliver(hook, raw, without_header).json()
     assert again["duplicate"] is True, "the signed body's event_id is the delivery id"
 
 
 def test_stripe_any_v1_may_match_and_the_window_holds(world, alice, owner, clock, db_path):
-    hook = make_webhook(world, alice, owner, "stripe", queue="payments")
+    hook = world.webhook(alice, owner, "stripe", queue="payments")
     event = {"id": "evt_1", "type": "invoice.paid", "data": {"object": {"id": "in_1"}}}
     raw, headers = producers.stripe("whsec_" + "a" * 32, event, at=now_s(clock))
-    assert deliver(world, hook, raw, headers).status_code == 503, "no secret set yet"
+    assert world.deliver(hook, raw, headers).status_code == 503, "no secret set yet"
     r = world.client.put(f"/api/v1/webhooks/{hook['id']}/secret", headers=alice.auth,
                          json={"secret": "whsec_" + "a" * 32})
     assert r.status_code == 200 and r.json()["secret_set"] is True and "whsec_" not in r.text
     raw, headers = producers.stripe("whsec_" + "a" * 32, event, at=now_s(clock), extra_signatures=("0" * 64,))
-    ok = deliver(world, hook, raw, headers).json()
+    ok = world.deliver(hook, raw, headers).json()
     assert ok["created"] == 1
     shown = world.client.get(f"/api/v1/events/{ok['event_id']}", headers=alice.auth).json()
     assert shown["envelope"]["kind"] == "invoice.paid" and shown["delivery_key"] == "evt_1"
     stale_raw, stale = producers.stripe("whsec_" + "a" * 32, {**event, "id": "evt_2"}, at=now_s(clock) - 301)
-    assert deliver(world, hook, stale_raw, stale).status_code == 401
+    assert world.deliver(hook, stale_raw, stale).status_code == 401
     wrong_raw, wrong = producers.stripe("whsec_" + "b" * 32, {**event, "id": "evt_3"}, at=now_s(clock))
-    assert deliver(world, hook, wrong_raw, wrong).status_code == 401
-    assert deliver(world, hook, raw, {**headers, "Stripe-Signature": "v1=abc"}).status_code == 401
+    assert world.deliver(hook, wrong_raw, wrong).status_code == 401
+    assert world.deliver(hook, raw, {**headers, "Stripe-Signature": "v1=abc"}).status_code == 401
 
 
 def test_slack_signature_window_and_url_verification(world, alice, owner, clock, db_path):
-    hook = make_webhook(world, alice, owner, "slack", queue="chat")
+    hook = world.webhook(alice, owner, "slack", queue="chat")
     secret = "8f742231b10e8888abcd99yyyzzz85a5"
     world.client.put(f"/api/v1/webhooks/{hook['id']}/secret", headers=alice.auth, json={"secret": secret})
     before = counts(db_path)
     challenge = {"type": "url_verification", "challenge": "3eZbrw1aBm2rZgRNFdxV2595E9CY3gmdALWMmHkvFXO7tYXAYM8P"}
     raw, headers = producers.slack(secret, challenge, at=now_s(clock))
-    r = deliver(world, hook, raw, headers)
+    r = world.deliver(hook, raw, headers)
     assert r.status_code == 200 and r.json() == {"challenge": challenge["challenge"]}
     assert counts(db_path) == before, "url_verification stores nothing"
     forged_raw, forged = producers.slack("not the secret", challenge, at=now_s(clock))
-    assert deliver(world, hook, forged_raw, forged).status_code == 401
+    assert world.deliver(hook, forged_raw, forged).status_code == 401
     message = {"type": "event_callback", "event_id": "Ev1", "event": {"type": "app_mention", "text": "hi"}}
     raw, headers = producers.slack(secret, message, at=now_s(clock))
-    ok = deliver(world, hook, raw, headers).json()
+    ok = world.deliver(hook, raw, headers).json()
     assert ok["created"] == 1
     assert world.client.get(f"/api/v1/events/{ok['event_id']}", headers=alice.auth).json()["envelope"]["kind"] \
         == "app_mention"
     old_raw, old = producers.slack(secret, {**message, "event_id": "Ev2"}, at=now_s(clock) - 301)
-    assert deliver(world, hook, old_raw, old).status_code == 401
+    assert world.deliver(hook, old_raw, old).status_code == 401
 
 
 def test_generic_trusts_the_url_and_dedups_by_delivery_id(world, alice, owner):
-    hook = make_webhook(world, alice, owner, "generic", queue="inbox")
+    hook = world.webhook(alice, owner, "generic", queue="inbox")
     assert hook["trust_mode"] == "token" and hook["secret"] is None
-    first = deliver(world, hook, b'{"job": "backup"}', {"X-Delivery-Id": "run-1", "X-Event-Type": "cron"}).json()
+    first = world.deliver(hook, b'{"job": "backup"}', {"X-Delivery-Id": "run-1", "X-Event-Type": "cron"}).json()
     assert first["verified"] is False and first["created"] == 1
-    again = deliver(world, hook, b'{"job": "backup"}', {"X-Delivery-Id": "run-1"}).json()
+    again = world.deliver(hook, b'{"job": "backup"}', {"X-Delivery-Id": "run-1"}).json()
     assert again["duplicate"] is True
-    same_body_new_id = deliver(world, hook, b'{"job": "backup"}', {"Webhook-Id": "run-2"}).json()
+    same_body_new_id = world.deliver(hook, b'{"job": "backup"}', {"Webhook-Id": "run-2"}).json()
     assert same_body_new_id["created"] == 1, "a token-trust webhook may send the same body twice"
     envelope = world.client.get(f"/api/v1/events/{first['event_id']}", headers=alice.auth).json()["envelope"]
     assert envelope["kind"] == "cron" and envelope["trust_mode"] == "token" and envelope["verified"] is False
 
 
 def test_body_cap_unknown_token_and_revoked_owner(world, alice, owner, db_path):
-    hook = make_webhook(world, alice, owner, "github")
+    hook = world.webhook(alice, owner, "github")
     big = b"{" + b" " * (5 * 1024 * 1024) + b"}"
     raw, headers = producers.github("ping", hook["secret"])
     headers["X-Hub-Signature-256"] = "sha256=" + producers.hex_hmac(hook["secret"], big)
-    r = deliver(world, hook, big, headers)
+    r = world.deliver(hook, big, headers)
     assert r.status_code == 413 and r.json()["error"] == "too_large"
     assert world.client.post("/hooks/not-a-real-token", content=raw, headers=headers).status_code == 404
     world.client.post(f"/api/v1/endpoints/{owner.id}/revoke", headers=alice.auth)
     raw, headers = producers.github("ping", hook["secret"])
-    r = deliver(world, hook, raw, headers)
+    r = world.deliver(hook, raw, headers)
     assert r.status_code == 503 and r.json()["error"] == "unavailable"
     assert counts(db_path) == (0, 0)
 
@@ -230,7 +219,7 @@ def test_rate_limit_answers_429_with_retry_after(tmp_path):
 
 
 def test_secret_is_sealed_with_the_key_file(world, alice, owner, db_path, tmp_path):
-    hook = make_webhook(world, alice, owner, "github")
+    hook = world.webhook(alice, owner, "github")
     key_file = sb.key_file_path(db_path)
     assert key_file.exists() and (key_file.stat().st_mode & 0o777) == 0o600
     sealed = sqlite3.connect(db_path).execute("SELECT id, secret_sealed FROM webhooks").fetchone()
@@ -256,9 +245,9 @@ def envelope_of(world, human, outcome) -> dict:
 
 
 def test_github_issue_envelope_field_for_field(world, alice, owner):
-    hook = make_webhook(world, alice, owner, "github")
+    hook = world.webhook(alice, owner, "github")
     raw, headers = producers.github("issues.labeled", hook["secret"])
-    env = envelope_of(world, alice, deliver(world, hook, raw, headers).json())
+    env = envelope_of(world, alice, world.deliver(hook, raw, headers).json())
     payload = json.loads(raw)
     assert env["source"] == "github" and env["kind"] == "issues" and env["webhook_id"] == hook["id"]
     assert env["trust_mode"] == "signed" and env["verified"] is True
@@ -277,24 +266,24 @@ def test_github_issue_envelope_field_for_field(world, alice, owner):
 
 
 def test_pull_requests_and_comments_have_a_subject_but_no_issue(world, alice, owner):
-    hook = make_webhook(world, alice, owner, "github")
+    hook = world.webhook(alice, owner, "github")
     for fixture, key in (("pull_request.opened", "github:Codertocat/Hello-World#2"),
                          ("pull_request_review.submitted", "github:Codertocat/Hello-World#2"),
                          ("issue_comment.created", "github:Codertocat/Hello-World#1"),
                          ("push", "github:Codertocat/Hello-World@refs/tags/simple-tag"),
                          ("ping", None)):
         raw, headers = producers.github(fixture, hook["secret"])
-        env = envelope_of(world, alice, deliver(world, hook, raw, headers).json())
+        env = envelope_of(world, alice, world.deliver(hook, raw, headers).json())
         assert env["issue"] is None, fixture
         assert env["subject_key"] == key, fixture
     raw, headers = producers.github("issues.opened", hook["secret"], patch={"issue": {"pull_request": {"url": "x"}}})
-    assert envelope_of(world, alice, deliver(world, hook, raw, headers).json())["issue"] is None
+    assert envelope_of(world, alice, world.deliver(hook, raw, headers).json())["issue"] is None
 
 
 def test_gitea_label_update_envelope(world, alice, owner):
-    hook = make_webhook(world, alice, owner, "gitea")
+    hook = world.webhook(alice, owner, "gitea")
     raw, headers = producers.gitea("issues.label_updated", hook["secret"])
-    env = envelope_of(world, alice, deliver(world, hook, raw, headers).json())
+    env = envelope_of(world, alice, world.deliver(hook, raw, headers).json())
     assert env["kind"] == "issues" and env["headers"]["x-gitea-signature"] == "«redacted»"
     issue = env["issue"]
     assert issue["event_type"] == "issue_label" and issue["action"] == "label_updated"
@@ -302,14 +291,14 @@ def test_gitea_label_update_envelope(world, alice, owner):
     assert issue["labels"] == ["size/S"] and issue["repo"] == "homelab/infra" and issue["number"] == 57
     assert issue["author"] == "alice" and issue["key"] == "gitea:homelab/infra#57"
     raw, headers = producers.gitea("pull_request_approved", hook["secret"])
-    env = envelope_of(world, alice, deliver(world, hook, raw, headers).json())
+    env = envelope_of(world, alice, world.deliver(hook, raw, headers).json())
     assert env["issue"] is None and env["subject_key"].startswith("gitea:homelab/infra#")
 
 
 def test_cairn_artifact_envelope(world, alice, owner, clock):
-    hook = make_webhook(world, alice, owner, "cairn")
+    hook = world.webhook(alice, owner, "cairn")
     raw, headers = producers.cairn(hook["secret"], created_at=now_s(clock))
-    env = envelope_of(world, alice, deliver(world, hook, raw, headers).json())
+    env = envelope_of(world, alice, world.deliver(hook, raw, headers).json())
     body = json.loads(raw)
     data = body["data"]
     assert env["kind"] == "artifact.created" and env["subject_key"] == "cairn:Kp3vT9" and env["issue"] is None
@@ -321,15 +310,15 @@ def test_cairn_artifact_envelope(world, alice, owner, clock):
 
 
 def test_payload_is_null_for_invalid_json_and_trailing_data(world, alice, owner):
-    hook = make_webhook(world, alice, owner, "generic", queue="inbox")
+    hook = world.webhook(alice, owner, "generic", queue="inbox")
     for i, body in enumerate((b"", b"not json", b'{"a": 1} trailing', b'{"a": NaN}', b"[" * 100000)):
-        outcome = deliver(world, hook, body, {"X-Delivery-Id": f"p{i}"}).json()
+        outcome = world.deliver(hook, body, {"X-Delivery-Id": f"p{i}"}).json()
         assert envelope_of(world, alice, outcome)["payload"] is None
 
 
 def test_secret_bearing_headers_are_redacted_in_the_stored_event(world, alice, owner):
-    hook = make_webhook(world, alice, owner, "generic", queue="inbox")
-    outcome = deliver(world, hook, b"{}", {"Authorization": "Bearer hunter2", "Cookie": "s=hunter2",
+    hook = world.webhook(alice, owner, "generic", queue="inbox")
+    outcome = world.deliver(hook, b"{}", {"Authorization": "Bearer hunter2", "Cookie": "s=hunter2",
                                            "X-Api-Key": "hunter2", "X-Upstream-Token": "hunter2",
                                            "X-Delivery-Id": "r1"}).json()
     shown = world.client.get(f"/api/v1/events/{outcome['event_id']}", headers=alice.auth)
@@ -339,9 +328,9 @@ def test_secret_bearing_headers_are_redacted_in_the_stored_event(world, alice, o
 
 
 def test_delivery_todo_carries_title_payload_and_trace(world, alice, owner):
-    hook = make_webhook(world, alice, owner, "github")
+    hook = world.webhook(alice, owner, "github")
     raw, headers = producers.github("issues.opened", hook["secret"])
-    outcome = deliver(world, hook, raw, headers).json()
+    outcome = world.deliver(hook, raw, headers).json()
     todo = world.client.get(f"/api/v1/todos/{outcome['todos'][0]['id']}", headers=alice.auth).json()
     assert todo["title"] == "Codertocat/Hello-World#1: Spelling error in the README file"
     assert todo["source"] == "github" and todo["kind"] == "issues"
@@ -353,10 +342,10 @@ def test_delivery_todo_carries_title_payload_and_trace(world, alice, owner):
 
 
 def test_events_list_filters_by_disposition(world, alice, owner):
-    hook = make_webhook(world, alice, owner, "github")
+    hook = world.webhook(alice, owner, "github")
     for _ in range(2):
         raw, headers = producers.github("issues.opened", hook["secret"], patch={"issue": {"number": 5 + _}})
-        deliver(world, hook, raw, headers)
+        world.deliver(hook, raw, headers)
     listed = world.client.get(f"/api/v1/webhooks/{hook['id']}/events?disposition=routed", headers=alice.auth).json()
     assert len(listed["events"]) == 2
     none = world.client.get(f"/api/v1/webhooks/{hook['id']}/events?disposition=dropped", headers=alice.auth).json()
@@ -366,9 +355,9 @@ def test_events_list_filters_by_disposition(world, alice, owner):
 
 
 def test_hmac_is_over_raw_bytes_not_reserialised_json(world, alice, owner):
-    hook = make_webhook(world, alice, owner, "github")
+    hook = world.webhook(alice, owner, "github")
     raw = b'{ "zen": "spaces matter",   "hook_id": 1 }'
     signature = "sha256=" + hmac.new(hook["secret"].encode(), raw, hashlib.sha256).hexdigest()
-    ok = deliver(world, hook, raw, {"X-GitHub-Event": "ping", "X-Hub-Signature-256": signature})
+    ok = world.deliver(hook, raw, {"X-GitHub-Event": "ping", "X-Hub-Signature-256": signature})
     assert ok.status_code == 202
     assert ok.json()["event_id"]

@@ -7,21 +7,18 @@ real SQLite file, and deliveries signed with real HMAC-SHA256 exactly as each pr
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import hmac
 import json
 import os
 import re
-import sqlite3
 import threading
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
-from conftest import cli
+from conftest import cli, cli_inproc
+from helpers import add_route, count, hook_path, hook_token, make_webhook, post_delivery, query
+from producers import deep_merge, github_headers, hex_hmac, stripe_headers
 
 FIXTURES = Path(os.environ.get("SWITCHBOARD_FIXTURES") or Path(__file__).resolve().parent / "fixtures")
 ISSUE_OPENED = (FIXTURES / "github" / "issues.opened.json").read_bytes()
@@ -30,16 +27,6 @@ QUEUE = "triage"
 
 # -- helpers ----------------------------------------------------------------------------------------
 
-def deep_merge(base, patch):
-    """The fixtures README's rule: objects merge key by key, anything else replaces."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        merged = dict(base)
-        for key, value in patch.items():
-            merged[key] = deep_merge(base[key], value) if key in base else copy.deepcopy(value)
-        return merged
-    return copy.deepcopy(patch)
-
-
 def issue_body(patch: dict | None = None) -> bytes:
     """The GitHub `issues.opened` fixture, verbatim or with a patch merged in (signed after patching)."""
     if patch is None:
@@ -47,61 +34,10 @@ def issue_body(patch: dict | None = None) -> bytes:
     return json.dumps(deep_merge(json.loads(ISSUE_OPENED), patch)).encode()
 
 
-def hex_hmac(secret: str, message: bytes) -> str:
-    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
-
-
-def github_headers(secret: str, body: bytes, delivery: str | None = None, event: str = "issues") -> dict:
-    return {"X-GitHub-Event": event, "X-GitHub-Delivery": delivery or str(uuid.uuid4()),
-            "Content-Type": "application/json", "X-Hub-Signature-256": "sha256=" + hex_hmac(secret, body)}
-
-
-def stripe_headers(secret: str, body: bytes, at: int) -> dict:
-    signature = hex_hmac(secret, str(at).encode() + b"." + body)
-    return {"Stripe-Signature": f"t={at},v1={signature}", "Content-Type": "application/json"}
-
-
-def hook_path(url: str) -> str:
-    """The path part of an ingest URL (`/hooks/<token>`), to post through a client with another base."""
-    path = urlsplit(url).path
-    assert re.fullmatch(r"/hooks/[A-Za-z0-9_-]{16,}", path), url
-    return path
-
-
-def hook_token(url: str) -> str:
-    return hook_path(url).rsplit("/", 1)[1]
-
-
-def query(db_path: str, sql: str, params: tuple = ()) -> list[tuple]:
-    """Read the real database file through a read-only connection of our own."""
-    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=10)
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
-
-
-def count(db_path: str, table: str, where: str = "1", params: tuple = ()) -> int:
-    return query(db_path, f"SELECT count(*) FROM {table} WHERE {where}", params)[0][0]
-
-
-def make_webhook(http, human, endpoint_id: str, provider: str = "github", queue: str = QUEUE, **extra) -> dict:
-    r = http.post("/api/v1/webhooks", headers=human.auth,
-                  json={"provider": provider, "queue": queue, "endpoint_id": endpoint_id, **extra})
-    assert r.status_code == 201, r.text
-    made = r.json()
-    assert made["provider"] == provider and made["queue"] == queue
-    return made
-
-
-def add_route(http, auth: dict, webhook_id: str, endpoint_id: str) -> httpx.Response:
-    return http.post(f"/api/v1/webhooks/{webhook_id}/routes", headers=auth, json={"endpoint_id": endpoint_id})
-
-
 def deliver(http, webhook: dict, body: bytes | None = None, delivery: str | None = None) -> httpx.Response:
+    """The `issues.opened` fixture (or `body`), signed with the webhook's secret, to its ingest URL."""
     body = issue_body() if body is None else body
-    return http.post(hook_path(webhook["url"]), content=body,
-                     headers=github_headers(webhook["secret"], body, delivery))
+    return post_delivery(http, webhook, body, github_headers(webhook["secret"], body, delivery))
 
 
 class Auth:
@@ -117,8 +53,9 @@ class Auth:
 
 
 def live_principals(db_path: str, http: httpx.Client, name: str = "alice", endpoints: int = 1) -> tuple[Auth, list[Auth]]:
-    """A human made by the operator CLI, and endpoints that human vends over REST, all scoped to QUEUE."""
-    code, human = cli(db_path, "human", "add", name)
+    """A human made by the operator CLI (run in-process), and endpoints that human vends over REST, all scoped
+    to QUEUE."""
+    code, human = cli_inproc(db_path, "human", "add", name)
     assert code == 0, human
     owner = Auth(human["token"], human["id"])
     made = []
@@ -133,7 +70,7 @@ def live_principals(db_path: str, http: httpx.Client, name: str = "alice", endpo
 # -- 1. concurrent redelivery -----------------------------------------------------------------------
 
 def test_32_concurrent_redeliveries_of_one_delivery_mint_exactly_one_todo(db_path, live_server):
-    assert cli(db_path, "init")[0] == 0
+    assert cli_inproc(db_path, "init")[0] == 0
     server = live_server("--ingest-rate", "0")
     with httpx.Client(base_url=server.url, timeout=30) as http:
         human, (owner,) = live_principals(db_path, http)
@@ -413,7 +350,7 @@ class CrashRun:
     """Four senders post distinct signed deliveries while the server is SIGKILLed; the server is restarted."""
 
     def __init__(self, db_path: str, live_server, kill_after: float = 1.5):
-        assert cli(db_path, "init")[0] == 0
+        assert cli_inproc(db_path, "init")[0] == 0
         self.db_path = db_path
         self.first = live_server("--ingest-rate", "0")
         with httpx.Client(base_url=self.first.url, timeout=10) as http:

@@ -39,9 +39,9 @@ def test_readme_worker_loop_completes_pushed_work(live_server, db_path, tmp_path
     server = live_server()
     section = (ROOT / "README.md").read_text().split("**A minimal worker loop**", 1)[1]
     (tmp_path / "worker.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
-    from conftest import cli
-    _, human = cli(db_path, "human", "add", "alice")
-    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "build")
+    from conftest import cli_inproc
+    _, human = cli_inproc(db_path, "human", "add", "alice")
+    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "build")
     env = {**os.environ, "SWITCHBOARD_URL": server.url, "SWITCHBOARD_TOKEN": endpoint["token"]}
     worker = subprocess.Popen([sys.executable, str(tmp_path / "worker.py")], env=env)
     try:

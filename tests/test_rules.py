@@ -24,9 +24,7 @@ def lane_s(world, alice):
 
 @pytest.fixture
 def hook(world, alice, router, lane_s):
-    r = world.client.post("/api/v1/webhooks", headers=alice.auth,
-                          json={"provider": "github", "queue": "triage", "endpoint_id": router.id})
-    made = r.json()
+    made = world.webhook(alice, router, "github", "triage")
     assert world.client.post(f"/api/v1/webhooks/{made['id']}/routes", headers=alice.auth,
                              json={"endpoint_id": lane_s.id}).status_code == 201
     return made
@@ -38,7 +36,7 @@ def put_rules(world, human, hook, document):
 
 def deliver(world, hook, fixture="issues.opened", patch=None):
     raw, headers = producers.github(fixture, hook["secret"], patch)
-    return world.client.post(hook["url"].removeprefix("http://testserver"), content=raw, headers=headers)
+    return world.deliver(hook, raw, headers)
 
 
 LANE_S = {"queue": "lane-s", "exclusive": True, "once": True, "work_order": True}
