@@ -1,20 +1,20 @@
 """Switchboard: signed webhooks in, durable leased work for AI agents out.
 
-One process (Starlette under uvicorn) and one SQLite file. The contract is SPEC.md; decisions it leaves
-open are written down in README.md.
+One process (Starlette under uvicorn) and one SQLite file. The reference is docs/ and README.md.
 
 Contents, in dependency order (each section uses only those above it):
   1. Configuration   constants, limits, the clock, errors
   2. Storage         schema application and migrations, connections, the single writer, readers
   3. Crypto          tokens and their hashes, sealed webhook secrets
-  4. Models          request bodies, rule documents and work items (pydantic, extra="forbid")
-  5. Providers       signatures, freshness and delivery ids of GitHub, Gitea, cairn, Stripe, Slack, generic
+  4. Providers       one row per producer: signature, freshness, delivery id, event kind, secret, trust gate
+  5. Models          request bodies, answers, rule documents and work items (pydantic, extra="forbid")
   6. Envelope        the document every rule sees
   7. Evaluator       jq rule sets in a sandboxed child process pool
   8. Store           principals, endpoints, webhooks, deliveries, todos, attempts, receipts, retention
   9. Doorbell        waking exactly one session when work becomes claimable
- 10. HTTP            REST, ingress, MCP, SSE, metrics, the app and its background loop
- 11. CLI             the operator's commands
+ 10. Flows           what REST, MCP and the CLI share: deliveries, waiting claims, ring streams, rules, metrics
+ 11. HTTP            REST, ingress, MCP, SSE, OpenAPI, the app
+ 12. CLI             the operator's commands
 """
 
 from __future__ import annotations
@@ -114,6 +114,8 @@ PRUNE_EVERY_SECONDS = 3600.0
 WRITER_BATCH = 64
 WAL_LIMIT_BYTES = 64 << 20
 QUARANTINE_DAYS = 30
+# An open stream with nothing to say sends a comment this often, so proxies keep it open.
+KEEPALIVE_SECONDS = 15.0
 # The re-ring sweep: after the first ring, again about 5 min, 20 min, 1 h and 6 h after the previous one.
 RERING_AFTER_MS = (5 * 60_000, 20 * 60_000, 60 * 60_000, 6 * 3_600_000)
 
@@ -344,7 +346,7 @@ class Database:
         apply_schema(writer)
         self._writer = writer
         self._jobs: queue_module.SimpleQueue = queue_module.SimpleQueue()
-        self._held: tuple | None = None
+        self._carried_job: tuple | None = None
         self.failure: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
         self._local = threading.local()
@@ -399,8 +401,8 @@ class Database:
         whose caller stopped waiting (a cancelled future) is dropped unrun; None means close."""
         batch: list = []
         while not batch or (batch[0][0] is not _CHECKPOINT and len(batch) < WRITER_BATCH):
-            if self._held is not None:
-                job, self._held = self._held, None
+            if self._carried_job is not None:
+                job, self._carried_job = self._carried_job, None
             elif batch:
                 try:
                     job = self._jobs.get_nowait()
@@ -414,7 +416,7 @@ class Database:
                     break
                 return None
             if batch and job[0] is _CHECKPOINT:
-                self._held = job
+                self._carried_job = job
                 break
             if job[2].set_running_or_notify_cancel():
                 batch.append(job)
@@ -626,7 +628,212 @@ def load_or_create_key_file(path: Path) -> bytes:
 
 
 # ======================================================================================================
-# 4. Models: request bodies and work items
+# 4. Providers: signatures, freshness, delivery ids, event kinds
+# ======================================================================================================
+# HMAC-SHA256 over the raw bytes before any parsing, compared in constant time. A failure names its
+# reason (for the metric and the one log line) and never the secret or the signature. Everything that
+# differs between producers is one row of PROVIDER_TABLE at the end of this section.
+
+def _get(document: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(document, dict):
+            return None
+        document = document.get(key)
+    return document
+
+
+def _text(value: Any) -> str | None:
+    """A producer string, or None. Lone surrogates (legal in JSON escapes, not in UTF-8) become U+FFFD."""
+    if not isinstance(value, str):
+        return None
+    if value.isascii():
+        return value
+    return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+
+FRESHNESS_MS = 300_000
+
+
+class VerificationFailed(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _hmac_hex(secret: bytes, message: bytes) -> str:
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def _hex_signature(value: str | None, prefix: str) -> str:
+    if value is None:
+        raise VerificationFailed("missing_signature")
+    value = value.strip()
+    if not value.startswith(prefix) or not re.fullmatch(r"[0-9a-fA-F]{64}", value[len(prefix):], re.ASCII):
+        raise VerificationFailed("malformed_signature")
+    return value[len(prefix):].lower()
+
+
+def _same(expected: str, presented: str) -> bool:
+    """Constant-time comparison of bytes: a header may hold any byte, and compare_digest refuses non-ASCII str."""
+    return hmac.compare_digest(expected.encode(), presented.encode("utf-8", "surrogateescape"))
+
+
+def _require_match(expected: str, presented: str) -> None:
+    if not _same(expected, presented):
+        raise VerificationFailed("bad_signature")
+
+
+def _require_fresh(moment_ms: int, now_ms: int) -> None:
+    if abs(now_ms - moment_ms) > FRESHNESS_MS:
+        raise VerificationFailed("stale_timestamp")
+
+
+def _unix_seconds(text: str | None) -> int:
+    if text is None or not re.fullmatch(r"[0-9]{1,12}", text.strip()):
+        raise VerificationFailed("malformed_timestamp")
+    return int(text.strip()) * 1000
+
+
+def _json_object(body: bytes) -> Any:
+    """The body as one JSON value, or None: empty, invalid, trailing data, NaN, a number too large for a
+    float, or absurd nesting."""
+    try:
+        return json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} does not fit a float")
+    return value
+
+
+def _verify_github(secret: bytes, headers: dict[str, str], body: bytes, now_ms: int) -> None:
+    _require_match(_hmac_hex(secret, body), _hex_signature(headers.get("x-hub-signature-256"), "sha256="))
+
+
+def _verify_gitea(secret: bytes, headers: dict[str, str], body: bytes, now_ms: int) -> None:
+    if "x-gitea-signature" in headers:
+        presented = _hex_signature(headers["x-gitea-signature"], "")
+    else:
+        presented = _hex_signature(headers.get("x-hub-signature-256"), "sha256=")
+    _require_match(_hmac_hex(secret, body), presented)
+
+
+def _verify_cairn(secret: bytes, headers: dict[str, str], body: bytes, now_ms: int) -> None:
+    _require_match(_hmac_hex(secret, body), _hex_signature(headers.get("x-cairn-signature"), "sha256="))
+    document = _json_object(body)
+    if not isinstance(document, dict) or not isinstance(document.get("event_id"), str) or not document["event_id"]:
+        raise VerificationFailed("missing_event_id")
+    if "x-cairn-event-id" in headers and headers["x-cairn-event-id"] != document["event_id"]:
+        raise VerificationFailed("event_id_mismatch")
+    _require_fresh(_iso_ms(document.get("created_at")), now_ms)
+
+
+def _verify_stripe(secret: bytes, headers: dict[str, str], body: bytes, now_ms: int) -> None:
+    header = headers.get("stripe-signature")
+    if header is None:
+        raise VerificationFailed("missing_signature")
+    parts = [p.split("=", 1) for p in header.split(",") if "=" in p]
+    stamps = [v.strip() for k, v in parts if k.strip() == "t"]
+    signatures = [v.strip().lower() for k, v in parts if k.strip() == "v1"]
+    if len(stamps) != 1 or not signatures:
+        raise VerificationFailed("malformed_signature")
+    moment = _unix_seconds(stamps[0])
+    expected = _hmac_hex(secret, stamps[0].encode() + b"." + body)
+    # Every v1 is compared, so timing does not reveal which one matched.
+    if not sum(_same(expected, s) for s in signatures):
+        raise VerificationFailed("bad_signature")
+    _require_fresh(moment, now_ms)
+
+
+def _verify_slack(secret: bytes, headers: dict[str, str], body: bytes, now_ms: int) -> None:
+    presented = _hex_signature(headers.get("x-slack-signature"), "v0=")
+    stamp = headers.get("x-slack-request-timestamp")
+    moment = _unix_seconds(stamp)
+    _require_match(_hmac_hex(secret, b"v0:" + stamp.strip().encode() + b":" + body), presented)
+    _require_fresh(moment, now_ms)
+
+
+def _iso_ms(value: Any) -> int:
+    """A signed timestamp (ISO-8601, or Unix seconds) in milliseconds; anything unrepresentable is malformed."""
+    try:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return int(value * 1000)
+        if isinstance(value, str):
+            return to_ms(datetime.fromisoformat(value))
+    except (ValueError, OverflowError):
+        pass
+    raise VerificationFailed("malformed_timestamp")
+
+
+def _header_kind(headers: dict[str, str], payload: Any) -> str | None:
+    for name in ("x-github-event", "x-gitea-event", "x-cairn-event", "x-event-type"):
+        if name in headers:
+            return headers[name]
+    return None
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One producer: how it signs (None: the URL is the credential), where its delivery id and event kind are,
+    whether Switchboard mints its secret, whether it is a forge (issues, pull requests, pushes), and which
+    actors its trust gate names (logins or actor ids; None: no gate)."""
+    name: str
+    verify: Callable[[bytes, dict[str, str], bytes, int], None] | None
+    delivery_id: Callable[[dict[str, str], Any], Any]
+    kind: Callable[[dict[str, str], Any], str | None]
+    mints_secret: bool
+    forge: bool = False
+    trust: Literal["logins", "actor_ids"] | None = None
+
+
+PROVIDER_TABLE: dict[str, Provider] = {p.name: p for p in (
+    Provider("github", _verify_github, lambda h, p: h.get("x-github-delivery"), _header_kind, True, forge=True,
+             trust="logins"),
+    Provider("gitea", _verify_gitea, lambda h, p: h.get("x-gitea-delivery"), _header_kind, True, forge=True,
+             trust="logins"),
+    Provider("cairn", _verify_cairn, lambda h, p: _get(p, "event_id"), lambda h, p: _text(_get(p, "kind")), True,
+             trust="actor_ids"),
+    Provider("stripe", _verify_stripe, lambda h, p: _get(p, "id"), lambda h, p: _text(_get(p, "type")), False),
+    Provider("slack", _verify_slack, lambda h, p: _get(p, "event_id"), lambda h, p: _text(_get(p, "event", "type")),
+             False),
+    Provider("generic", None, lambda h, p: h.get("x-delivery-id") or h.get("webhook-id"), _header_kind, False),
+)}
+PROVIDERS = tuple(PROVIDER_TABLE)
+
+
+def verify_delivery(provider: str, secret: bytes | None, headers: dict[str, str], body: bytes, now_ms: int) -> bool:
+    """True when the signature verified, False for token-trust providers; raises VerificationFailed."""
+    verify = PROVIDER_TABLE[provider].verify
+    if verify is None:
+        return False
+    verify(secret, headers, body, now_ms)
+    return True
+
+
+def event_kind(provider: str, headers: dict[str, str], payload: Any) -> str | None:
+    return PROVIDER_TABLE[provider].kind(headers, payload)
+
+
+def delivery_key(provider: str, headers: dict[str, str], payload: Any, body: bytes) -> str:
+    """The provider's delivery id, else the body's SHA-256 (as `sha256:<hex>`)."""
+    key = _text(PROVIDER_TABLE[provider].delivery_id(headers, payload if isinstance(payload, dict) else {}))
+    if key and key.strip():
+        key = key.strip()
+        return key if len(key) <= 200 else "id-sha256:" + hashlib.sha256(key.encode()).hexdigest()
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+# ======================================================================================================
+# 5. Models: request bodies and work items
 # ======================================================================================================
 
 QueueName = Annotated[str, StringConstraints(pattern=QUEUE_PATTERN)]
@@ -801,7 +1008,7 @@ PrintableSecret = Annotated[str, StringConstraints(min_length=16, max_length=512
 
 
 class WebhookCreate(Body):
-    provider: Literal["github", "gitea", "cairn", "stripe", "slack", "generic"]
+    provider: Literal[PROVIDERS]
     queue: QueueName
     secret: PrintableSecret | None = None
     endpoint_id: EndpointId | None = None
@@ -1032,158 +1239,12 @@ def _did_you_mean(name: str, model: type[BaseModel]) -> str:
 
 
 # ======================================================================================================
-# 5. Providers: signatures, freshness, delivery ids
-# ======================================================================================================
-# HMAC-SHA256 over the raw bytes before any parsing, compared in constant time. A failure names its
-# reason (for the metric and the one log line) and never the secret or the signature.
-
-PROVIDERS = ("github", "gitea", "cairn", "stripe", "slack", "generic")
-MINTED_SECRET_PROVIDERS = ("github", "gitea", "cairn")
-FRESHNESS_MS = 300_000
-
-
-class VerificationFailed(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-def _hmac_hex(secret: bytes, message: bytes) -> str:
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
-
-
-def _hex_signature(value: str | None, prefix: str) -> str:
-    if value is None:
-        raise VerificationFailed("missing_signature")
-    value = value.strip()
-    if not value.startswith(prefix) or not re.fullmatch(r"[0-9a-fA-F]{64}", value[len(prefix):], re.ASCII):
-        raise VerificationFailed("malformed_signature")
-    return value[len(prefix):].lower()
-
-
-def _same(expected: str, presented: str) -> bool:
-    """Constant-time comparison of bytes: a header may hold any byte, and compare_digest refuses non-ASCII str."""
-    return hmac.compare_digest(expected.encode(), presented.encode("utf-8", "surrogateescape"))
-
-
-def _require_match(expected: str, presented: str) -> None:
-    if not _same(expected, presented):
-        raise VerificationFailed("bad_signature")
-
-
-def _require_fresh(moment_ms: int, now_ms: int) -> None:
-    if abs(now_ms - moment_ms) > FRESHNESS_MS:
-        raise VerificationFailed("stale_timestamp")
-
-
-def _unix_seconds(text: str | None) -> int:
-    if text is None or not re.fullmatch(r"[0-9]{1,12}", text.strip()):
-        raise VerificationFailed("malformed_timestamp")
-    return int(text.strip()) * 1000
-
-
-def _json_object(body: bytes) -> Any:
-    """The body as one JSON value, or None: empty, invalid, trailing data, NaN, a number too large for a
-    float, or absurd nesting."""
-    try:
-        return json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} does not fit a float")
-    return value
-
-
-def verify_delivery(provider: str, secret: bytes | None, headers: dict[str, str], body: bytes, now_ms: int) -> bool:
-    """True when the signature verified, False for token-trust providers; raises VerificationFailed."""
-    if provider == "github":
-        _require_match(_hmac_hex(secret, body), _hex_signature(headers.get("x-hub-signature-256"), "sha256="))
-    elif provider == "gitea":
-        if "x-gitea-signature" in headers:
-            presented = _hex_signature(headers["x-gitea-signature"], "")
-        else:
-            presented = _hex_signature(headers.get("x-hub-signature-256"), "sha256=")
-        _require_match(_hmac_hex(secret, body), presented)
-    elif provider == "cairn":
-        _require_match(_hmac_hex(secret, body), _hex_signature(headers.get("x-cairn-signature"), "sha256="))
-        document = _json_object(body)
-        if not isinstance(document, dict) or not isinstance(document.get("event_id"), str) or not document["event_id"]:
-            raise VerificationFailed("missing_event_id")
-        if "x-cairn-event-id" in headers and headers["x-cairn-event-id"] != document["event_id"]:
-            raise VerificationFailed("event_id_mismatch")
-        _require_fresh(_iso_ms(document.get("created_at")), now_ms)
-    elif provider == "stripe":
-        header = headers.get("stripe-signature")
-        if header is None:
-            raise VerificationFailed("missing_signature")
-        parts = [p.split("=", 1) for p in header.split(",") if "=" in p]
-        stamps = [v.strip() for k, v in parts if k.strip() == "t"]
-        signatures = [v.strip().lower() for k, v in parts if k.strip() == "v1"]
-        if len(stamps) != 1 or not signatures:
-            raise VerificationFailed("malformed_signature")
-        moment = _unix_seconds(stamps[0])
-        expected = _hmac_hex(secret, stamps[0].encode() + b"." + body)
-        # Every v1 is compared, so timing does not reveal which one matched.
-        if not sum(_same(expected, s) for s in signatures):
-            raise VerificationFailed("bad_signature")
-        _require_fresh(moment, now_ms)
-    elif provider == "slack":
-        presented = _hex_signature(headers.get("x-slack-signature"), "v0=")
-        stamp = headers.get("x-slack-request-timestamp")
-        moment = _unix_seconds(stamp)
-        _require_match(_hmac_hex(secret, b"v0:" + stamp.strip().encode() + b":" + body), presented)
-        _require_fresh(moment, now_ms)
-    else:
-        return False
-    return True
-
-
-def _iso_ms(value: Any) -> int:
-    """A signed timestamp (ISO-8601, or Unix seconds) in milliseconds; anything unrepresentable is malformed."""
-    try:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return int(value * 1000)
-        if isinstance(value, str):
-            return to_ms(datetime.fromisoformat(value))
-    except (ValueError, OverflowError):
-        pass
-    raise VerificationFailed("malformed_timestamp")
-
-
-def delivery_key(provider: str, headers: dict[str, str], payload: Any, body: bytes) -> str:
-    """The provider's delivery id, else the body's SHA-256 (as `sha256:<hex>`)."""
-    document = payload if isinstance(payload, dict) else {}
-    candidates = {
-        "github": headers.get("x-github-delivery"),
-        "gitea": headers.get("x-gitea-delivery"),
-        "cairn": document.get("event_id"),
-        "stripe": document.get("id"),
-        "slack": document.get("event_id"),
-        "generic": headers.get("x-delivery-id") or headers.get("webhook-id"),
-    }
-    key = _text(candidates.get(provider))
-    if key and key.strip():
-        key = key.strip()
-        return key if len(key) <= 200 else "id-sha256:" + hashlib.sha256(key.encode()).hexdigest()
-    return "sha256:" + hashlib.sha256(body).hexdigest()
-
-
-# ======================================================================================================
 # 6. Envelope: the document every rule sees
 # ======================================================================================================
 # Switchboard decides the top-level fields; producer data lives only under .payload and .headers.
 
 SECRET_HEADER_PARTS = ("signature", "token", "secret", "auth", "cookie", "api-key")
 REDACTED = "«redacted»"
-FORGE_PROVIDERS = ("github", "gitea")
 
 
 def lower_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -1199,36 +1260,6 @@ def redact_headers(headers: dict[str, str]) -> dict[str, str]:
     return {k: REDACTED if any(part in k for part in SECRET_HEADER_PARTS) else v for k, v in headers.items()}
 
 
-def _get(document: Any, *path: str) -> Any:
-    for key in path:
-        if not isinstance(document, dict):
-            return None
-        document = document.get(key)
-    return document
-
-
-def _text(value: Any) -> str | None:
-    """A producer string, or None. Lone surrogates (legal in JSON escapes, not in UTF-8) become U+FFFD."""
-    if not isinstance(value, str):
-        return None
-    if value.isascii():
-        return value
-    return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-
-
-def event_kind(provider: str, headers: dict[str, str], payload: Any) -> str | None:
-    if provider == "cairn":
-        return _text(_get(payload, "kind"))
-    if provider == "stripe":
-        return _text(_get(payload, "type"))
-    if provider == "slack":
-        return _text(_get(payload, "event", "type"))
-    for name in ("x-github-event", "x-gitea-event", "x-cairn-event", "x-event-type"):
-        if name in headers:
-            return headers[name]
-    return None
-
-
 def _forge_number(payload: Any) -> int | None:
     for path in (("issue", "number"), ("pull_request", "number"), ("number",)):
         number = _get(payload, *path)
@@ -1241,7 +1272,7 @@ def subject_key(provider: str, kind: str | None, payload: Any) -> str | None:
     if provider == "cairn":
         artifact_id = _text(_get(payload, "data", "id"))
         return f"cairn:{artifact_id}" if artifact_id else None
-    if provider not in FORGE_PROVIDERS or kind is None:
+    if not PROVIDER_TABLE[provider].forge or kind is None:
         return None
     repo = _text(_get(payload, "repository", "full_name"))
     if not repo:
@@ -1264,7 +1295,7 @@ def _label_names(labels: Any) -> list[str]:
 def issue_view(provider: str, kind: str | None, headers: dict[str, str], payload: Any, key: str | None) -> dict | None:
     """Forge issue events only: kind `issues`, a positive issue number, and no pull request."""
     issue = _get(payload, "issue")
-    if provider not in FORGE_PROVIDERS or kind != "issues" or not isinstance(issue, dict):
+    if not PROVIDER_TABLE[provider].forge or kind != "issues" or not isinstance(issue, dict):
         return None
     number = issue.get("number")
     if not isinstance(number, int) or isinstance(number, bool) or number <= 0 or issue.get("pull_request"):
@@ -1335,7 +1366,7 @@ def decode_payload(headers: dict[str, str], body: bytes) -> tuple[Any, str | Non
 
 
 def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified: bool, headers: dict[str, str],
-                   body: bytes, payload: Any, release: dict | None = None) -> dict:
+                   body: bytes, payload: Any, released: dict | None = None) -> dict:
     kind = event_kind(provider, headers, payload)
     key = subject_key(provider, kind, payload)
     return {
@@ -1343,7 +1374,7 @@ def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified:
         "content_type": headers.get("content-type"), "size": len(body), "headers": redact_headers(headers),
         "payload": payload, "issue": issue_view(provider, kind, headers, payload, key),
         "artifact": artifact_view(payload) if provider == "cairn" else None,
-        "subject_key": key, "release": release,
+        "subject_key": key, "release": released,
     }
 
 
@@ -1508,7 +1539,7 @@ class JqText:
 
 def combined_program(exprs: list[str]) -> str:
     """One jq program for a whole rule set: rule i is tried only when rules 0..i-1 neither matched nor
-    faulted. Its answer is {"match": i}, {"fault": i, "detail": …} or {"none": true}. Each rule runs without
+    faulted. Its reply is {"match": i}, {"fault": i, "detail": …} or {"none": true}. Each rule runs without
     its comments, inside its own parentheses: having compiled alone, it cannot reach into its neighbours."""
     program = '{"none": true}'
     for index, expr in reversed(list(enumerate(exprs))):
@@ -1552,7 +1583,7 @@ class _Child:
             raise EvaluatorDied("the evaluator is gone") from None
 
     def read(self, timeout: float) -> dict | None:
-        """The next answer, None when `timeout` passes first; EvaluatorUnavailable when the child died."""
+        """The next reply, None when `timeout` passes first; EvaluatorUnavailable when the child died."""
         deadline = time.monotonic() + timeout
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buffer:
@@ -1565,12 +1596,12 @@ class _Child:
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         try:
-            answer = json.loads(line)
+            reply = json.loads(line)
         except ValueError:
-            answer = None
-        if not isinstance(answer, dict):
-            raise EvaluatorDied("the evaluator answered something that is not an answer")
-        return answer
+            reply = None
+        if not isinstance(reply, dict):
+            raise EvaluatorDied("the evaluator answered something that is not a reply")
+        return reply
 
     def kill(self) -> None:
         with contextlib.suppress(OSError):
@@ -1682,7 +1713,7 @@ class Evaluator:
         self._exit(tenant)
 
     def _call(self, header: dict, doc: bytes, compile_only: bool = False, tenant: str | None = None) -> dict | None:
-        """The child's answer; None when it overran (and has left the pool, still counting for its tenant)."""
+        """The child's reply; None when it overran (and has left the pool, still counting for its tenant)."""
         self._enter(tenant)
         try:
             child = self._acquire()
@@ -1694,12 +1725,12 @@ class Evaluator:
             if not compile_only and header["key"] not in child.known:
                 header = {**header, "program": header["program_text"]}
             child.send({k: v for k, v in header.items() if k != "program_text"}, doc)
-            answer = child.read(self.kill_after if compile_only else self.budget)
+            reply = child.read(self.kill_after if compile_only else self.budget)
         except EvaluatorUnavailable:
             self._leave(child)
             self._exit(tenant)
             raise
-        if answer is None:
+        if reply is None:
             with self._changed:
                 self._count -= 1
                 self._overrunning += 1
@@ -1710,14 +1741,14 @@ class Evaluator:
             child.known.add(header["key"])
         self._release(child)
         self._exit(tenant)
-        return answer
+        return reply
 
     def compile_errors(self, programs: list[str], params: dict, tenant: str | None = None) -> list[dict]:
-        answer = self._call({"op": "compile", "programs": programs, "params": params}, b"", compile_only=True,
+        reply = self._call({"op": "compile", "programs": programs, "params": params}, b"", compile_only=True,
                             tenant=tenant)
-        if answer is None:
+        if reply is None:
             raise ApiError("invalid_argument", "rules: compiling took too long")
-        errors = answer.get("errors")
+        errors = reply.get("errors")
         if not isinstance(errors, list) or not all(
                 isinstance(e, dict) and isinstance(e.get("index"), int) and 0 <= e["index"] < len(programs)
                 for e in errors):
@@ -1726,21 +1757,21 @@ class Evaluator:
 
     def run(self, exprs: list[str], params: dict, doc: bytes, tenant: str | None = None) -> dict:
         """Evaluate a rule set over one envelope: {"match": i}, {"none": True} or {"fault": cause, "rule_index",
-        "detail"}. A fault the child could not pin on one rule has rule_index None. The child's answer is
-        untrusted: anything but a well-formed answer is a fault."""
+        "detail"}. A fault the child could not pin on one rule has rule_index None. The child's reply is
+        untrusted: anything but a well-formed reply is a fault."""
         program = combined_program(exprs)
         key = hashlib.sha256(program.encode() + b"\x00" + json.dumps(params, sort_keys=True).encode()).hexdigest()
         try:
-            answer = self._call({"op": "eval", "key": key, "program_text": program, "params": params}, doc,
+            reply = self._call({"op": "eval", "key": key, "program_text": program, "params": params}, doc,
                                 tenant=tenant)
         except EvaluatorDied:
             # It started and then died mid-evaluation: the memory cap, or a crash in jq. A fault, not an outage.
             return {"fault": "budget_exhausted", "rule_index": None,
                     "detail": "the evaluator died (memory cap or crash)"}
-        if answer is None:
+        if reply is None:
             return {"fault": "timeout", "rule_index": None,
-                    "detail": f"no answer within {int(self.budget * 1000)} ms"}
-        return _read_answer(answer, len(exprs))
+                    "detail": f"no reply within {int(self.budget * 1000)} ms"}
+        return _read_reply(reply, len(exprs))
 
     def close(self) -> None:
         with self._changed:
@@ -1754,17 +1785,17 @@ def _rule_index(value: Any, count: int) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < count else None
 
 
-def _read_answer(answer: dict, count: int) -> dict:
-    """The child's answer to an evaluation, checked field by field."""
-    result = answer.get("result")
+def _read_reply(reply: dict, count: int) -> dict:
+    """The child's reply to an evaluation, checked field by field."""
+    result = reply.get("result")
     if isinstance(result, dict) and _rule_index(result.get("match"), count) is not None:
         return {"match": result["match"]}
     if isinstance(result, dict) and _rule_index(result.get("fault"), count) is not None:
         return {"fault": "error", "rule_index": result["fault"], "detail": _fault_detail(result.get("detail"))}
     if result == {"none": True}:
         return {"none": True}
-    cause = answer.get("fault") if answer.get("fault") in ("error", "budget_exhausted") else "error"
-    return {"fault": cause, "rule_index": None, "detail": _fault_detail(answer.get("detail", "no usable answer"))}
+    cause = reply.get("fault") if reply.get("fault") in ("error", "budget_exhausted") else "error"
+    return {"fault": cause, "rule_index": None, "detail": _fault_detail(reply.get("detail", "no usable reply"))}
 
 
 def _fault_detail(detail: Any) -> str:
@@ -2192,7 +2223,7 @@ def receipt_view(txn: Txn, receipt_id: str) -> dict:
 
 def absorb(txn: Txn, principal: Principal, todo_id: str, body: Leased) -> dict:
     """Fold the pending follow-ups about the same subject into the run this lease holds."""
-    holder = _held(txn, principal, "absorb", todo_id, body.lease_token)
+    holder = _fenced(txn, principal, "absorb", todo_id, body.lease_token)
     seq = txn.one("SELECT seq FROM attempts WHERE todo_id = ? AND ended_at IS NULL", (todo_id,))["seq"]
     if holder["subject_key"] is not None:
         fresh = txn.all(
@@ -2286,7 +2317,7 @@ def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) ->
     return _claim_row(txn, principal, todo, body.lease_seconds, body.claimant)
 
 
-def _held(txn: Txn, principal: Principal, verb: str, todo_id: str, lease_token: str) -> sqlite3.Row:
+def _fenced(txn: Txn, principal: Principal, verb: str, todo_id: str, lease_token: str) -> sqlite3.Row:
     """Fencing: the todo must be claimed under this exact, unexpired lease token."""
     principal.require_verb(verb)
     todo = _load_todo(txn, principal, todo_id)
@@ -2298,7 +2329,7 @@ def _held(txn: Txn, principal: Principal, verb: str, todo_id: str, lease_token: 
 
 
 def heartbeat(txn: Txn, principal: Principal, todo_id: str, body: Heartbeat) -> dict:
-    _held(txn, principal, "heartbeat", todo_id, body.lease_token)
+    _fenced(txn, principal, "heartbeat", todo_id, body.lease_token)
     attempt = txn.one("SELECT * FROM attempts WHERE todo_id = ? AND ended_at IS NULL", (todo_id,))
     lease = body.lease_seconds or attempt["lease_seconds"]
     expires = txn.now + lease * 1000
@@ -2316,7 +2347,7 @@ def _truncate_utf8(text: str | None, limit: int) -> str | None:
 
 
 def complete(txn: Txn, principal: Principal, todo_id: str, body: Complete) -> dict:
-    todo = _held(txn, principal, "complete", todo_id, body.lease_token)
+    todo = _fenced(txn, principal, "complete", todo_id, body.lease_token)
     result = dump_json(body.result, "result")
     if result is not None and len(result.encode()) > MAX_RESULT_BYTES:
         raise ApiError("too_large", f"result is over {MAX_RESULT_BYTES} bytes")
@@ -2339,7 +2370,7 @@ def backoff_ms(attempt: int) -> int:
 
 
 def fail(txn: Txn, principal: Principal, todo_id: str, body: Fail) -> dict:
-    todo = _held(txn, principal, "fail", todo_id, body.lease_token)
+    todo = _fenced(txn, principal, "fail", todo_id, body.lease_token)
     _end_attempt(txn, todo, "failed", _truncate_utf8(body.error, MAX_SUMMARY_BYTES))
     evidence = {"attempt": todo["attempt"], "error": body.error, "retry": body.retry}
     if body.retry and todo["attempt"] < todo["max_attempts"]:
@@ -2353,12 +2384,12 @@ def fail(txn: Txn, principal: Principal, todo_id: str, body: Fail) -> dict:
 
 def release(txn: Txn, principal: Principal, todo_id: str, body: Release) -> dict:
     """Hand the todo back untouched: pending at once, and the attempt does not count."""
-    return _hand_back(txn, principal, _held(txn, principal, "release", todo_id, body.lease_token), body.note)
+    return _hand_back(txn, principal, _fenced(txn, principal, "release", todo_id, body.lease_token), body.note)
 
 
 def hand_back_unheard(txn: Txn, principal: Principal, todo_id: str, lease_token: str) -> dict:
     """A waiting claim whose asker left before hearing the answer: the claim is undone as a release."""
-    todo = _held(txn, principal, "claim_next", todo_id, lease_token)
+    todo = _fenced(txn, principal, "claim_next", todo_id, lease_token)
     return _hand_back(txn, principal, todo, "the waiting client went away before the answer")
 
 
@@ -2370,7 +2401,7 @@ def _hand_back(txn: Txn, principal: Principal, todo: sqlite3.Row, note: str | No
 
 
 def needs_input(txn: Txn, principal: Principal, todo_id: str, body: NeedsInput) -> dict:
-    todo = _held(txn, principal, "needs_input", todo_id, body.lease_token)
+    todo = _fenced(txn, principal, "needs_input", todo_id, body.lease_token)
     _end_attempt(txn, todo, "needs_input", body.question)
     _transition(txn, todo, "needs_input", principal.actor, {"question": body.question},
                 state_reason=body.question)
@@ -2378,7 +2409,7 @@ def needs_input(txn: Txn, principal: Principal, todo_id: str, body: NeedsInput) 
 
 
 def block(txn: Txn, principal: Principal, todo_id: str, body: Block) -> dict:
-    todo = _held(txn, principal, "block", todo_id, body.lease_token)
+    todo = _fenced(txn, principal, "block", todo_id, body.lease_token)
     _end_attempt(txn, todo, "blocked", body.reason)
     _transition(txn, todo, "blocked", principal.actor, {"reason": body.reason}, state_reason=body.reason)
     return todo_view(_reload(txn, todo_id))
@@ -2563,7 +2594,7 @@ def friend_request(txn: Txn, principal: Principal, body: FriendRequest) -> dict:
     return friend_view(row)
 
 
-def friend_approve(txn: Txn, principal: Principal, edge_id: str) -> dict:
+def friend_approve(txn: Txn, principal: Principal, edge_id: str, body: HumanNote | None = None) -> dict:
     principal.require_human("approving friend requests")
     row = txn.one("SELECT * FROM friend_edges WHERE id = ? AND approver_id = ?", (edge_id, principal.human_id))
     if row is None:
@@ -2629,7 +2660,7 @@ def _initial_secret(provider: str, supplied: str | None) -> str | None:
         return None
     if provider == "stripe" and supplied is not None and not supplied.startswith("whsec_"):
         raise ApiError("invalid_argument", "secret: a Stripe signing secret starts with whsec_")
-    if supplied is None and provider in MINTED_SECRET_PROVIDERS:
+    if supplied is None and PROVIDER_TABLE[provider].mints_secret:
         return "whsec_" + secrets.token_hex(32)
     return supplied
 
@@ -2656,7 +2687,7 @@ def create_webhook(txn: Txn, principal: Principal, box: SecretBox, spec: Webhook
     secret = _initial_secret(spec.provider, spec.secret)
     webhook_id = new_id("wh")
     token = secrets.token_urlsafe(16)
-    trusted = '{"allow_all": true}' if spec.provider in ("github", "gitea", "cairn") else None
+    trusted = '{"allow_all": true}' if PROVIDER_TABLE[spec.provider].trust else None
     txn.execute("INSERT INTO webhooks (id, endpoint_id, provider, queue, trust_mode, token_hash, secret_sealed,"
                 " trusted_actors, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (webhook_id, owner["id"], spec.provider, spec.queue,
@@ -2858,7 +2889,7 @@ def once_key(subject: str, queue: str) -> str:
     return "once:" + hashlib.sha256(subject.encode() + b"\x00" + queue.encode()).hexdigest()
 
 
-def work_order(envelope: dict, queue: str, trace: dict) -> dict:
+def build_work_order(envelope: dict, queue: str, trace: dict) -> dict:
     """A Switchboard-authored description of the work, built from verified fields only."""
     issue, artifact = envelope.get("issue"), envelope.get("artifact")
     if issue:
@@ -2915,7 +2946,7 @@ def plan_delivery(txn: Txn, webhook: sqlite3.Row, envelope: dict, action: dict, 
         trace["once_key"] = key
         if txn.one("SELECT 1 FROM routing_once WHERE webhook_id = ? AND once_key = ?", (webhook["id"], key)):
             return Plan("repeat", [], trace, key)
-    order = work_order(envelope, action["queue"], trace) if action.get("work_order") else None
+    order = build_work_order(envelope, action["queue"], trace) if action.get("work_order") else None
     return Plan("routed", [(t["id"], action["queue"], "pending") for t in chosen], trace, key, order,
                 {t["id"]: t["human_id"] for t in chosen})
 
@@ -3954,7 +3985,7 @@ class ApiRoute:
     exactly these, and /api/v1/openapi.json is generated from them."""
     method: str
     path: str
-    handler: str
+    handler: str  # an Api method; "" when `store` answers the route
     summary: str
     body: type[BaseModel] | None = None
     query: type[BaseModel] | None = None
@@ -3962,17 +3993,18 @@ class ApiRoute:
     status: int = 200
     auth: Literal["token", "human", "endpoint", "none", "url", "metrics"] = "token"
     media: str = "application/json"
-    bind: dict = field(default_factory=dict)
+    store: Callable | None = None  # a store function that is the whole route: store(txn, principal, *path, body?)
+    writes: bool = False
 
 
 def _action_routes() -> list[ApiRoute]:
-    routes = [ApiRoute("POST", f"/api/v1/todos/{{todo_id}}/{name}", "todo_action", f"{name} (agent, with the lease"
-                       " token)" if name != "claim" else "claim this todo by id", body=model,
+    routes = [ApiRoute("POST", f"/api/v1/todos/{{todo_id}}/{name}", "", f"{name} (agent, with the lease token)"
+                       if name != "claim" else "claim this todo by id", body=model,
                        answer=ClaimAnswer if name == "claim" else None if name == "absorb" else TodoAnswer,
-                       auth="endpoint", bind={"action": name}) for name, (model, _) in AGENT_ACTIONS.items()]
-    routes += [ApiRoute("POST", f"/api/v1/todos/{{todo_id}}/{name}", "todo_action", f"{name} (human)", body=model,
-                        answer=TodoAnswer, auth="human", bind={"action": name})
-               for name, (model, _) in HUMAN_ACTIONS.items()]
+                       auth="endpoint", store=fn, writes=True) for name, (model, fn) in AGENT_ACTIONS.items()]
+    routes += [ApiRoute("POST", f"/api/v1/todos/{{todo_id}}/{name}", "", f"{name} (human)", body=model,
+                        answer=TodoAnswer, auth="human", store=fn, writes=True)
+               for name, (model, fn) in HUMAN_ACTIONS.items()]
     return routes
 
 
@@ -3984,15 +4016,15 @@ REST_ROUTES: list[ApiRoute] = [
     ApiRoute("GET", "/metrics", "metrics_text", "Prometheus text (bearer $SWITCHBOARD_METRICS_TOKEN when set)",
              auth="metrics", media="text/plain"),
     ApiRoute("GET", "/api/v1/openapi.json", "openapi", "this document", auth="none"),
-    ApiRoute("GET", "/api/v1/me", "get_me", "who the token belongs to, and its scope"),
-    ApiRoute("GET", "/api/v1/todos", "list_todos", "todos, newest first (a human: across their endpoints)",
-             query=TodoListQuery, answer=TodoListAnswer),
+    ApiRoute("GET", "/api/v1/me", "", "who the token belongs to, and its scope", store=me),
+    ApiRoute("GET", "/api/v1/todos", "", "todos, newest first (a human: across their endpoints)",
+             query=TodoListQuery, answer=TodoListAnswer, store=list_todos),
     ApiRoute("POST", "/api/v1/todos/claim", "claim_next", "claim the best claimable todo, waiting up to"
              " wait_seconds for one", body=ClaimNext, answer=ClaimAnswer, auth="endpoint"),
     ApiRoute("GET", "/api/v1/doorbell", "doorbell_stream", "Server-Sent Events: `todo.ready` when this session is"
              " rung", query=DoorbellQuery, auth="endpoint", media="text/event-stream"),
-    ApiRoute("GET", "/api/v1/todos/{todo_id}", "get_todo", "a todo with attempts, history and receipt",
-             answer=TodoAnswer),
+    ApiRoute("GET", "/api/v1/todos/{todo_id}", "", "a todo with attempts, history and receipt",
+             answer=TodoAnswer, store=get_todo),
     *_action_routes(),
     ApiRoute("POST", "/api/v1/todos/{todo_id}/release-quarantine", "release_quarantine", "release a held"
              " delivery: re-evaluate the rules, or send it to a queue", body=ReleaseQuarantine, answer=TodoAnswer,
@@ -4008,27 +4040,31 @@ REST_ROUTES: list[ApiRoute] = [
     ApiRoute("GET", "/api/v1/webhooks", "webhooks", "webhooks the token may see"),
     ApiRoute("POST", "/api/v1/webhooks", "webhooks", "make a webhook; its URL and secret are shown once",
              body=WebhookCreate, status=201),
-    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}", "webhook", "one webhook"),
-    ApiRoute("DELETE", "/api/v1/webhooks/{webhook_id}", "webhook", "delete a webhook"),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}", "", "one webhook", store=get_webhook),
+    ApiRoute("DELETE", "/api/v1/webhooks/{webhook_id}", "", "delete a webhook", store=delete_webhook,
+             writes=True),
     ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/rotate", "rotate", "a new URL and secret", body=HumanNote),
     ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/secret", "secret", "set the secret Stripe or Slack issued",
              body=WebhookSecret),
-    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/routes", "webhook_routes", "a webhook's routes"),
-    ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/routes", "webhook_routes", "route deliveries to an endpoint",
-             body=RouteAdd, status=201),
-    ApiRoute("DELETE", "/api/v1/webhooks/{webhook_id}/routes/{endpoint_id}", "webhook_route", "remove a route"),
-    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/events", "webhook_events", "a webhook's deliveries, newest"
-             " first", query=EventListQuery),
-    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/rules", "rules", "rules, default action and params"),
-    ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/rules", "rules", "validate and save rules", body=RuleSet),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/routes", "", "a webhook's routes", store=list_routes),
+    ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/routes", "", "route deliveries to an endpoint",
+             body=RouteAdd, status=201, store=add_route, writes=True),
+    ApiRoute("DELETE", "/api/v1/webhooks/{webhook_id}/routes/{endpoint_id}", "", "remove a route",
+             store=remove_route, writes=True),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/events", "", "a webhook's deliveries, newest first",
+             query=EventListQuery, store=list_events),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/rules", "", "rules, default action and params",
+             store=get_rules),
+    ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/rules", "set_rules", "validate and save rules", body=RuleSet),
     ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/rules/test", "rules_test", "dry run: the decision for one"
              " payload or stored delivery", body=RulesTest),
-    ApiRoute("GET", "/api/v1/events/{event_id}", "event", "one delivery with its envelope and trace"),
-    ApiRoute("GET", "/api/v1/friends", "friends", "the human's friend edges", auth="human"),
-    ApiRoute("POST", "/api/v1/friends", "friends", "ask another human for a friend edge", body=FriendRequest,
-             status=201, auth="human"),
-    ApiRoute("POST", "/api/v1/friends/{edge_id}/approve", "approve_friend", "approve a friend edge",
-             body=HumanNote, auth="human"),
+    ApiRoute("GET", "/api/v1/events/{event_id}", "", "one delivery with its envelope and trace",
+             store=get_event),
+    ApiRoute("GET", "/api/v1/friends", "", "the human's friend edges", auth="human", store=list_friends),
+    ApiRoute("POST", "/api/v1/friends", "", "ask another human for a friend edge", body=FriendRequest,
+             status=201, auth="human", store=friend_request, writes=True),
+    ApiRoute("POST", "/api/v1/friends/{edge_id}/approve", "", "approve a friend edge", body=HumanNote,
+             auth="human", store=friend_approve, writes=True),
 ]
 
 
@@ -4126,15 +4162,6 @@ class Api:
             return PlainTextResponse("unavailable: the database cannot be read", status_code=503)
         return PlainTextResponse(f"ok {VERSION}")
 
-    async def get_me(self, request: Request) -> Response:
-        principal = await self.principal(request)
-        return JsonResponse(await self.db.read(me, principal))
-
-    async def list_todos(self, request: Request) -> Response:
-        principal = await self.principal(request)
-        query = parse_model(TodoListQuery, dict(request.query_params))
-        return JsonResponse(await self.db.read(list_todos, principal, query))
-
     async def claim_next(self, request: Request) -> Response:
         principal = await self.principal(request)
         body = await self.body(request, ClaimNext)
@@ -4149,16 +4176,6 @@ class Api:
         frames = await self.flows.ring_frames(principal, queues, lambda ring: sse_frame(ring, "todo.ready"),
                                               [": connected\n\n"])
         return sse_response(frames)
-
-    async def get_todo(self, request: Request) -> Response:
-        principal = await self.principal(request)
-        return JsonResponse(await self.db.read(get_todo, principal, request.path_params["todo_id"]))
-
-    async def todo_action(self, request: Request, action: str) -> Response:
-        principal = await self.principal(request)
-        model, fn = AGENT_ACTIONS.get(action) or HUMAN_ACTIONS[action]
-        body = await self.body(request, model)
-        return JsonResponse(await self.db.write(fn, principal, request.path_params["todo_id"], body))
 
     async def endpoints(self, request: Request) -> Response:
         principal = await self.principal(request)
@@ -4212,13 +4229,6 @@ class Api:
         made = await self.db.write(create_webhook, principal, self.flows.box, body, self.ingest_base(request))
         return JsonResponse(made, status_code=201)
 
-    async def webhook(self, request: Request) -> Response:
-        principal = await self.principal(request)
-        webhook_id = request.path_params["webhook_id"]
-        if request.method == "GET":
-            return JsonResponse(await self.db.read(get_webhook, principal, webhook_id))
-        return JsonResponse(await self.db.write(delete_webhook, principal, webhook_id))
-
     async def rotate(self, request: Request) -> Response:
         principal = await self.principal(request)
         await self.body(request, HumanNote)
@@ -4231,35 +4241,10 @@ class Api:
         return JsonResponse(await self.db.write(set_webhook_secret, principal, self.flows.box,
                                                 request.path_params["webhook_id"], body))
 
-    async def webhook_routes(self, request: Request) -> Response:
+    async def set_rules(self, request: Request) -> Response:
         principal = await self.principal(request)
-        webhook_id = request.path_params["webhook_id"]
-        if request.method == "GET":
-            return JsonResponse(await self.db.read(list_routes, principal, webhook_id))
-        body = await self.body(request, RouteAdd)
-        return JsonResponse(await self.db.write(add_route, principal, webhook_id, body), status_code=201)
-
-    async def webhook_route(self, request: Request) -> Response:
-        principal = await self.principal(request)
-        return JsonResponse(await self.db.write(remove_route, principal, request.path_params["webhook_id"],
-                                                request.path_params["endpoint_id"]))
-
-    async def webhook_events(self, request: Request) -> Response:
-        principal = await self.principal(request)
-        query = parse_model(EventListQuery, dict(request.query_params))
-        return JsonResponse(await self.db.read(list_events, principal, request.path_params["webhook_id"], query))
-
-    async def event(self, request: Request) -> Response:
-        principal = await self.principal(request)
-        return JsonResponse(await self.db.read(get_event, principal, request.path_params["event_id"]))
-
-    async def rules(self, request: Request) -> Response:
-        principal = await self.principal(request)
-        webhook_id = request.path_params["webhook_id"]
-        if request.method == "GET":
-            return JsonResponse(await self.db.read(get_rules, principal, webhook_id))
         body = await self.body(request, RuleSet)
-        return JsonResponse(await self.flows.set_rules(principal, webhook_id, body))
+        return JsonResponse(await self.flows.set_rules(principal, request.path_params["webhook_id"], body))
 
     async def rules_test(self, request: Request) -> Response:
         principal = await self.principal(request)
@@ -4272,21 +4257,21 @@ class Api:
         body = await self.body(request, ReleaseQuarantine)
         return JsonResponse(await self.flows.release_quarantined(principal, request.path_params["todo_id"], body))
 
-    async def friends(self, request: Request) -> Response:
+    async def run_store(self, request: Request, route: ApiRoute) -> Response:
+        """A route that is one store function in one transaction, called with the principal, the path's
+        parameters in order, then the validated body or query."""
         principal = await self.principal(request)
-        if request.method == "GET":
-            return JsonResponse(await self.db.read(list_friends, principal))
-        body = await self.body(request, FriendRequest)
-        return JsonResponse(await self.db.write(friend_request, principal, body), status_code=201)
-
-    async def approve_friend(self, request: Request) -> Response:
-        principal = await self.principal(request)
-        await self.body(request, HumanNote)
-        return JsonResponse(await self.db.write(friend_approve, principal, request.path_params["edge_id"]))
+        args = list(request.path_params.values())
+        if route.body is not None:
+            args.append(await self.body(request, route.body))
+        if route.query is not None:
+            args.append(parse_model(route.query, dict(request.query_params)))
+        run = self.db.write if route.writes else self.db.read
+        return JsonResponse(await run(route.store, principal, *args), status_code=route.status)
 
     def route_table(self) -> list[Route]:
-        return [Route(r.path, functools.partial(getattr(self, r.handler), **r.bind) if r.bind else
-                      getattr(self, r.handler), methods=[r.method]) for r in REST_ROUTES]
+        return [Route(r.path, functools.partial(self.run_store, route=r) if r.store else getattr(self, r.handler),
+                      methods=[r.method]) for r in REST_ROUTES]
 
     async def openapi(self, request: Request) -> Response:
         return JsonResponse(self.openapi_document)
@@ -4294,7 +4279,6 @@ class Api:
 
 # -- doorbell streams: Server-Sent Events and MCP -------------------------------------------------------
 
-KEEPALIVE_SECONDS = 15.0
 
 
 def _is_loopback(host: str) -> bool:
@@ -5334,10 +5318,10 @@ def _add_todos(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
     listing.add_argument("--limit", type=int, help="at most this many (1..200, default 50)")
     _subcommand(todo, "show", _cli_todo_show, "one todo with its attempts, history and receipt",
                 common).add_argument("id", help="todo id (td_…)")
-    release_held = _subcommand(todo, "release", _cli_todo_release, "release a quarantined (held) delivery", common)
-    release_held.add_argument("id", help="todo id (td_…) of the held item")
-    release_held.add_argument("--queue", help="send it to this queue instead of re-evaluating the rules")
-    release_held.add_argument("--note", help="why, for the history")
+    unhold = _subcommand(todo, "release", _cli_todo_release, "release a quarantined (held) delivery", common)
+    unhold.add_argument("id", help="todo id (td_…) of the held item")
+    unhold.add_argument("--queue", help="send it to this queue instead of re-evaluating the rules")
+    unhold.add_argument("--note", help="why, for the history")
     for action, (options, help_text) in TODO_ACTION_OPTIONS.items():
         sub = _subcommand(todo, action, _cli_todo_action, help_text, common)
         sub.set_defaults(action=action)
