@@ -60,8 +60,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, RootModel, StringConstraints, Tag,
+                      ValidationError, model_validator)
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -140,7 +140,8 @@ DRAIN_VERBS = ("list_todos", "get_todo", "claim_next", "claim", "heartbeat", "co
                "needs_input", "block", "absorb")
 WEBHOOK_VERBS = ("create_webhook", "list_webhooks", "rotate_webhook", "delete_webhook", "set_webhook_secret",
                  "get_webhook_rules", "set_webhook_rules", "test_webhook_rules", "add_webhook_route",
-                 "list_webhook_routes", "remove_webhook_route", "list_webhook_events", "get_webhook_event")
+                 "list_webhook_routes", "remove_webhook_route", "list_webhook_events", "get_webhook_event",
+                 "set_trusted_actors")
 VERB_PRESETS = {"drain": DRAIN_VERBS, "webhooks": WEBHOOK_VERBS, "all": DRAIN_VERBS + WEBHOOK_VERBS}
 ALL_VERBS = frozenset(VERB_PRESETS["all"])
 
@@ -1007,11 +1008,46 @@ class TodoListQuery(BaseModel):
 PrintableSecret = Annotated[str, StringConstraints(min_length=16, max_length=512, pattern=r"^[\x20-\x7e]+$")]
 
 
+def _actor_name(value: str) -> str:
+    if not 1 <= len(value.encode("utf-8", "surrogatepass")) <= 128:
+        raise ValueError("a trusted actor is 1 to 128 bytes")
+    return value
+
+
+ActorName = Annotated[str, StringConstraints(pattern=ONE_LINE), AfterValidator(_actor_name)]
+
+
+class TrustLogins(Body):
+    """github, gitea: trusted logins, checked against the sender, the author, or both."""
+    logins: Annotated[list[ActorName], Field(max_length=256)]
+    match: Literal["sender", "author", "both"] = "sender"
+
+
+class TrustActorIds(Body):
+    """cairn: trusted actor ids."""
+    actor_ids: Annotated[list[ActorName], Field(max_length=256)]
+
+
+class TrustAll(Body):
+    """Every actor: the gate lets everything through to the rules."""
+    allow_all: Literal[True]
+
+
+class TrustedActors(RootModel[TrustLogins | TrustActorIds | TrustAll]):
+    """The trust gate's list for one webhook: one of the three shapes."""
+
+
+class TrustedActorsArgs(Body):
+    """The MCP tool's arguments (a tool's input is an object): the list under `trusted_actors`."""
+    trusted_actors: TrustLogins | TrustActorIds | TrustAll
+
+
 class WebhookCreate(Body):
     provider: Literal[PROVIDERS]
     queue: QueueName
     secret: PrintableSecret | None = None
     endpoint_id: EndpointId | None = None
+    trusted_actors: TrustLogins | TrustActorIds | TrustAll | None = None
 
 
 class WebhookSecret(Body):
@@ -1084,8 +1120,11 @@ class RulesTest(Body):
 
 
 class ReleaseQuarantine(Body):
+    """`queue` sends the held delivery there; `trust_actor` first adds its actor to the webhook's trusted
+    actors (for deliveries held by the trust gate)."""
     queue: QueueName | None = None
     note: Note | None = None
+    trust_actor: bool = False
 
 
 class DoorbellQuery(BaseModel):
@@ -1268,12 +1307,26 @@ def _forge_number(payload: Any) -> int | None:
     return None
 
 
-def subject_key(provider: str, kind: str | None, payload: Any) -> str | None:
+def forge_view(provider: str, kind: str | None, headers: dict[str, str]) -> tuple[str, str | None] | None:
+    """Which forge a delivery speaks for, and its event kind: a forge webhook's own, or (as the reference
+    design does) a generic webhook whose request carries X-Gitea-Event (which wins) or X-GitHub-Event."""
+    if PROVIDER_TABLE[provider].forge:
+        return provider, kind
+    if provider == "generic":
+        for forge in ("gitea", "github"):
+            if f"x-{forge}-event" in headers:
+                return forge, headers[f"x-{forge}-event"]
+    return None
+
+
+def subject_key(provider: str, kind: str | None, payload: Any, headers: dict[str, str]) -> str | None:
     if provider == "cairn":
         artifact_id = _text(_get(payload, "data", "id"))
         return f"cairn:{artifact_id}" if artifact_id else None
-    if not PROVIDER_TABLE[provider].forge or kind is None:
+    forge = forge_view(provider, kind, headers)
+    if forge is None or forge[1] is None:
         return None
+    provider, kind = forge
     repo = _text(_get(payload, "repository", "full_name"))
     if not repo:
         return None
@@ -1292,28 +1345,92 @@ def _label_names(labels: Any) -> list[str]:
     return [_text(label["name"]) for label in labels if isinstance(label, dict) and isinstance(label.get("name"), str)]
 
 
+def _string(value: Any) -> str:
+    """A producer string inside .issue: absent or of the wrong type reads as "" (rules may call string
+    functions on it unguarded, as packs written for the reference design do)."""
+    return _text(value) or ""
+
+
 def issue_view(provider: str, kind: str | None, headers: dict[str, str], payload: Any, key: str | None) -> dict | None:
-    """Forge issue events only: kind `issues`, a positive issue number, and no pull request."""
+    """Forge issue events only: kind `issues`, a positive issue number, and no pull request (a non-null
+    `issue.pull_request` or top-level `pull_request`; Gitea sends `"pull_request": null` on plain issues)."""
+    forge = forge_view(provider, kind, headers)
     issue = _get(payload, "issue")
-    if not PROVIDER_TABLE[provider].forge or kind != "issues" or not isinstance(issue, dict):
+    if forge is None or forge[1] != "issues" or not isinstance(issue, dict):
         return None
     number = issue.get("number")
-    if not isinstance(number, int) or isinstance(number, bool) or number <= 0 or issue.get("pull_request"):
+    if (not isinstance(number, int) or isinstance(number, bool) or number <= 0
+            or issue.get("pull_request") is not None or _get(payload, "pull_request") is not None):
         return None
-    action = _text(_get(payload, "action"))
+    action = _string(_get(payload, "action"))
     body = issue.get("body")
     return {
-        "provider": provider, "action": action,
+        "provider": forge[0], "action": action,
         "event_type": headers.get("x-gitea-event-type") or "issues",
-        "repo": _text(_get(payload, "repository", "full_name")), "number": number,
-        "title": _text(issue.get("title")), "url": _text(issue.get("html_url")), "state": _text(issue.get("state")),
-        "author": _text(_get(issue, "user", "login")), "sender": _text(_get(payload, "sender", "login")),
-        "labels": _label_names(issue.get("labels")),
-        "label": _text(_get(payload, "label", "name")) if provider == "github" else None,
+        "repo": _string(_get(payload, "repository", "full_name")), "number": number,
+        "title": _string(issue.get("title")), "url": _string(issue.get("html_url")),
+        "state": _string(issue.get("state")), "author": _string(_get(issue, "user", "login")),
+        "sender": _string(_get(payload, "sender", "login")), "labels": _label_names(issue.get("labels")),
+        "label": _text(_get(payload, "label", "name")),
         "label_event": action in ("labeled", "unlabeled", "label_updated", "label_cleared"),
-        "body_size": len(body.encode()) if isinstance(body, str) else 0,
+        "body_size": len(body.encode("utf-8", "surrogatepass")) if isinstance(body, str) else 0,
         "key": key,
     }
+
+
+def _thread_author(payload: Any) -> str | None:
+    """Who opened the thread (issue, pull request or discussion) a delivery is about."""
+    return next((login for part in ("issue", "pull_request", "discussion")
+                 if (login := _login(_get(payload, part, "user", "login")))), None)
+
+
+ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def _login(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def actor_view(provider: str, payload: Any, trusted_actors: dict | None) -> dict:
+    """`.actor`: who sent the delivery and who wrote what it is about, from the verified body, and whether the
+    webhook's trusted actors name them. Logins compare ASCII case-insensitively, cairn actor ids exactly; a
+    field of the wrong type names nobody. The author is trusted only when the thread's author is too (a
+    maintainer's comment on an outsider's issue is not author-trusted). Under allow_all the per-actor flags
+    are null and the delivery is trusted; a webhook with no gate has everything null."""
+    if provider == "cairn":
+        sender = author = thread = _login(_get(payload, "data", "actor_id"))
+    elif PROVIDER_TABLE[provider].forge:
+        sender = _login(_get(payload, "sender", "login"))
+        author = next((login for part in ("comment", "review", "pull_request", "issue", "discussion")
+                       if (login := _login(_get(payload, part, "user", "login")))), None)
+        thread = _thread_author(payload)
+    else:
+        return {"sender": None, "author": None, "sender_trusted": None, "author_trusted": None, "trusted": None}
+    view = {"sender": sender, "author": author, "sender_trusted": None, "author_trusted": None, "trusted": None}
+    if trusted_actors is None:
+        return view
+    if trusted_actors.get("allow_all"):
+        return {**view, "trusted": True}
+    if "actor_ids" in trusted_actors:
+        names, fold = set(trusted_actors["actor_ids"]), (lambda name: name)
+    else:
+        names, fold = {n.translate(ASCII_FOLD) for n in trusted_actors["logins"]}, (lambda n: n.translate(ASCII_FOLD))
+    known = lambda name: name is not None and fold(name) in names  # noqa: E731 - a one-line predicate
+    view["sender_trusted"] = known(sender)
+    view["author_trusted"] = known(author) and (thread is None or known(thread)) if author else known(sender)
+    match = trusted_actors.get("match", "sender")
+    view["trusted"] = {"sender": view["sender_trusted"], "author": view["author_trusted"],
+                       "both": view["sender_trusted"] and view["author_trusted"]}[match]
+    return view
+
+
+def actors_to_trust(envelope: dict, trusted_actors: dict) -> list[str]:
+    """The names a human's "trust this actor" adds: whoever the webhook's match mode found untrusted."""
+    actor, match = envelope["actor"], trusted_actors.get("match", "sender")
+    names = [actor["sender"]] if match in ("sender", "both") or "actor_ids" in trusted_actors else []
+    if match in ("author", "both"):
+        names += [actor["author"], _thread_author(envelope["payload"])]
+    return [n for n in dict.fromkeys(names) if n]
 
 
 def artifact_view(payload: Any) -> dict | None:
@@ -1366,15 +1483,15 @@ def decode_payload(headers: dict[str, str], body: bytes) -> tuple[Any, str | Non
 
 
 def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified: bool, headers: dict[str, str],
-                   body: bytes, payload: Any, released: dict | None = None) -> dict:
+                   body: bytes, payload: Any, trusted_actors: dict | None, released: dict | None = None) -> dict:
     kind = event_kind(provider, headers, payload)
-    key = subject_key(provider, kind, payload)
+    key = subject_key(provider, kind, payload, headers)
     return {
         "source": provider, "kind": kind, "webhook_id": webhook_id, "trust_mode": trust_mode, "verified": verified,
         "content_type": headers.get("content-type"), "size": len(body), "headers": redact_headers(headers),
         "payload": payload, "issue": issue_view(provider, kind, headers, payload, key),
         "artifact": artifact_view(payload) if provider == "cairn" else None,
-        "subject_key": key, "release": released,
+        "subject_key": key, "release": released, "actor": actor_view(provider, payload, trusted_actors),
     }
 
 
@@ -2687,16 +2804,48 @@ def create_webhook(txn: Txn, principal: Principal, box: SecretBox, spec: Webhook
     secret = _initial_secret(spec.provider, spec.secret)
     webhook_id = new_id("wh")
     token = secrets.token_urlsafe(16)
-    trusted = '{"allow_all": true}' if PROVIDER_TABLE[spec.provider].trust else None
+    trusted = trust_list(spec.provider, spec.trusted_actors)
     txn.execute("INSERT INTO webhooks (id, endpoint_id, provider, queue, trust_mode, token_hash, secret_sealed,"
                 " trusted_actors, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (webhook_id, owner["id"], spec.provider, spec.queue,
                  "token" if spec.provider == "generic" else "signed", token_hash(token),
-                 box.seal(secret, webhook_id) if secret else None, trusted, txn.now))
+                 box.seal(secret, webhook_id) if secret else None, json.dumps(trusted) if trusted else None,
+                 txn.now))
     txn.logs.append(f"webhook {webhook_id} ({spec.provider}) created on {owner['id']}")
-    return {"id": webhook_id, "url": _ingest_url(base_url, token), "secret": secret, "provider": spec.provider,
+    made = {"id": webhook_id, "url": _ingest_url(base_url, token), "secret": secret, "provider": spec.provider,
             "queue": spec.queue, "trust_mode": "token" if spec.provider == "generic" else "signed",
-            "endpoint_id": owner["id"]}
+            "endpoint_id": owner["id"], "trusted_actors": trusted}
+    if trusted is not None and not trusted.get("allow_all") and not (trusted.get("logins") or
+                                                                      trusted.get("actor_ids")):
+        made["warning"] = ("no trusted actors yet: every delivery is held until you name them (PUT"
+                           f" /api/v1/webhooks/{webhook_id}/trusted-actors, or `webhook trust {webhook_id}`)")
+    return made
+
+
+def trust_list(provider: str, spec: TrustLogins | TrustActorIds | TrustAll | None) -> dict | None:
+    """The trusted actors a webhook of `provider` keeps: its own shape, or allow_all. A forge or cairn webhook
+    without a list trusts no one (secure by default); the other providers have no gate at all."""
+    kind = PROVIDER_TABLE[provider].trust
+    if kind is None:
+        if spec is not None:
+            raise ApiError("invalid_argument", f"trusted_actors: a {provider} webhook has no trust gate"
+                                               " (github, gitea and cairn have one)")
+        return None
+    if spec is None:
+        return {"logins": [], "match": "sender"} if kind == "logins" else {"actor_ids": []}
+    if not isinstance(spec, TrustAll) and not isinstance(spec, TrustLogins if kind == "logins" else TrustActorIds):
+        raise ApiError("invalid_argument", f"trusted_actors: a {provider} webhook trusts {kind}, or allow_all")
+    return spec.model_dump()
+
+
+def set_trusted_actors(txn: Txn, principal: Principal, webhook_id: str, body: TrustedActors) -> dict:
+    row = _visible_webhook(txn, principal, webhook_id, "set_trusted_actors")
+    trusted = trust_list(row["provider"], body.root)
+    if trusted is None:
+        raise ApiError("invalid_argument", f"trusted_actors: a {row['provider']} webhook has no trust gate")
+    txn.execute("UPDATE webhooks SET trusted_actors = ? WHERE id = ?", (json.dumps(trusted), webhook_id))
+    txn.logs.append(f"webhook {webhook_id} trusted actors set")
+    return webhook_view(txn.one("SELECT * FROM webhooks WHERE id = ?", (webhook_id,)))
 
 
 def list_webhooks(txn: Txn, principal: Principal) -> dict:
@@ -2894,17 +3043,24 @@ def build_work_order(envelope: dict, queue: str, trace: dict) -> dict:
     issue, artifact = envelope.get("issue"), envelope.get("artifact")
     if issue:
         subject = {"type": "issue", **{k: issue[k] for k in ("provider", "repo", "number", "url", "title", "author",
-                                                             "sender", "action", "labels")}}
+                                                             "sender", "action", "labels", "event_type", "state",
+                                                             "label", "body_size")}}
     elif artifact:
         subject = {"type": "cairn_artifact", **{k: artifact[k] for k in ("id", "handle", "url", "title", "actor_id",
-                                                                         "on_behalf_of", "tags")}}
+                                                                         "on_behalf_of", "share_type")},
+                   "tags": [t for t in artifact["tags"] if isinstance(t, str)] if isinstance(artifact["tags"], list)
+                   else None}
     else:
         subject = None
-    return {"version": 1, "lane": queue, "source": envelope["source"], "webhook_id": envelope["webhook_id"],
-            "trust_mode": envelope["trust_mode"], "verified": envelope["verified"],
-            "authorized_by": {"stage": trace["stage"], "rule_id": trace.get("rule_id"),
-                              "rule_name": trace.get("rule_name")},
-            "subject": subject, "authority": WORK_ORDER_AUTHORITY}
+    order = {"version": 1, "lane": queue, "source": envelope["source"], "webhook_id": envelope["webhook_id"],
+             "trust_mode": envelope["trust_mode"], "verified": envelope["verified"],
+             "authorized_by": {"stage": trace["stage"], "rule_id": trace.get("rule_id"),
+                               "rule_name": trace.get("rule_name")},
+             "subject": subject, "author_trusted": (envelope.get("actor") or {}).get("author_trusted"),
+             "authority": WORK_ORDER_AUTHORITY}
+    if envelope.get("release"):
+        order["released_by"] = envelope["release"]["by"]
+    return order
 
 
 @dataclass
@@ -2934,7 +3090,7 @@ def plan_delivery(txn: Txn, webhook: sqlite3.Row, envelope: dict, action: dict, 
     if action.get("drop"):
         return Plan("dropped", [], trace)
     if action.get("quarantine"):
-        trace["hold"] = "rule_fault" if trace["stage"] == "fault" else "rule"
+        trace["hold"] = {"fault": "rule_fault", "trust_gate": "untrusted_actor"}.get(trace["stage"], "rule")
         return Plan("quarantined", owner_hold, trace)
     chosen = _plan_targets(txn, webhook, action)
     if not chosen:
@@ -3106,9 +3262,13 @@ def save_rules(txn: Txn, principal: Principal, webhook_id: str, rules: list[Rule
 
 def gate(envelope: dict) -> tuple[dict, dict] | None:
     """What is decided before any rule runs. A producer's hello (GitHub's `ping`, sent when a webhook is
-    created) proves the secret and is recorded, but is never work."""
+    created) proves the secret and is recorded, but is never work. A delivery whose actor the webhook does not
+    trust is held for its human (the trust gate), so no rule ever sees it."""
     if envelope["source"] == "github" and envelope["kind"] == "ping":
         return {"ping": True}, {"stage": "ping", "action": {"ping": True}}
+    if envelope["actor"]["trusted"] is False:
+        action = {"quarantine": True}
+        return action, {"stage": "trust_gate", "cause": "untrusted_actor", "action": action}
     return None
 
 
@@ -3203,7 +3363,7 @@ def _test_subject(txn: Txn, principal: Principal, webhook_id: str, event_id: str
     row = txn.one("SELECT envelope FROM events WHERE id = ? AND webhook_id = ?", (event_id, webhook_id))
     if row is None or row["envelope"] is None:
         raise ApiError("not_found", f"no event {event_id} on this webhook")
-    return webhook, json.loads(row["envelope"])
+    return webhook, with_current_actor(json.loads(row["envelope"]), webhook)
 
 
 def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webhook_id: str, body: RulesTest) -> dict:
@@ -3225,7 +3385,7 @@ def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webh
         verified = body.verified if body.verified is not None else webhook["trust_mode"] == "signed"
         envelope = build_envelope(provider=webhook["provider"], webhook_id=webhook["id"],
                                   trust_mode=webhook["trust_mode"], verified=verified, headers=headers, body=raw,
-                                  payload=body.payload)
+                                  payload=body.payload, trusted_actors=_json(webhook["trusted_actors"]))
     elif body.verified is not None:
         envelope["verified"] = body.verified
     action, trace = decide(evaluator, [r.model_dump(exclude_none=True) for r in rules_models],
@@ -3247,6 +3407,28 @@ class QuarantineRelease:
     envelope: dict
     action: dict
     trace: dict
+    trusted_actors: dict | None = None  # the webhook's new list, when the human trusted the actor
+
+
+def with_current_actor(envelope: dict, webhook: sqlite3.Row, trusted_actors: dict | None = None) -> dict:
+    """A stored envelope with `.actor` as the webhook's trusted actors (or `trusted_actors`) say now."""
+    trusted = trusted_actors or _json(webhook["trusted_actors"])
+    return {**envelope, "actor": actor_view(webhook["provider"], envelope["payload"], trusted)}
+
+
+def _trusting(todo: sqlite3.Row, webhook: sqlite3.Row, envelope: dict) -> dict:
+    """The webhook's trusted actors with this held delivery's actor added."""
+    if todo["state_reason"] != "untrusted_actor":
+        raise ApiError("conflict", f"trust_actor is for deliveries the trust gate held; this one is held as"
+                                   f" {todo['state_reason']}")
+    trusted = _json(webhook["trusted_actors"]) or {}
+    names = actors_to_trust(envelope, trusted)
+    if trusted.get("allow_all") or not names:
+        raise ApiError("conflict", "there is no actor to trust on this delivery")
+    field_name = "actor_ids" if "actor_ids" in trusted else "logins"
+    known = {n.translate(ASCII_FOLD) if field_name == "logins" else n for n in trusted[field_name]}
+    added = [n for n in names if (n.translate(ASCII_FOLD) if field_name == "logins" else n) not in known]
+    return {**trusted, field_name: [*trusted[field_name], *added]}
 
 
 def _held_subject(txn: Txn, principal: Principal, todo_id: str) -> tuple[sqlite3.Row, sqlite3.Row | None, dict]:
@@ -3260,16 +3442,20 @@ def _held_subject(txn: Txn, principal: Principal, todo_id: str) -> tuple[sqlite3
 
 def prepare_quarantine_release(db: Database, evaluator: Evaluator, principal: Principal, todo_id: str,
                     body: ReleaseQuarantine) -> QuarantineRelease:
-    """Re-evaluate a held delivery with `.release` set, or send it to a named queue."""
+    """Re-evaluate a held delivery with `.release` set (the trust gate does not run again: a human released
+    it), or send it to a named queue; with `trust_actor`, first as if its actor were trusted."""
     todo, webhook, envelope = db.read_sync(_held_subject, principal, todo_id)
     if webhook is None:
         raise ApiError("conflict", "the webhook of this delivery is gone; discard it")
+    trusted = _trusting(todo, webhook, envelope) if body.trust_actor else None
+    envelope = with_current_actor(envelope, webhook, trusted)
     envelope["release"] = {"by": principal.actor, "at": iso(db.clock.now_ms())}
     if body.queue is not None:
         action = {"queue": body.queue, "exclusive": True}
-        return QuarantineRelease(todo_id, envelope, action, {"stage": "release", "cause": "named_queue", "action": action})
-    action, trace = decide_for_webhook(evaluator, webhook, json.dumps(envelope).encode(), principal.human_id)
-    return QuarantineRelease(todo_id, envelope, action, trace)
+        trace = {"stage": "release", "cause": "named_queue", "action": action}
+    else:
+        action, trace = decide_for_webhook(evaluator, webhook, json.dumps(envelope).encode(), principal.human_id)
+    return QuarantineRelease(todo_id, envelope, action, trace, trusted)
 
 
 def apply_quarantine_release(txn: Txn, principal: Principal, release: QuarantineRelease, note: str | None = None) -> dict:
@@ -3287,6 +3473,9 @@ def apply_quarantine_release(txn: Txn, principal: Principal, release: Quarantine
         return todo_view(_reload(txn, todo["id"]))
     if plan.once_key:
         claim_once(txn, webhook["id"], plan.once_key, todo["event_id"], release.action["queue"])
+    if release.trusted_actors is not None:
+        txn.execute("UPDATE webhooks SET trusted_actors = ? WHERE id = ?",
+                    (json.dumps(release.trusted_actors), webhook["id"]))
     (endpoint_id, queue, _), *others = plan.targets
     _transition(txn, todo, "pending", principal.actor, evidence, queue=queue, endpoint_id=endpoint_id,
                 trace=json.dumps(plan.trace_for(endpoint_id)), work_order=json.dumps(plan.work_order) if plan.work_order else None,
@@ -3775,7 +3964,8 @@ class Flows:
         verified = self._verify(webhook, headers, body, source)
         payload, payload_error = decode_payload(headers, body)
         envelope = build_envelope(provider=provider, webhook_id=webhook["id"], trust_mode=webhook["trust_mode"],
-                                  verified=verified, headers=headers, body=body, payload=payload)
+                                  verified=verified, headers=headers, body=body, payload=payload,
+                                  trusted_actors=_json(webhook["trusted_actors"]))
         if provider == "slack" and _get(payload, "type") == "url_verification":
             return 200, {"challenge": _get(payload, "challenge")}
         key, body_hash = delivery_key(provider, headers, payload, body), hashlib.sha256(body).hexdigest()
@@ -4046,6 +4236,8 @@ REST_ROUTES: list[ApiRoute] = [
     ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/rotate", "rotate", "a new URL and secret", body=HumanNote),
     ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/secret", "secret", "set the secret Stripe or Slack issued",
              body=WebhookSecret),
+    ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/trusted-actors", "", "set the trust gate's list (github,"
+             " gitea, cairn)", body=TrustedActors, store=set_trusted_actors, writes=True),
     ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/routes", "", "a webhook's routes", store=list_routes),
     ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/routes", "", "route deliveries to an endpoint",
              body=RouteAdd, status=201, store=add_route, writes=True),
@@ -4426,6 +4618,10 @@ class Mcp:
             principal.require_verb("test_webhook_rules")
             return await flows.dry_run(principal, path[0], body)
 
+        async def set_trust_tool(principal: Principal, path: list[str], body: TrustedActorsArgs,
+                                 request: Request) -> dict:
+            return await db.write(set_trusted_actors, principal, path[0], TrustedActors(body.trusted_actors))
+
         async def list_events_tool(principal: Principal, path: list[str], body: EventListQuery,
                                    request: Request) -> dict:
             return await db.read(list_events, principal, path[0], body)
@@ -4474,6 +4670,8 @@ class Mcp:
                      ("webhook_id",), list_events_tool),
             ToolSpec("get_webhook_event", "Get one delivery with its envelope and trace.", None, ("event_id",),
                      read(get_event)),
+            ToolSpec("set_trusted_actors", "Set the trust gate's list: logins (with match), actor_ids, or allow_all.",
+                     TrustedActorsArgs, ("webhook_id",), set_trust_tool),
         ]
 
     def tool_list(self, principal: Principal) -> list[dict]:
@@ -4907,8 +5105,8 @@ def _cli_todo_show(args: argparse.Namespace, db: Database) -> dict:
 
 
 def _cli_todo_release(args: argparse.Namespace, db: Database) -> dict:
-    body = parse_model(ReleaseQuarantine, {k: v for k, v in (("queue", args.queue), ("note", args.note))
-                                           if v is not None})
+    body = parse_model(ReleaseQuarantine, {k: v for k, v in (("queue", args.queue), ("note", args.note),
+                                                             ("trust_actor", args.trust_actor or None)) if v is not None})
     with _evaluator() as evaluator:
         release = prepare_quarantine_release(db, evaluator, OPERATOR, args.id, body)
     return db.write_sync(apply_quarantine_release, OPERATOR, release, body.note)
@@ -4929,13 +5127,43 @@ def _base_url(args: argparse.Namespace) -> str:
     return getattr(args, "base_url", None) or os.environ.get("SWITCHBOARD_BASE_URL") or "http://127.0.0.1:8080"
 
 
+def _trust_fields(args: argparse.Namespace, provider: str) -> dict | None:
+    """--trust A,B [--match M] or --allow-all, as the trusted-actors document for `provider`."""
+    if args.allow_all:
+        if args.trust is not None:
+            raise ApiError("invalid_argument", "give --trust or --allow-all, not both")
+        return {"allow_all": True}
+    if args.trust is None:
+        if args.match is not None:
+            raise ApiError("invalid_argument", "--match goes with --trust")
+        return None
+    names = [n.strip() for n in args.trust.split(",") if n.strip()]
+    if PROVIDER_TABLE[provider].trust == "actor_ids":
+        if args.match is not None:
+            raise ApiError("invalid_argument", "--match is for github and gitea logins")
+        return {"actor_ids": names}
+    return {"logins": names, **({"match": args.match} if args.match else {})}
+
+
 def _cli_webhook_create(args: argparse.Namespace, db: Database) -> dict:
     fields = {"endpoint_id": args.endpoint, "provider": args.provider, "queue": args.queue}
     if args.secret is not None:
         fields["secret"] = args.secret
+    trusted = _trust_fields(args, args.provider)
+    if trusted is not None:
+        fields["trusted_actors"] = trusted
     made = db.write_sync(create_webhook, OPERATOR, _secret_box(args, db), parse_model(WebhookCreate, fields),
                          _base_url(args))
-    return _with_out(args, {k: made[k] for k in ("id", "url", "secret", "provider", "queue")})
+    return _with_out(args, {k: made[k] for k in ("id", "url", "secret", "provider", "queue", "trusted_actors",
+                                                  "warning") if k in made})
+
+
+def _cli_webhook_trust(args: argparse.Namespace, db: Database) -> dict:
+    provider = db.read_sync(lambda txn: _visible_webhook(txn, OPERATOR, args.id, "set_trusted_actors"))["provider"]
+    trusted = _trust_fields(args, provider)
+    if trusted is None:
+        raise ApiError("invalid_argument", "give --trust A,B (with --match for logins) or --allow-all")
+    return db.write_sync(set_trusted_actors, OPERATOR, args.id, parse_model(TrustedActors, trusted))
 
 
 def _cli_webhook_list(args: argparse.Namespace, db: Database) -> dict:
@@ -5322,6 +5550,8 @@ def _add_todos(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
     unhold.add_argument("id", help="todo id (td_…) of the held item")
     unhold.add_argument("--queue", help="send it to this queue instead of re-evaluating the rules")
     unhold.add_argument("--note", help="why, for the history")
+    unhold.add_argument("--trust-actor", dest="trust_actor", action="store_true",
+                        help="first add its actor to the webhook's trusted actors (trust-gate holds only)")
     for action, (options, help_text) in TODO_ACTION_OPTIONS.items():
         sub = _subcommand(todo, action, _cli_todo_action, help_text, common)
         sub.set_defaults(action=action)
@@ -5345,9 +5575,17 @@ TODO_ACTION_OPTIONS = {
 }
 
 
+def _add_trust_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trust", help="comma-separated trusted logins (github, gitea) or actor ids (cairn); a"
+                                        " forge or cairn webhook without them holds every delivery")
+    parser.add_argument("--match", choices=["sender", "author", "both"],
+                        help="with --trust on github/gitea: check the sender (default), the author, or both")
+    parser.add_argument("--allow-all", dest="allow_all", action="store_true", help="trust every actor")
+
+
 def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     webhook = commands.add_parser("webhook", help="webhooks: signed ingress URLs").add_subparsers(
-        dest="sub", required=True, metavar="{create,list,rotate,delete,set-secret}")
+        dest="sub", required=True, metavar="{create,trust,list,rotate,delete,set-secret}")
     create = _subcommand(webhook, "create", _cli_webhook_create, "make an ingest URL; prints its secret once",
                          common)
     create.add_argument("--endpoint", required=True, help="owner endpoint id (ep_…)")
@@ -5356,6 +5594,11 @@ def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.Argumen
     create.add_argument("--secret", help="supply the secret instead of minting one (Stripe, Slack: theirs)")
     create.add_argument("--base-url", dest="base_url", help="public base of the ingest URL")
     create.add_argument("--out", help="also write the answer (URL and secret) to this file, mode 0600")
+    _add_trust_options(create)
+    trust = _subcommand(webhook, "trust", _cli_webhook_trust, "set whom the trust gate lets through (github,"
+                        " gitea: logins; cairn: actor ids)", common)
+    trust.add_argument("id", help="webhook id (wh_…)")
+    _add_trust_options(trust)
     _subcommand(webhook, "list", _cli_webhook_list, "list every webhook", common)
     rotate = _subcommand(webhook, "rotate", _cli_webhook_rotate, "new URL and secret (the old URL is 404 at once)",
                          common)
