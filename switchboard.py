@@ -75,7 +75,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 # 1. Configuration
 # ======================================================================================================
 
-VERSION = "0.1.0"
+VERSION = "0.2.0"
 SCHEMA_PATH = Path(__file__).with_name("schema.sql")
 SCHEMA_VERSION = 2
 
@@ -338,7 +338,7 @@ class Database:
     """
 
     def __init__(self, path: str, *, synchronous: str = "FULL", clock: Clock | None = None,
-                 inline_rings: bool = True):
+                 inline_rings: bool = True, migrate: bool = True):
         self.path = path
         self.synchronous = synchronous
         self.clock = clock or Clock()
@@ -350,7 +350,8 @@ class Database:
         self.counts: collections.Counter = collections.Counter()
         self.counts_lock = threading.Lock()
         writer = connect(path, synchronous)
-        apply_schema(writer)
+        if migrate:
+            apply_schema(writer)
         self._writer = writer
         self._jobs: queue_module.SimpleQueue = queue_module.SimpleQueue()
         self._carried_job: tuple | None = None
@@ -553,8 +554,11 @@ class KeyMismatch(ApiError):
 
 
 def sealed_sample(txn: Txn) -> tuple[str, bytes] | None:
-    """One webhook secret the database holds, to prove a key against."""
+    """One sealed credential the database holds (a webhook secret, else a notification channel's URL), to prove
+    a key against."""
     row = txn.one("SELECT id, secret_sealed FROM webhooks WHERE secret_sealed IS NOT NULL LIMIT 1")
+    if row is None and txn.one("SELECT 1 FROM sqlite_master WHERE name = 'notify_channels'"):
+        row = txn.one("SELECT id, url_sealed AS secret_sealed FROM notify_channels LIMIT 1")
     return (row["id"], row["secret_sealed"]) if row else None
 
 
@@ -1178,7 +1182,7 @@ class DoorbellQuery(BaseModel):
 
 class EventListQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    disposition: Literal["routed", "dropped", "repeat", "quarantined"] | None = None
+    disposition: Literal["routed", "dropped", "repeat", "quarantined", "ping"] | None = None
     limit: Annotated[int, Field(ge=1, le=200)] = 50
 
 
@@ -1761,7 +1765,7 @@ class _Child:
         line, _, self._buffer = self._buffer.partition(b"\n")
         try:
             reply = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             reply = None
         if not isinstance(reply, dict):
             raise EvaluatorDied("the evaluator answered something that is not a reply")
@@ -3450,9 +3454,10 @@ def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webh
                                   payload=body.payload, trusted_actors=_json(webhook["trusted_actors"]))
     elif body.verified is not None:
         envelope["verified"] = body.verified
-    action, trace = decide(evaluator, [r.model_dump(exclude_none=True) for r in rules_models],
-                           default.model_dump(exclude_none=True) if default else None, params, webhook["queue"],
-                           json.dumps(envelope).encode(), principal.human_id)
+    action, trace = gate(envelope) or decide(
+        evaluator, [r.model_dump(exclude_none=True) for r in rules_models],
+        default.model_dump(exclude_none=True) if default else None, params, webhook["queue"],
+        json.dumps(envelope).encode(), principal.human_id)
     plan = db.read_sync(plan_delivery, webhook, envelope, action, trace)
     return {"decision": {"drop": bool(action.get("drop")), "queue": plan.targets[0][1] if plan.targets else None,
                          "endpoints": [t[0] for t in plan.targets], "disposition": plan.disposition,
@@ -3754,12 +3759,16 @@ def due_messages(txn: Txn, rate_ms: int, busy: frozenset[str]) -> tuple[list[Out
     """What to send now, one message per channel (a digest formed earlier is sent again exactly as formed, so
     its id stays true), and when the next one falls due."""
     due: list[Outgoing] = []
-    pending = txn.all("SELECT c.*, min(o.next_at) AS due_at FROM notify_outbox o JOIN notify_channels c ON"
-                      " c.id = o.channel_id WHERE o.sent_at IS NULL AND o.gave_up_at IS NULL GROUP BY c.id")
+    # A channel whose last send failed waits out its backoff before anything else goes to it.
+    pending = txn.all("SELECT c.*, coalesce(max(CASE WHEN o.attempts > 0 THEN o.next_at END), min(o.next_at))"
+                      " AS due_at FROM notify_outbox o JOIN notify_channels c ON c.id = o.channel_id"
+                      " WHERE o.sent_at IS NULL AND o.gave_up_at IS NULL GROUP BY c.id")
     next_due: int | None = None
     for channel in pending:
+        if channel["id"] in busy:
+            continue  # its send in flight wakes the loop when it ends
         when = max(channel["due_at"], (channel["last_sent_at"] or -rate_ms) + rate_ms)
-        if when > txn.now or channel["id"] in busy:
+        if when > txn.now:
             next_due = when if next_due is None else min(next_due, when)
             continue
         rows = txn.all("SELECT * FROM notify_outbox WHERE channel_id = ? AND sent_at IS NULL AND gave_up_at IS NULL"
@@ -3847,9 +3856,10 @@ def prune_batch(txn: Txn) -> dict:
     todos = _prune_table(txn, "todos", f"state IN {TERMINAL_STATES}", "updated_at")
     events = _prune_table(txn, "events", f"NOT EXISTS (SELECT 1 FROM todos t WHERE t.event_id = events.id"
                                          f" AND t.state NOT IN {TERMINAL_STATES})", "received_at")
-    if todos or events:
-        txn.logs.append(f"pruned {todos} todos and {events} events")
-    return {"todos": todos, "events": events}
+    messages = _prune_table(txn, "notify_outbox", "(sent_at IS NOT NULL OR gave_up_at IS NOT NULL)", "created_at")
+    if todos or events or messages:
+        txn.logs.append(f"pruned {todos} todos, {events} events and {messages} sent notifications")
+    return {"todos": todos, "events": events, "notifications": messages}
 
 
 def _prune_table(txn: Txn, table: str, eligible: str, stamp: str) -> int:
@@ -3865,11 +3875,11 @@ def _prune_table(txn: Txn, table: str, eligible: str, stamp: str) -> int:
 
 def prune(db: Database) -> dict:
     """Retention to the end, in bounded transactions so that deliveries keep flowing between them."""
-    total = {"todos": 0, "events": 0}
+    total = {"todos": 0, "events": 0, "notifications": 0}
     while True:
         step = db.write_sync(prune_batch)
         total = {k: total[k] + step[k] for k in total}
-        if not step["todos"] and not step["events"]:
+        if not any(step.values()):
             return total
 
 
@@ -4109,7 +4119,8 @@ class Notifier:
 
     def wake(self) -> None:
         if self._loop is not None and self._wake is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the server is stopping
+                self._loop.call_soon_threadsafe(self._wake.set)
 
     async def run(self) -> None:
         """Send what is due, then sleep until the next message falls due or a commit wakes the loop. One bad
@@ -5922,6 +5933,9 @@ def _cli_migrate(args: argparse.Namespace, db: Database | None) -> dict:
         before = conn.execute("PRAGMA user_version").fetchone()[0]
     finally:
         conn.close()
+    if before > SCHEMA_VERSION:
+        raise ApiError("conflict", f"{args.db} is schema {before}, newer than this program ({SCHEMA_VERSION}):"
+                                   " run the newer program, or restore a backup made before the upgrade")
     if not args.dry_run and steps:
         Database(args.db).close()
     return {"path": str(Path(args.db).resolve()), "from": before, "to": SCHEMA_VERSION, "steps": steps,
@@ -6031,6 +6045,10 @@ def _raise_file_limit() -> None:
 
 
 def _cli_serve(args: argparse.Namespace) -> int:
+    for name, allowed in (("synchronous", ("full", "normal")), ("log_format", ("plain", "json"))):
+        if getattr(args, name) not in allowed:
+            raise ApiError("invalid_argument", f"{name.replace('_', '-')} must be one of {', '.join(allowed)}"
+                                               f" (from SWITCHBOARD_{name.upper()})")
     configure_logging(args.log_format)
     _raise_file_limit()
     app = create_app(args.db, synchronous=args.synchronous, ingest_rate=args.ingest_rate,
@@ -6053,15 +6071,10 @@ def _cli_serve(args: argparse.Namespace) -> int:
 
 # -- the parser --------------------------------------------------------------------------------------
 
-def _env(flag: str, default: Any, kind: Callable[[str], Any] = str) -> Any:
-    """A serve flag's default from SWITCHBOARD_<FLAG>, so a unit file or a container sets it once."""
-    value = os.environ.get("SWITCHBOARD_" + flag.upper().replace("-", "_"))
-    if value is None:
-        return default
-    try:
-        return kind(value)
-    except ValueError:
-        raise SystemExit(f"switchboard: SWITCHBOARD_{flag.upper().replace('-', '_')}={value!r} is not valid") from None
+def _env(flag: str, default: Any) -> Any:
+    """A serve flag's default from SWITCHBOARD_<FLAG>, so a unit file or a container sets it once. argparse
+    converts (and refuses) it like a value given on the command line, and only when `serve` runs."""
+    return os.environ.get("SWITCHBOARD_" + flag.upper().replace("-", "_"), default)
 
 
 def _subcommand(group: argparse._SubParsersAction, name: str, handler: Callable, help_text: str,
@@ -6082,14 +6095,14 @@ def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
                         "run the server (creates the database on first start); every flag also reads"
                         " SWITCHBOARD_<FLAG>", common)
     serve.add_argument("--host", default=_env("host", "127.0.0.1"), help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=_env("port", 8080, int), help="port (default 8080)")
+    serve.add_argument("--port", type=int, default=_env("port", "8080"), help="port (default 8080)")
     serve.add_argument("--synchronous", choices=["full", "normal"], default=_env("synchronous", "full"),
                        help="full: a 202 survives power loss (default); normal: faster, survives a crash")
     serve.add_argument("--ingest-rate", dest="ingest_rate", type=float,
-                       default=_env("ingest-rate", DEFAULT_INGEST_RATE, float),
+                       default=_env("ingest-rate", str(DEFAULT_INGEST_RATE)),
                        help="deliveries per second per source address (0 turns the limit off)")
     serve.add_argument("--ingest-burst", dest="ingest_burst", type=int,
-                       default=_env("ingest-burst", DEFAULT_INGEST_BURST, int), help="deliveries allowed at once")
+                       default=_env("ingest-burst", str(DEFAULT_INGEST_BURST)), help="deliveries allowed at once")
     serve.add_argument("--base-url", dest="base_url", default=_env("base-url", None),
                        help="public base of ingest URLs and Board links (default: as requested)")
     serve.add_argument("--allowed-origins", dest="allowed_origins", default=_env("allowed-origins", None),
@@ -6331,7 +6344,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.handler is _cli_migrate:
             _print(args, _cli_migrate(args, None))
             return 0
-        db = Database(args.db, inline_rings=False)
+        # `check` reports the schema as it is and `backup` copies the file as it is: neither migrates it.
+        db = Database(args.db, inline_rings=False, migrate=args.handler not in (_cli_check, _cli_backup))
         try:
             _print(args, args.handler(args, db))
         finally:
