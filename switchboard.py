@@ -1153,6 +1153,13 @@ class NotifyCreate(Body):
 
     @model_validator(mode="after")
     def _token_fits_kind(self) -> NotifyCreate:
+        try:
+            parts = urllib.parse.urlsplit(self.url)
+            parts.port  # noqa: B018 - raises on a port that is not a number or out of range
+        except ValueError:
+            raise ValueError("url: not a valid http(s) URL") from None
+        if not parts.hostname:
+            raise ValueError("url: names no host")
         if self.kind == "gotify" and self.token is None:
             raise ValueError("a gotify channel needs its app token")
         if self.kind in ("slack", "discord", "webhook") and self.token is not None:
@@ -1498,9 +1505,9 @@ def _deeper_than(value: Any, limit: int) -> bool:
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        if children and depth > limit:
+        if depth > limit:
             return True
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return False
 
@@ -3760,9 +3767,10 @@ def due_messages(txn: Txn, rate_ms: int, busy: frozenset[str]) -> tuple[list[Out
     its id stays true), and when the next one falls due."""
     due: list[Outgoing] = []
     # A channel whose last send failed waits out its backoff before anything else goes to it.
+    # A test message is sent by its own request, never by the loop.
     pending = txn.all("SELECT c.*, coalesce(max(CASE WHEN o.attempts > 0 THEN o.next_at END), min(o.next_at))"
                       " AS due_at FROM notify_outbox o JOIN notify_channels c ON c.id = o.channel_id"
-                      " WHERE o.sent_at IS NULL AND o.gave_up_at IS NULL GROUP BY c.id")
+                      " WHERE o.sent_at IS NULL AND o.gave_up_at IS NULL AND o.event <> 'test' GROUP BY c.id")
     next_due: int | None = None
     for channel in pending:
         if channel["id"] in busy:
@@ -3772,9 +3780,14 @@ def due_messages(txn: Txn, rate_ms: int, busy: frozenset[str]) -> tuple[list[Out
             next_due = when if next_due is None else min(next_due, when)
             continue
         rows = txn.all("SELECT * FROM notify_outbox WHERE channel_id = ? AND sent_at IS NULL AND gave_up_at IS NULL"
-                       " ORDER BY digest_id IS NULL, created_at, id LIMIT 1000", (channel["id"],))
-        formed = [r for r in rows if r["digest_id"] is not None and r["digest_id"] == rows[0]["digest_id"]]
-        rows = formed or rows
+                       " AND event <> 'test' ORDER BY digest_id IS NULL, attempts = 0, created_at, id LIMIT 1000",
+                       (channel["id"],))
+        # A message tried before is sent again exactly as it was (a digest with its rows, or a single one alone).
+        if rows[0]["digest_id"] is not None:
+            rows = [r for r in rows if r["digest_id"] == rows[0]["digest_id"]]
+        elif rows[0]["attempts"] > 0:
+            rows = rows[:1]
+        formed = rows[0]["digest_id"] is not None
         message_id = rows[0]["digest_id"] or (rows[0]["id"] if len(rows) == 1 else new_id("nm"))
         if len(rows) > 1 and not formed:
             txn.execute(f"UPDATE notify_outbox SET digest_id = ? WHERE id IN ({', '.join('?' * len(rows))})",
@@ -5723,8 +5736,9 @@ def _cli_webhook_create(args: argparse.Namespace, db: Database) -> dict:
         fields["trusted_actors"] = trusted
     made = db.write_sync(create_webhook, OPERATOR, _secret_box(args, db), parse_model(WebhookCreate, fields),
                          _base_url(args))
-    return _with_out(args, {k: made[k] for k in ("id", "url", "secret", "provider", "queue", "trusted_actors",
-                                                  "warning") if k in made})
+    if "warning" in made:
+        print(f"warning: {made['warning']}", file=sys.stderr)
+    return _with_out(args, {k: made[k] for k in ("id", "url", "secret", "provider", "queue")})
 
 
 def _cli_webhook_trust(args: argparse.Namespace, db: Database) -> dict:

@@ -88,10 +88,10 @@ def test_retention_prunes_old_finished_work_and_never_live_work(world, clock, db
     held_claim = world.claim(worker, queue="lane")
     assert held_claim["todo"]["id"] in (pending["id"], held["id"])
     clock.advance(29 * 86400)
-    assert sb.prune(world.db) == {"todos": 0, "events": 0}
+    assert sb.prune(world.db) == {"todos": 0, "events": 0, "notifications": 0}
     clock.advance(2 * 86400)
     pruned = sb.prune(world.db)
-    assert pruned == {"todos": 1, "events": 1}, "the done todo and its delivery; live work and its events stay"
+    assert pruned == {"todos": 1, "events": 1, "notifications": 0}, "the done todo and its delivery; live work and its events stay"
     conn = sqlite3.connect(db_path)
     assert {r[0] for r in conn.execute("SELECT state FROM todos")} == {"pending", "claimed"}
     assert conn.execute("SELECT count(*) FROM routing_once").fetchone()[0] == 1, "once claims are never pruned"
@@ -179,4 +179,4 @@ def test_check_reports_integrity_key_sandbox_and_schema(db_path):
     code, failed = cli(db_path, "check")
     assert code == 1 and failed["error"] == "internal" and "missing" in failed["message"]
     code, pruned = cli(db_path, "prune")
-    assert code == 0 and pruned["pruned"] == {"todos": 0, "events": 0}
+    assert code == 0 and pruned["pruned"] == {"todos": 0, "events": 0, "notifications": 0}

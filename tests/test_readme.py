@@ -96,7 +96,9 @@ def test_readme_lane_block_keeps_credentials_private_and_routes_a_signed_issue(l
         assert (creds / name).stat().st_mode & 0o777 == 0o600, name
     assert not list(ROOT.glob("lane-*.json")) and not (ROOT / "github-hook.json").exists()
     hook = json.loads((creds / "github-hook.json").read_text())
-    assert hook["trusted_actors"] == {"logins": ["alice", "alice-agent"], "match": "sender"}
+    alice = json.loads((creds / "alice.json").read_text())
+    shown = httpx.get(f"{server.url}/api/v1/webhooks/{hook['id']}", headers={"Authorization": f"Bearer {alice['token']}"})
+    assert shown.json()["trusted_actors"] == {"logins": ["alice", "alice-agent"], "match": "sender"}
     lane_s = json.loads((creds / "lane-s.json").read_text())
     raw = json.dumps(producers.deep_merge(json.loads((ROOT / "tests/fixtures/github/issues.labeled.json").read_text()), {
         "issue": {"user": {"login": "alice"}, "labels": [{"name": "size/S"}], "state": "open"},
