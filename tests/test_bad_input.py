@@ -16,7 +16,7 @@ KIB64 = 64 << 10
 WORK_ITEM = {"schema": "switchboard.work_item.v1", "objective": "do the thing"}
 GATED = {**WORK_ITEM, "approval_gates": ["review"]}
 
-from conftest import snapshot
+from conftest import snapshot, template_fixtures
 
 
 @dataclass
@@ -29,8 +29,7 @@ class Scene:
     tokens: dict   # placeholders for bodies: $claimed_token, $stale_token, $gated_token
 
 
-@pytest.fixture
-def scene(world, clock) -> Scene:
+def build_scene(world, clock) -> Scene:
     alice = world.human("alice")
     agent = world.endpoint(alice, ["build", "deploy"], name="agent")
 
@@ -60,6 +59,15 @@ def scene(world, clock) -> Scene:
     tokens = {"$claimed_token": claimed_token, "$stale_token": stale_token, "$gated_token": gated_token,
               "$current_token": current_token}
     return Scene(alice, agent, revoked, ids, tokens)
+
+
+# The scene is made once; every row starts from its own copy of that database, with an app of its own.
+template, db_path, clock = template_fixtures(build_scene)
+
+
+@pytest.fixture
+def scene(world, template) -> Scene:
+    return template.value()
 
 
 def fill(value, tokens: dict):

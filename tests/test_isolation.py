@@ -8,10 +8,10 @@ history included), and a snapshot of every table of the real SQLite file."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
-from conftest import snapshot
+from conftest import snapshot, template_fixtures
 
 import switchboard as sb
 
@@ -86,8 +86,7 @@ def _ok(response) -> dict:
     return response.json()
 
 
-@pytest.fixture
-def tenants(world, db_path) -> Tenants:
+def build_tenants(world, clock) -> Tenants:
     alice, bob = world.human("alice"), world.human("bob")
     # Same queue, and even the same endpoint name: names are unique per human, not across humans.
     alice_ep = world.endpoint(alice, [QUEUE], name="builder")
@@ -123,10 +122,19 @@ def tenants(world, db_path) -> Tenants:
     world.db.write_sync(lambda txn, tid: txn.execute(
         "UPDATE todos SET state = 'quarantined', queue = 'quarantine' WHERE id = ?", (tid,)), todos["quarantined"])
 
-    t = Tenants(world, db_path, alice, bob, alice_ep, bob_ep, todos, tokens)
+    t = Tenants(world, None, alice, bob, alice_ep, bob_ep, todos, tokens)
     states = {name: view["state"] for name, view in t.alice_views().items()}
     assert states == {name: name for name in todos}
-    return t
+    return replace(t, world=None)
+
+
+# The tenants are made once; every test starts from its own copy of that database, with an app of its own.
+template, db_path, clock = template_fixtures(build_tenants)
+
+
+@pytest.fixture
+def tenants(world, db_path, template) -> Tenants:
+    return replace(template.value(), world=world, db_path=db_path)
 
 
 # Agent verbs with a body that would be valid for alice's worker (the lease token is filled in per todo).
