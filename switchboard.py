@@ -4892,11 +4892,13 @@ def _operation(route: ApiRoute, schemas: dict) -> dict:
     return operation
 
 
-def openapi_document(routes: list[ApiRoute]) -> dict:
-    """OpenAPI 3.1, generated from the route table and the very models the handlers validate with."""
+@functools.cache
+def openapi_document() -> dict:
+    """OpenAPI 3.1, generated from the route tables and the very models the handlers validate with (once per
+    process: the tables never change)."""
     schemas: dict = {}
     paths: dict = {}
-    for route in routes:
+    for route in REST_ROUTES + MCP_ROUTES:
         paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, schemas)
     return {"openapi": "3.1.0",
             "info": {"title": "Switchboard", "version": VERSION,
@@ -4916,7 +4918,7 @@ class Api:
         self.base_url = base_url
         self.allowed_origins = allowed_origins
         self.ingest_buffer = BodyBudget(INGEST_BUFFER_BYTES)
-        self.openapi_document = openapi_document(REST_ROUTES + MCP_ROUTES)
+        self.openapi_document = openapi_document()
 
     async def principal(self, request: Request) -> Principal:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
