@@ -55,6 +55,7 @@ from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 import jinja2
+import markupsafe
 import uvicorn
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, disable_created_metrics,
                                generate_latest)
@@ -4991,6 +4992,7 @@ BOARD_TOUCH_MS = 60_000  # a session's last use is written at most this often
 BOARD_PAGE_SIZE = 25
 BOARD_POLL_SECONDS = 2.0
 BOARD_FORM_BYTES = 1 << 20
+FORM_TYPE = "application/x-www-form-urlencoded"
 BOARD_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; frame-ancestors 'none';"
                                " base-uri 'none'; form-action 'self'",
@@ -5224,6 +5226,8 @@ def board_endpoints(txn: Txn, principal: Principal) -> dict:
 def _board_text(value: Any) -> Any:
     """Jinja's finalize: every string reaches the page without bidirectional controls or lone surrogates (it
     is escaped after this)."""
+    if isinstance(value, markupsafe.Markup):
+        return value  # our own markup (a macro's output), whose text was finalized when it was made
     return _BOARD_UNSAFE.sub("\ufffd", value) if isinstance(value, str) else ("" if value is None else value)
 
 
@@ -5399,7 +5403,7 @@ class Board:
         return session
 
     async def _form(self, request: Request) -> dict[str, str]:
-        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/x-www-form-urlencoded":
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != FORM_TYPE:
             raise ApiError("invalid_argument", "send the form as application/x-www-form-urlencoded")
         raw = await read_capped(request, BOARD_FORM_BYTES)
         try:
@@ -5463,6 +5467,8 @@ class Board:
                     raise BoardRefusal("Your session has ended: sign in again.")
                 if not self._same_origin(request):
                     raise BoardRefusal("This form did not come from this server's own pages (Origin check).")
+                if request.headers.get("content-type", "").split(";")[0].strip().lower() != FORM_TYPE:
+                    raise BoardRefusal("This is not a form of the Board (CSRF check).")
                 form = await self._form(request)
                 if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
                     raise BoardRefusal("This form is missing its session token (CSRF check). Reload the page.")
