@@ -4991,6 +4991,7 @@ BOARD_IDLE_MS = 12 * 3_600_000
 BOARD_TOUCH_MS = 60_000  # a session's last use is written at most this often
 BOARD_PAGE_SIZE = 25
 BOARD_POLL_SECONDS = 2.0
+BOARD_MCP_IDLE_SECONDS = 15 * 60
 BOARD_FORM_BYTES = 1 << 20
 FORM_TYPE = "application/x-www-form-urlencoded"
 BOARD_HEADERS = {
@@ -5563,10 +5564,13 @@ class Board:
         for endpoint in data["endpoints"]:
             endpoint["sessions"] = [{**s, "since": int(s["since"] * 1000)}
                                     for s in self.flows.doorbell.sessions_of(endpoint["id"])]
+            # MCP sessions without an open stream (those with one are doorbell sessions, listed above), while
+            # they were used in the last BOARD_MCP_IDLE_SECONDS: a client never has to say it left.
             endpoint["sessions"] += [
-                {"via": "mcp session", "queues": None, "open_stream": m.stream is not None,
+                {"via": "mcp, no stream open", "queues": None, "last_request": True,
                  "since": int((wall_now - (monotonic_now - m.last_seen)) * 1000)}
-                for m in list(self.mcp.sessions.values()) if m.endpoint_id == endpoint["id"]]
+                for m in list(self.mcp.sessions.values()) if m.endpoint_id == endpoint["id"] and m.stream is None
+                and monotonic_now - m.last_seen < BOARD_MCP_IDLE_SECONDS]
         return self.render(request, "queues.html", session, **data)
 
     async def todo(self, request: Request, session: BoardSession) -> Response:

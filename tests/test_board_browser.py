@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import threading
 import uuid
 from pathlib import Path
 
@@ -273,6 +273,35 @@ def test_forms_without_the_token_or_from_another_origin_are_refused_and_change_n
     assert "Refused" in page.inner_text("body")
     kept = site.todo(site.alice, todo["id"])
     assert kept["state"] == "pending" and len(kept["history"]) == 1
+
+
+def test_the_queues_page_shows_running_work_and_who_is_connected(page, site):
+    todo = site.push(site.alice, site.lane, "Long build")
+    claim = site.claim(site.lane, todo["id"])
+    site.act(site.lane, todo["id"], "heartbeat", lease_token=claim["lease_token"], note="step 3 of 5")
+    connected = threading.Event()
+
+    def listen() -> None:  # a worker's doorbell stream, open until the server stops
+        with httpx.Client(base_url=site.url, timeout=None) as client, client.stream(
+                "GET", "/api/v1/doorbell", headers=site.lane.auth, params={"queue": "lane-s"}) as stream:
+            for _ in stream.iter_lines():
+                connected.set()
+
+    threading.Thread(target=listen, daemon=True).start()
+    assert connected.wait(10)
+    hello = site.http.post("/mcp", headers={**site.lane.auth, "Accept": "application/json, text/event-stream"},
+                           json={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                               "protocolVersion": "2025-06-18", "capabilities": {},
+                               "clientInfo": {"name": "board-test", "version": "1"}}})
+    assert hello.status_code == 200, hello.text
+    sign_in(page, site.alice)
+    page.goto("/board/queues")
+    lane = page.locator("section.endpoint").filter(has_text="lane-s-worker")
+    text = lane.inner_text()
+    assert "sse · queues lane-s · listening since" in text and "mcp, no stream open · last request" in text
+    running = page.locator("table.list tr").filter(has_text="Long build").inner_text()
+    assert "w1" in running and "step 3 of 5" in running
+    site.act(site.lane, todo["id"], "complete", lease_token=claim["lease_token"], summary="built")
 
 
 def test_producer_text_renders_as_text_and_runs_no_script(page, site):
