@@ -6284,7 +6284,8 @@ def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
     serve.add_argument("--allowed-origins", dest="allowed_origins", default=_env("allowed-origins", None),
                        help="comma-separated browser origins allowed on /mcp (loopback origins are allowed on a"
                             " loopback address)")
-    serve.add_argument("--trust-proxy", dest="trust_proxy", action="store_true", default=_env("trust-proxy", False, _yes),
+    serve.add_argument("--trust-proxy", dest="trust_proxy", action="store_true",
+                       default=_env("trust-proxy", False, _yes),
                        help="a reverse proxy in front sets X-Forwarded-Proto: `https` there makes the Board's"
                             " session cookie Secure")
     serve.add_argument("--log-format", dest="log_format", choices=["plain", "json"],

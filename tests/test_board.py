@@ -396,3 +396,22 @@ def test_a_version_1_database_gets_the_sessions_table_on_migration(tmp_path):
     assert sb.apply_schema(conn) == sb.SCHEMA_VERSION
     assert conn.execute("SELECT count(*) FROM board_sessions").fetchone()[0] == 0
     conn.close()
+
+
+def test_serve_takes_trust_proxy_from_its_flag_or_the_environment(monkeypatch, db_path):
+    assert sb.build_parser().parse_args(["serve"]).trust_proxy is False
+    assert sb.build_parser().parse_args(["serve", "--trust-proxy"]).trust_proxy is True
+    monkeypatch.setenv("SWITCHBOARD_TRUST_PROXY", "true")
+    args = sb.build_parser().parse_args(["serve", "--db", db_path])
+    assert args.trust_proxy is True
+    seen = {}
+
+    def fake_app(*positional, **options):
+        seen.update(options)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(sb, "create_app", fake_app)
+    monkeypatch.setattr(sb, "configure_logging", lambda log_format: None)
+    with pytest.raises(SystemExit):
+        sb._cli_serve(args)
+    assert seen["trust_proxy"] is True
