@@ -4993,6 +4993,7 @@ BOARD_PAGE_SIZE = 25
 BOARD_POLL_SECONDS = 2.0
 BOARD_MCP_IDLE_SECONDS = 15 * 60
 BOARD_FORM_BYTES = 1 << 20
+BOARD_JSON_CHARS = 200_000
 FORM_TYPE = "application/x-www-form-urlencoded"
 BOARD_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; frame-ancestors 'none';"
@@ -5233,11 +5234,14 @@ def _board_text(value: Any) -> Any:
 
 
 def pretty_json(value: Any) -> str:
-    """A stored document as indented JSON text for a <pre> (escaped by the template like any text)."""
+    """A stored document as indented JSON text for a <pre> (escaped by the template like any text), cut at
+    BOARD_JSON_CHARS so that a 5 MiB payload does not make a 10 MiB page (the API has all of it)."""
     try:
         text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
     except (RecursionError, ValueError):
         text = json.dumps(_shallow(value), indent=2, ensure_ascii=False)
+    if len(text) > BOARD_JSON_CHARS:
+        text = f"{text[:BOARD_JSON_CHARS]}\n… {len(text) - BOARD_JSON_CHARS:,} more characters (the API has all of it)"
     return _BOARD_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
@@ -5499,6 +5503,8 @@ class Board:
         target = request.query_params.get("next", "")
         target = target if _BOARD_BACK.match(target) and "//" not in target else "/board"
         if request.method == "GET":
+            if await self._session(request) is not None:
+                return RedirectResponse(target, status_code=303)
             return self.render(request, "login.html", None, next=target, error=None)
         if not self._same_origin(request):
             return self.render(request, "error.html", None, 403, title="Refused",

@@ -91,8 +91,10 @@ def test_root_redirects_and_every_page_needs_a_session(client, world, alice, lan
 def test_every_page_has_the_security_headers_and_no_inline_script_or_style(client, world, alice, lane):
     hook, held = held_delivery(world, alice, lane)
     event_id = state_of(world, alice, held)["event_id"]
+    login = client.get("/board/login")
+    assert login.status_code == 200 and login.headers["content-security-policy"] == CSP
     sign_in(client, alice)
-    pages = ["/board", "/board/login", "/board/queues", "/board/webhooks", "/board/endpoints",
+    pages = ["/board", "/board/queues", "/board/webhooks", "/board/endpoints",
              f"/board/todos/{held}", f"/board/webhooks/{hook['id']}", f"/board/webhooks/{hook['id']}/deliveries",
              f"/board/deliveries/{event_id}", f"/board/endpoints/{lane.id}/revoke", "/board/nowhere",
              "/board/todos/td_00", *(f"/board/inbox/{g}" for g in sb.INBOX_GROUPS),
@@ -415,3 +417,12 @@ def test_serve_takes_trust_proxy_from_its_flag_or_the_environment(monkeypatch, d
     with pytest.raises(SystemExit):
         sb._cli_serve(args)
     assert seen["trust_proxy"] is True
+
+
+def test_a_huge_payload_is_cut_on_the_page_and_signed_in_users_skip_the_login_form(client, world, alice, lane):
+    todo = world.push(alice, lane, "lane-s", "big", payload={"blob": "x" * 400_000})
+    sign_in(client, alice)
+    page = client.get(f"/board/todos/{todo['id']}").text
+    assert len(page) < 250_000 and "more characters (the API has all of it)" in page
+    again = client.get("/board/login?next=/board/queues", follow_redirects=False)
+    assert again.status_code == 303 and again.headers["location"] == "/board/queues"
