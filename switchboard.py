@@ -5347,6 +5347,10 @@ class Board:
         self.notices: dict[str, list[dict]] = {}
 
     def routes(self) -> list[BaseRoute]:
+        """The Board's routes; none when its files (board/ beside this module) are not installed."""
+        if not (BOARD_DIR / "templates").is_dir() or not (BOARD_DIR / "static").is_dir():
+            log.warning("the Board is off: its files are not in %s", BOARD_DIR)
+            return []
         page, act = self._page, self._action
         board = [
             Route("/", page(self.inbox)),

@@ -426,3 +426,11 @@ def test_a_huge_payload_is_cut_on_the_page_and_signed_in_users_skip_the_login_fo
     assert len(page) < 250_000 and "more characters (the API has all of it)" in page
     again = client.get("/board/login?next=/board/queues", follow_redirects=False)
     assert again.status_code == 303 and again.headers["location"] == "/board/queues"
+
+
+def test_without_its_files_the_board_is_off_and_the_api_still_serves(monkeypatch, tmp_path, alice, world):
+    monkeypatch.setattr(sb, "BOARD_DIR", tmp_path / "missing")
+    app = sb.create_app(str(tmp_path / "other.db"), background=False)
+    with TestClient(app) as client:
+        assert client.get("/board").status_code == 404
+        assert client.get("/healthz").status_code == 200
