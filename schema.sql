@@ -250,3 +250,55 @@ CREATE TABLE IF NOT EXISTS receipt_items (
     receipt_id  TEXT NOT NULL REFERENCES receipts(id) ON DELETE CASCADE
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS receipt_items_by_receipt ON receipt_items(receipt_id);
+
+-- Notification channels: where a human hears that they are needed. The URL and the token are sealed
+-- (AES-GCM, like webhook secrets); only a display form of the URL is kept in the clear.
+CREATE TABLE IF NOT EXISTS notify_channels (
+    id             TEXT PRIMARY KEY CHECK (id LIKE 'nc\_%' ESCAPE '\'),
+    human_id       TEXT NOT NULL REFERENCES humans(id) ON DELETE CASCADE,
+    kind           TEXT NOT NULL CHECK (kind IN ('ntfy', 'gotify', 'slack', 'discord', 'webhook')),
+    url_sealed     BLOB NOT NULL,
+    url_shown      TEXT NOT NULL,
+    token_sealed   BLOB,
+    events         TEXT NOT NULL CHECK (json_valid(events) AND json_type(events) = 'array'
+                                        AND json_array_length(events) > 0),
+    created_at     INTEGER NOT NULL,
+    last_sent_at   INTEGER,
+    last_error     TEXT,
+    last_error_at  INTEGER,
+    failures       INTEGER NOT NULL DEFAULT 0 CHECK (failures >= 0)
+);
+CREATE INDEX IF NOT EXISTS notify_channels_by_human ON notify_channels(human_id);
+
+-- The outbox: a message is written in the same transaction as the state change that causes it, and sent
+-- after commit (again after a crash). Its id is the stable message id a receiver deduplicates on. Rows held
+-- back by the per-channel rate limit are folded into one digest message (digest_id) when it is sent.
+CREATE TABLE IF NOT EXISTS notify_outbox (
+    id          TEXT PRIMARY KEY CHECK (id LIKE 'nm\_%' ESCAPE '\'),
+    channel_id  TEXT NOT NULL REFERENCES notify_channels(id) ON DELETE CASCADE,
+    event       TEXT NOT NULL CHECK (event IN ('needs_input', 'review', 'held', 'dead_letter',
+                                               'verification_failures', 'test')),
+    data        TEXT NOT NULL CHECK (json_valid(data)),
+    created_at  INTEGER NOT NULL,
+    attempts    INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    next_at     INTEGER NOT NULL,
+    digest_id   TEXT CHECK (digest_id IS NULL OR digest_id LIKE 'nm\_%' ESCAPE '\'),
+    sent_at     INTEGER,
+    gave_up_at  INTEGER,
+    CHECK (sent_at IS NULL OR gave_up_at IS NULL)
+);
+CREATE INDEX IF NOT EXISTS notify_outbox_due ON notify_outbox(next_at) WHERE sent_at IS NULL AND gave_up_at IS NULL;
+CREATE INDEX IF NOT EXISTS notify_outbox_by_channel ON notify_outbox(channel_id, created_at)
+    WHERE sent_at IS NULL AND gave_up_at IS NULL;
+
+-- Replays: a stored delivery evaluated again under the webhook's current rules, by a human.
+CREATE TABLE IF NOT EXISTS event_replays (
+    id          TEXT PRIMARY KEY CHECK (id LIKE 'rp\_%' ESCAPE '\'),
+    event_id    TEXT NOT NULL REFERENCES events(id) ON DELETE CASCADE,
+    actor       TEXT NOT NULL,
+    at          INTEGER NOT NULL,
+    before      TEXT NOT NULL CHECK (json_valid(before)),
+    after       TEXT NOT NULL CHECK (json_valid(after)),
+    created     INTEGER NOT NULL CHECK (created >= 0)
+);
+CREATE INDEX IF NOT EXISTS event_replays_by_event ON event_replays(event_id, at);

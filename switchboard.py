@@ -12,10 +12,11 @@ Contents, in dependency order (each section uses only those above it):
   7. Evaluator       jq rule sets in a sandboxed child process pool
   8. Store           principals, endpoints, webhooks, deliveries, todos, attempts, receipts, retention
   9. Doorbell        waking exactly one session when work becomes claimable
- 10. Flows           what REST, MCP and the CLI share: deliveries, waiting claims, ring streams, rules, metrics
- 11. HTTP            REST, ingress, MCP, SSE, OpenAPI, the app
- 12. Board           the human's pages: sign-in, inbox, queues, todos, deliveries, rules, endpoints
- 13. CLI             the operator's commands
+ 10. Notifier        telling humans they are needed: the outbox sender (ntfy, Gotify, Slack, Discord, webhook)
+ 11. Flows           what REST, MCP and the CLI share: deliveries, waiting claims, ring streams, rules, replay
+ 12. HTTP            REST, ingress, MCP, SSE, OpenAPI, the app
+ 13. Board           the human's pages: sign-in, inbox, queues, todos, deliveries, rules, endpoints
+ 14. CLI             the operator's commands
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import anyio.to_thread
+import httpx
 import jinja2
 import markupsafe
 import uvicorn
@@ -79,7 +81,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 # 1. Configuration
 # ======================================================================================================
 
-VERSION = "0.1.0"
+VERSION = "0.2.0"
 SCHEMA_PATH = Path(__file__).with_name("schema.sql")
 SCHEMA_VERSION = 2
 
@@ -140,6 +142,8 @@ MAX_PAYLOAD_DEPTH = 128
 UNSAFE_TEXT = "\x00-\x1f\x7f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
 
 QUEUE_PATTERN = r"^[a-z0-9][a-z0-9._:-]{0,63}$"
+# The lane where rules put work that waits for a human (packs/fleet.json's `hold`): like quarantine, it notifies.
+HOLD_QUEUE = "hold"
 RESERVED_QUEUES = frozenset({"quarantine"})
 
 DRAIN_VERBS = ("list_todos", "get_todo", "claim_next", "claim", "heartbeat", "complete", "fail", "release",
@@ -317,6 +321,7 @@ class Txn:
         self.now = now
         self.inline_rings = inline_rings
         self.rings: list[dict] = []
+        self.outbox = False  # whether this transaction queued notifications (the sender wakes after commit)
         self.logs: list[str] = []
         self.counts: collections.Counter = collections.Counter()
 
@@ -339,18 +344,20 @@ class Database:
     """
 
     def __init__(self, path: str, *, synchronous: str = "FULL", clock: Clock | None = None,
-                 inline_rings: bool = True):
+                 inline_rings: bool = True, migrate: bool = True):
         self.path = path
         self.synchronous = synchronous
         self.clock = clock or Clock()
         self.inline_rings = inline_rings
         self.on_rings: Callable[[list[dict]], None] | None = None
+        self.on_outbox: Callable[[], None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         # What committed transactions counted (todos created, claimed, completed, lease expiries), for /metrics.
         self.counts: collections.Counter = collections.Counter()
         self.counts_lock = threading.Lock()
         writer = connect(path, synchronous)
-        apply_schema(writer)
+        if migrate:
+            apply_schema(writer)
         self._writer = writer
         self._jobs: queue_module.SimpleQueue = queue_module.SimpleQueue()
         self._carried_job: tuple | None = None
@@ -474,6 +481,8 @@ class Database:
                 if txn.counts:
                     with self.counts_lock:
                         self.counts.update(txn.counts)
+                if txn.outbox and self.on_outbox:
+                    self.on_outbox()
                 future.set_result((value, txn.rings))
             else:
                 future.set_exception(value)
@@ -551,8 +560,11 @@ class KeyMismatch(ApiError):
 
 
 def sealed_sample(txn: Txn) -> tuple[str, bytes] | None:
-    """One webhook secret the database holds, to prove a key against."""
+    """One sealed credential the database holds (a webhook secret, else a notification channel's URL), to prove
+    a key against."""
     row = txn.one("SELECT id, secret_sealed FROM webhooks WHERE secret_sealed IS NOT NULL LIMIT 1")
+    if row is None and txn.one("SELECT 1 FROM sqlite_master WHERE name = 'notify_channels'"):
+        row = txn.one("SELECT id, url_sealed AS secret_sealed FROM notify_channels LIMIT 1")
     return (row["id"], row["secret_sealed"]) if row else None
 
 
@@ -1133,6 +1145,42 @@ class ReleaseQuarantine(Body):
     trust_actor: bool = False
 
 
+HttpUrl = Annotated[str, StringConstraints(max_length=2048, pattern=r"^https?://[^\s/?#]+[^\s]*$")]
+
+
+class NotifyCreate(Body):
+    """A notification channel: where (`url`), with what credential (`token`: ntfy access token, Gotify app
+    token), and for which events."""
+    kind: Literal["ntfy", "gotify", "slack", "discord", "webhook"]
+    url: HttpUrl
+    token: Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=ONE_LINE)] | None = None
+    events: Annotated[list[Literal["needs_input", "review", "held", "dead_letter", "verification_failures"]],
+                      Field(min_length=1, max_length=5)]
+
+    @model_validator(mode="after")
+    def _token_fits_kind(self) -> NotifyCreate:
+        if self.kind == "gotify" and self.token is None:
+            raise ValueError("a gotify channel needs its app token")
+        if self.kind in ("slack", "discord", "webhook") and self.token is not None:
+            raise ValueError(f"a {self.kind} channel takes no token (its URL is the credential, or the secret is"
+                             " made for you)")
+        return self
+
+
+class ReplayOne(Body):
+    dry_run: bool = False
+
+
+class ReplayMany(Body):
+    """Which stored deliveries to evaluate again; a dry run (the default) only reports what would change."""
+    disposition: Literal["routed", "dropped", "repeat", "quarantined", "ping"] | None = None
+    kind: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=ONE_LINE)] | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    limit: Annotated[int, Field(ge=1, le=1000)] = 200
+    dry_run: bool = True
+
+
 class DoorbellQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
     queue: QueueName | None = None
@@ -1140,7 +1188,7 @@ class DoorbellQuery(BaseModel):
 
 class EventListQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    disposition: Literal["routed", "dropped", "repeat", "quarantined"] | None = None
+    disposition: Literal["routed", "dropped", "repeat", "quarantined", "ping"] | None = None
     limit: Annotated[int, Field(ge=1, le=200)] = 50
 
 
@@ -1543,6 +1591,9 @@ EVAL_POOL_SIZE = 2
 # Deliveries of one owner waiting for the evaluator beyond this are refused (503) rather than queued.
 EVAL_QUEUE_PER_TENANT = 256
 EVAL_THREADS = 16
+# A webhook failing its signature check this many times within the window tells its human (at most hourly).
+VERIFICATION_ALERT_COUNT = 5
+VERIFICATION_ALERT_WINDOW = 600.0
 DRY_RUN_EVENTS = 50
 
 # The child's whole program. Frames: a JSON header line, then `doc_bytes` bytes of envelope JSON.
@@ -1720,7 +1771,7 @@ class _Child:
         line, _, self._buffer = self._buffer.partition(b"\n")
         try:
             reply = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             reply = None
         if not isinstance(reply, dict):
             raise EvaluatorDied("the evaluator answered something that is not a reply")
@@ -2035,21 +2086,24 @@ def vend_endpoint(txn: Txn, human_id: str, spec: EndpointCreate) -> dict:
 
 
 def _own_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> sqlite3.Row:
-    if principal.kind == "operator":
-        row = txn.one("SELECT * FROM endpoints WHERE id = ?", (endpoint_id,))
-    else:
-        row = txn.one("SELECT * FROM endpoints WHERE id = ? AND human_id = ?", (endpoint_id, principal.human_id))
-    if row is None:
+    rows = owned_rows(txn, principal, "endpoints", endpoint_id)
+    if not rows:
         raise ApiError("not_found", f"no endpoint {endpoint_id}")
-    return row
+    return rows[0]
+
+
+def owned_rows(txn: Txn, principal: Principal, table: str, row_id: str | None = None) -> list[sqlite3.Row]:
+    """Rows of a table keyed by human (endpoints, notification channels) that the principal owns: the
+    operator owns them all. `table` is always a name from this module, never input."""
+    sql, args = f"SELECT * FROM {table} WHERE (human_id = ? OR ?)", [principal.human_id, principal.kind == "operator"]
+    if row_id is not None:
+        sql += " AND id = ?"
+        args.append(row_id)
+    return txn.all(sql + " ORDER BY created_at, rowid", args)
 
 
 def list_endpoints(txn: Txn, principal: Principal) -> dict:
-    if principal.kind == "operator":
-        rows = txn.all("SELECT * FROM endpoints ORDER BY created_at, rowid")
-    else:
-        rows = txn.all("SELECT * FROM endpoints WHERE human_id = ? ORDER BY created_at, rowid", (principal.human_id,))
-    return {"endpoints": [endpoint_view(r) for r in rows]}
+    return {"endpoints": [endpoint_view(r) for r in owned_rows(txn, principal, "endpoints")]}
 
 
 def revoke_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> dict:
@@ -2209,6 +2263,8 @@ def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: 
                                                    json.dumps({"event_id": event_id})))
     txn.logs.append(f"todo {todo_id} created on {endpoint_id} by {actor}")
     txn.counts["created"] += 1
+    if values["state"] == "quarantined" or queue == HOLD_QUEUE:
+        notify_todo(txn, todo_id, "held")
     if values["state"] == "pending":
         _became_pending(txn, todo_id)
 
@@ -2250,6 +2306,10 @@ def _transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence
         txn.counts["claimed"] += 1
     elif to_state == "done":
         txn.counts[f"completed:{changes['outcome']}"] += 1
+    if to_state in ("needs_input", "review") or (to_state == "failed" and changes.get("dead_letter")):
+        notify_todo(txn, todo["id"], "dead_letter" if to_state == "failed" else to_state)
+    elif columns.get("queue") == HOLD_QUEUE and todo["queue"] != HOLD_QUEUE:
+        notify_todo(txn, todo["id"], "held")
     if to_state == "pending":
         _became_pending(txn, todo["id"])
     elif to_state == "done":
@@ -2963,6 +3023,12 @@ def event_view(row: sqlite3.Row, full: bool = False) -> dict:
     return view
 
 
+def replays_view(txn: Txn, event_id: str) -> list[dict]:
+    return [{"id": r["id"], "actor": r["actor"], "at": iso(r["at"]), "before": _json(r["before"]),
+             "after": _json(r["after"]), "created": r["created"]}
+            for r in txn.all("SELECT * FROM event_replays WHERE event_id = ? ORDER BY at, id", (event_id,))]
+
+
 def list_events(txn: Txn, principal: Principal, webhook_id: str, query: EventListQuery) -> dict:
     _visible_webhook(txn, principal, webhook_id, "list_webhook_events")
     sql, args = "SELECT * FROM events WHERE webhook_id = ?", [webhook_id]
@@ -2984,7 +3050,7 @@ def get_event(txn: Txn, principal: Principal, event_id: str) -> dict:
             "SELECT 1 FROM webhooks WHERE id = ? AND endpoint_id = ?", (row["webhook_id"], principal.id))))
     if not visible:
         raise ApiError("not_found", f"no event {event_id}")
-    return event_view(row, full=True)
+    return {**event_view(row, full=True), "replays": replays_view(txn, event_id)}
 
 
 # -- deliveries -------------------------------------------------------------------------------------
@@ -3394,9 +3460,10 @@ def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webh
                                   payload=body.payload, trusted_actors=_json(webhook["trusted_actors"]))
     elif body.verified is not None:
         envelope["verified"] = body.verified
-    action, trace = decide(evaluator, [r.model_dump(exclude_none=True) for r in rules_models],
-                           default.model_dump(exclude_none=True) if default else None, params, webhook["queue"],
-                           json.dumps(envelope).encode(), principal.human_id)
+    action, trace = gate(envelope) or decide(
+        evaluator, [r.model_dump(exclude_none=True) for r in rules_models],
+        default.model_dump(exclude_none=True) if default else None, params, webhook["queue"],
+        json.dumps(envelope).encode(), principal.human_id)
     plan = db.read_sync(plan_delivery, webhook, envelope, action, trace)
     return {"decision": {"drop": bool(action.get("drop")), "queue": plan.targets[0][1] if plan.targets else None,
                          "endpoints": [t[0] for t in plan.targets], "disposition": plan.disposition,
@@ -3491,6 +3558,255 @@ def apply_quarantine_release(txn: Txn, principal: Principal, release: Quarantine
     return todo_view(_reload(txn, todo["id"]))
 
 
+# -- replay: stored deliveries through the current rules ------------------------------------------------
+
+def replay_subject(txn: Txn, principal: Principal, event_id: str) -> tuple[sqlite3.Row, sqlite3.Row, dict]:
+    """A delivery the human's webhook received, its webhook, and its envelope with `.actor` as trusted now."""
+    principal.require_human("replaying deliveries")
+    event = txn.one("SELECT * FROM events WHERE id = ? AND (human_id = ? OR ?) AND webhook_id IS NOT NULL",
+                    (event_id, principal.human_id, principal.kind == "operator"))
+    if event is None:
+        raise ApiError("not_found", f"no event {event_id}")
+    webhook = txn.one("SELECT w.*, e.human_id FROM webhooks w JOIN endpoints e ON e.id = w.endpoint_id"
+                      " WHERE w.id = ?", (event["webhook_id"],))
+    if webhook is None or event["envelope"] is None:
+        raise ApiError("conflict", f"event {event_id} can no longer be replayed (its webhook or envelope is gone)")
+    return event, webhook, with_current_actor(json.loads(event["envelope"]), webhook)
+
+
+def replay_events(txn: Txn, principal: Principal, webhook_id: str, body: ReplayMany) -> list[str]:
+    principal.require_human("replaying deliveries")
+    _visible_webhook(txn, principal, webhook_id, "replay")
+    sql, args = "SELECT id FROM events WHERE webhook_id = ?", [webhook_id]
+    for clause, value in (("disposition = ?", body.disposition), ("kind = ?", body.kind),
+                          ("received_at >= ?", to_ms(body.since) if body.since else None),
+                          ("received_at < ?", to_ms(body.until) if body.until else None)):
+        if value is not None:
+            sql += f" AND {clause}"
+            args.append(value)
+    return [r["id"] for r in txn.all(sql + " ORDER BY received_at DESC, id DESC LIMIT ?", (*args, body.limit))]
+
+
+@dataclass
+class Replay:
+    """One stored delivery's new decision, made outside the writer and applied (or only reported) inside it."""
+    event_id: str
+    action: dict
+    trace: dict
+
+
+def decide_again(evaluator: Evaluator, subjects: list[tuple[str, sqlite3.Row, dict]], tenant: str | None
+                 ) -> list[Replay]:
+    """The current gate's and rules' decisions for stored deliveries (event id, webhook, envelope)."""
+    return [Replay(event_id, *(gate(envelope) or decide_for_webhook(evaluator, webhook, json.dumps(envelope).encode(),
+                                                                     tenant)))
+            for event_id, webhook, envelope in subjects]
+
+
+def replay_subjects(txn: Txn, principal: Principal, event_ids: list[str]) -> list[tuple[str, sqlite3.Row, dict]]:
+    return [(event_id, *replay_subject(txn, principal, event_id)[1:]) for event_id in event_ids]
+
+
+def apply_replays(txn: Txn, principal: Principal, replays: list[Replay], dry_run: bool) -> list[dict]:
+    return [apply_replay(txn, principal, replay, dry_run) for replay in replays]
+
+
+def apply_replay(txn: Txn, principal: Principal, replay: Replay, dry_run: bool) -> dict:
+    """Act on a replayed decision as a fresh delivery would, except that `once` claims hold (a subject already
+    routed to the queue is a repeat) and a todo the event already minted on a target is never minted again;
+    a held todo of the event is closed once its delivery routes. The event's first answer stays as it was."""
+    event, webhook, envelope = replay_subject(txn, principal, replay.event_id)
+    plan = plan_delivery(txn, webhook, envelope, replay.action, replay.trace)
+    minted = txn.all("SELECT * FROM todos WHERE event_id = ?", (event["id"],))
+    known = {(m["endpoint_id"], m["queue"]) for m in minted}
+    fresh = [t for t in plan.targets if (t[0], t[1]) not in known]
+    before = {"disposition": event["disposition"]}
+    after = {"disposition": plan.disposition, "queue": plan.targets[0][1] if plan.targets else None,
+             "rule_id": replay.trace.get("rule_id"), "stage": replay.trace["stage"]}
+    answer = {"event_id": event["id"], "dry_run": dry_run, "before": before, "after": after, "created": 0,
+              "todos": [{"id": None, "endpoint_id": e, "queue": q, "created": False} for e, q, _ in fresh]}
+    if dry_run:
+        return answer
+    if plan.disposition == "routed" and plan.once_key and fresh:
+        claim_once(txn, webhook["id"], plan.once_key, event["id"], replay.action["queue"])
+    todos = []
+    for target in fresh:
+        todo_id = new_id("td")
+        _create_planned_todo(txn, todo_id, target, envelope, plan, event["id"], envelope_title(envelope),
+                             payload_text(envelope["payload"], event["body"] or b""))
+        todos.append({"id": todo_id, "endpoint_id": target[0], "queue": target[1], "created": True})
+    if plan.disposition == "routed" and fresh:
+        for held in (m for m in minted if m["state"] == "quarantined"):
+            _transition(txn, held, "done", principal.actor, {"replayed": True}, outcome="discarded",
+                        state_reason="replayed")
+    txn.execute("INSERT INTO event_replays (id, event_id, actor, at, before, after, created) VALUES (?, ?, ?, ?, ?,"
+                " ?, ?)", (new_id("rp"), event["id"], principal.actor, txn.now, json.dumps(before), json.dumps(after),
+                           len(todos)))
+    txn.logs.append(f"delivery {event['id']} replayed by {principal.actor}: {plan.disposition}, {len(todos)} todos")
+    return {**answer, "todos": todos, "created": len(todos)}
+
+
+def replay_summary(results: list[dict]) -> dict:
+    transitions = collections.Counter((r["before"]["disposition"], r["after"]["disposition"], r["after"]["rule_id"])
+                                      for r in results)
+    return {"matched": len(results),
+            "changed": sum(1 for r in results if r["before"]["disposition"] != r["after"]["disposition"] or r["todos"]),
+            "created": sum(r["created"] for r in results),
+            "transitions": [{"from": a, "to": b, "rule_id": rule, "count": n}
+                            for (a, b, rule), n in sorted(transitions.items(), key=lambda kv: -kv[1])]}
+
+
+# -- notifications: channels and the outbox ---------------------------------------------------------
+
+NOTIFY_EVENTS = ("needs_input", "review", "held", "dead_letter", "verification_failures")
+NOTIFY_MAX_ATTEMPTS = 10
+
+
+def _shown_url(url: str) -> str:
+    """A channel URL for display: scheme and host only (the path of a Slack, Discord or ntfy URL is itself the
+    credential)."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}/…"
+
+
+def channel_view(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "kind": row["kind"], "url": row["url_shown"], "events": json.loads(row["events"]),
+            "created_at": iso(row["created_at"]), "last_sent_at": iso(row["last_sent_at"]),
+            "last_error": row["last_error"], "last_error_at": iso(row["last_error_at"]), "failures": row["failures"]}
+
+
+def add_channel(txn: Txn, principal: Principal, box: SecretBox, body: NotifyCreate, human_id: str | None = None) -> dict:
+    """A human's new channel. For `webhook` a signing secret is made and shown once; all credentials are sealed."""
+    owner = human_id or principal.human_id
+    if principal.kind != "operator":
+        principal.require_human("notification channels")
+    channel_id = new_id("nc")
+    secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode() if body.kind == "webhook" else None
+    token = secret or body.token
+    txn.execute("INSERT INTO notify_channels (id, human_id, kind, url_sealed, url_shown, token_sealed, events,"
+                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (channel_id, owner, body.kind, box.seal(body.url, channel_id), _shown_url(body.url),
+                 box.seal(token, channel_id + ":token") if token else None, json.dumps(list(dict.fromkeys(body.events))),
+                 txn.now))
+    txn.logs.append(f"notification channel {channel_id} ({body.kind}) added for {owner}")
+    view = channel_view(txn.one("SELECT * FROM notify_channels WHERE id = ?", (channel_id,)))
+    return {**view, "secret": secret} if secret else view
+
+
+def _own_channel(txn: Txn, principal: Principal, channel_id: str) -> sqlite3.Row:
+    principal.require_human("notification channels")
+    rows = owned_rows(txn, principal, "notify_channels", channel_id)
+    if not rows:
+        raise ApiError("not_found", f"no notification channel {channel_id}")
+    return rows[0]
+
+
+def list_channels(txn: Txn, principal: Principal) -> dict:
+    principal.require_human("notification channels")
+    return {"channels": [channel_view(r) for r in owned_rows(txn, principal, "notify_channels")]}
+
+
+def remove_channel(txn: Txn, principal: Principal, channel_id: str) -> dict:
+    row = _own_channel(txn, principal, channel_id)
+    txn.execute("DELETE FROM notify_channels WHERE id = ?", (row["id"],))
+    return {**channel_view(row), "removed": True}
+
+
+def notify(txn: Txn, human_id: str, event: str, data: dict) -> None:
+    """Queue a message for each of the human's channels that listen for `event`, in this transaction: it is
+    sent after commit, and after a crash it is still in the outbox."""
+    channels = txn.all("SELECT id FROM notify_channels WHERE human_id = ?"
+                       " AND EXISTS (SELECT 1 FROM json_each(events) WHERE value = ?)", (human_id, event))
+    for channel in channels:
+        txn.execute("INSERT INTO notify_outbox (id, channel_id, event, data, created_at, next_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?)", (new_id("nm"), channel["id"], event, json.dumps(data), txn.now,
+                                                   txn.now))
+    txn.outbox |= bool(channels)
+
+
+def notify_todo(txn: Txn, todo_id: str, event: str) -> None:
+    """A todo now needs its human: data names it, never its payload, result or lease."""
+    row = txn.one("SELECT t.id, t.queue, t.state, t.title, e.human_id FROM todos t"
+                  " JOIN endpoints e ON e.id = t.endpoint_id WHERE t.id = ?", (todo_id,))
+    notify(txn, row["human_id"], event, {"todo_id": row["id"], "queue": row["queue"], "state": row["state"],
+                                         "title": row["title"]})
+
+
+def notify_verification_failures(txn: Txn, webhook_id: str, failures: int, reason: str) -> None:
+    webhook = txn.one("SELECT w.id, w.provider, e.human_id FROM webhooks w JOIN endpoints e ON e.id = w.endpoint_id"
+                      " WHERE w.id = ?", (webhook_id,))
+    if webhook is not None:
+        notify(txn, webhook["human_id"], "verification_failures",
+               {"webhook_id": webhook_id, "provider": webhook["provider"], "failures": failures, "reason": reason})
+
+
+def queue_test_message(txn: Txn, principal: Principal, channel_id: str) -> Outgoing:
+    """A test message for the channel, in the outbox (so it has a stable id), to be sent at once."""
+    channel = _own_channel(txn, principal, channel_id)
+    message_id = new_id("nm")
+    txn.execute("INSERT INTO notify_outbox (id, channel_id, event, data, created_at, next_at)"
+                " VALUES (?, ?, 'test', '{}', ?, ?)", (message_id, channel["id"], txn.now, txn.now))
+    return Outgoing(message_id, channel, [txn.one("SELECT * FROM notify_outbox WHERE id = ?", (message_id,))])
+
+
+@dataclass
+class Outgoing:
+    """One message for one channel: a single event, or a digest of the ones the rate limit held back."""
+    id: str
+    channel: sqlite3.Row
+    rows: list[sqlite3.Row]
+
+    @property
+    def digest(self) -> bool:
+        return len(self.rows) > 1
+
+
+def due_messages(txn: Txn, rate_ms: int, busy: frozenset[str]) -> tuple[list[Outgoing], int | None]:
+    """What to send now, one message per channel (a digest formed earlier is sent again exactly as formed, so
+    its id stays true), and when the next one falls due."""
+    due: list[Outgoing] = []
+    # A channel whose last send failed waits out its backoff before anything else goes to it.
+    pending = txn.all("SELECT c.*, coalesce(max(CASE WHEN o.attempts > 0 THEN o.next_at END), min(o.next_at))"
+                      " AS due_at FROM notify_outbox o JOIN notify_channels c ON c.id = o.channel_id"
+                      " WHERE o.sent_at IS NULL AND o.gave_up_at IS NULL GROUP BY c.id")
+    next_due: int | None = None
+    for channel in pending:
+        if channel["id"] in busy:
+            continue  # its send in flight wakes the loop when it ends
+        when = max(channel["due_at"], (channel["last_sent_at"] or -rate_ms) + rate_ms)
+        if when > txn.now:
+            next_due = when if next_due is None else min(next_due, when)
+            continue
+        rows = txn.all("SELECT * FROM notify_outbox WHERE channel_id = ? AND sent_at IS NULL AND gave_up_at IS NULL"
+                       " ORDER BY digest_id IS NULL, created_at, id LIMIT 1000", (channel["id"],))
+        formed = [r for r in rows if r["digest_id"] is not None and r["digest_id"] == rows[0]["digest_id"]]
+        rows = formed or rows
+        message_id = rows[0]["digest_id"] or (rows[0]["id"] if len(rows) == 1 else new_id("nm"))
+        if len(rows) > 1 and not formed:
+            txn.execute(f"UPDATE notify_outbox SET digest_id = ? WHERE id IN ({', '.join('?' * len(rows))})",
+                        (message_id, *(r["id"] for r in rows)))
+        due.append(Outgoing(message_id, channel, rows))
+    return due, next_due
+
+
+def record_sending(txn: Txn, message: Outgoing, error: str | None) -> None:
+    """After a send: the rows are sent, or wait to be tried again with backoff (and are given up after
+    NOTIFY_MAX_ATTEMPTS); the channel keeps its last error for the Board and /metrics."""
+    ids = [r["id"] for r in message.rows]
+    marks = ", ".join("?" * len(ids))
+    if error is None:
+        txn.execute(f"UPDATE notify_outbox SET sent_at = ? WHERE id IN ({marks})", (txn.now, *ids))
+        txn.execute("UPDATE notify_channels SET last_sent_at = ? WHERE id = ?", (txn.now, message.channel["id"]))
+        return
+    attempt = message.rows[0]["attempts"] + 1
+    retry_at = txn.now + min(BACKOFF_BASE_SECONDS * 1000 * 2 ** (attempt - 1), 3_600_000)
+    txn.execute(f"UPDATE notify_outbox SET attempts = ?, next_at = ?,"
+                f" gave_up_at = CASE WHEN ? >= {NOTIFY_MAX_ATTEMPTS} OR event = 'test' THEN ? END WHERE id IN ({marks})",
+                (attempt, retry_at, attempt, txn.now, *ids))
+    txn.execute("UPDATE notify_channels SET last_error = ?, last_error_at = ?, failures = failures + 1 WHERE id = ?",
+                (error[:300], txn.now, message.channel["id"]))
+
+
 # -- background work --------------------------------------------------------------------------------
 
 def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
@@ -3546,9 +3862,10 @@ def prune_batch(txn: Txn) -> dict:
     todos = _prune_table(txn, "todos", f"state IN {TERMINAL_STATES}", "updated_at")
     events = _prune_table(txn, "events", f"NOT EXISTS (SELECT 1 FROM todos t WHERE t.event_id = events.id"
                                          f" AND t.state NOT IN {TERMINAL_STATES})", "received_at")
-    if todos or events:
-        txn.logs.append(f"pruned {todos} todos and {events} events")
-    return {"todos": todos, "events": events}
+    messages = _prune_table(txn, "notify_outbox", "(sent_at IS NOT NULL OR gave_up_at IS NOT NULL)", "created_at")
+    if todos or events or messages:
+        txn.logs.append(f"pruned {todos} todos, {events} events and {messages} sent notifications")
+    return {"todos": todos, "events": events, "notifications": messages}
 
 
 def _prune_table(txn: Txn, table: str, eligible: str, stamp: str) -> int:
@@ -3564,11 +3881,11 @@ def _prune_table(txn: Txn, table: str, eligible: str, stamp: str) -> int:
 
 def prune(db: Database) -> dict:
     """Retention to the end, in bounded transactions so that deliveries keep flowing between them."""
-    total = {"todos": 0, "events": 0}
+    total = {"todos": 0, "events": 0, "notifications": 0}
     while True:
         step = db.write_sync(prune_batch)
         total = {k: total[k] + step[k] for k in total}
-        if not step["todos"] and not step["events"]:
+        if not any(step.values()):
             return total
 
 
@@ -3694,7 +4011,210 @@ class Doorbell:
 
 
 # ======================================================================================================
-# 10. Flows: what REST, MCP, the CLI and the Board all do the same way
+# 10. Notifier: telling the human they are needed (ntfy, Gotify, Slack, Discord, signed webhooks)
+# ======================================================================================================
+# The outbox rows are written by the store in the transaction that made the human needed; this sender
+# delivers them after commit: one message per channel per 30 s (the rest become one digest), retries with
+# backoff, each channel on its own so a hanging receiver delays nobody else. Messages name the work and quote
+# producer text as data, on one line and short; never a payload, token, secret or lease.
+
+NOTIFY_RATE_SECONDS = 30.0
+NOTIFY_TIMEOUT_SECONDS = 10.0
+NOTIFY_MAX_RESPONSE_BYTES = 64 << 10
+NOTIFY_HEADLINES = {"needs_input": "A worker asks a question", "review": "Work waits for your review",
+                    "held": "A delivery is held", "dead_letter": "Work failed for good",
+                    "verification_failures": "A webhook keeps failing its signature check",
+                    "test": "Switchboard test message"}
+NTFY_TAGS = {"needs_input": "question", "review": "eyes", "held": "pause_button", "dead_letter": "x",
+             "verification_failures": "warning", "test": "white_check_mark", "digest": "inbox_tray"}
+
+
+def quoted(text: Any, limit: int = 80) -> str:
+    """Producer text as a message may quote it: one line, no control or bidi characters, short."""
+    clean = " ".join(re.sub(f"[{UNSAFE_TEXT}]", " ", str(text)).split())
+    return clean if len(clean) <= limit else clean[:limit - 1] + "…"
+
+
+@dataclass(frozen=True)
+class Composed:
+    """A message in words and as data, before it is shaped for one kind of receiver."""
+    id: str
+    event: str
+    title: str
+    text: str
+    link: str | None
+    data: dict
+
+
+def compose(message: Outgoing, base_url: str | None) -> Composed:
+    rows = message.rows
+    if message.digest:
+        counts = dict(collections.Counter(r["event"] for r in rows))
+        first = json.loads(rows[0]["data"])
+        what = ", ".join(f"{n} {event.replace('_', ' ')}" for event, n in counts.items())
+        return Composed(message.id, "digest", f"Switchboard: {len(rows)} things need you", f"{what} since the last"
+                        f" message (first: {quoted(first.get('title', first.get('webhook_id', '')))})",
+                        f"{base_url.rstrip('/')}/board" if base_url else None, {"counts": counts})
+    row = rows[0]
+    data = json.loads(row["data"])
+    if "todo_id" in data:
+        subject = f"{quoted(data['title'])} (queue {data['queue']}, {data['todo_id']})"
+        link = f"{base_url.rstrip('/')}/board/todos/{data['todo_id']}" if base_url else None
+    elif "webhook_id" in data:
+        subject = f"webhook {data['webhook_id']} ({data['provider']}): {data['failures']} failed checks, {data['reason']}"
+        link = f"{base_url.rstrip('/')}/board/webhooks/{data['webhook_id']}" if base_url else None
+    else:
+        subject, link = "this channel works", f"{base_url.rstrip('/')}/board" if base_url else None
+    shown = {k: quoted(v) if k == "title" else v for k, v in data.items()}
+    return Composed(message.id, row["event"], f"Switchboard: {NOTIFY_HEADLINES[row['event']]}", subject, link,
+                    {**shown, "board_url": link} if "todo_id" in data else shown)
+
+
+def _header_text(text: str) -> str:
+    """A header value: ASCII as is, else RFC 2047 (ntfy reads encoded titles)."""
+    return text if text.isascii() else "=?UTF-8?B?" + base64.b64encode(text.encode()).decode() + "?="
+
+
+def _slack_text(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def shape_request(kind: str, url: str, token: str | None, message: Composed,
+                  now_s: int) -> tuple[str, dict[str, str], bytes]:
+    """(url, headers, body) for one kind of receiver, as its public documentation describes."""
+    headers = {"X-Switchboard-Message-Id": message.id, "User-Agent": f"switchboard/{VERSION}"}
+    if kind == "ntfy":
+        urgent = message.event in ("needs_input", "dead_letter", "verification_failures")
+        headers.update({"Title": _header_text(message.title), "Tags": NTFY_TAGS[message.event],
+                        "Priority": "high" if urgent else "default", "Content-Type": "text/plain; charset=utf-8"})
+        if message.link:
+            headers["Click"] = message.link
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        return url, headers, message.text.encode()
+    if kind == "gotify":
+        headers.update({"X-Gotify-Key": token or "", "Content-Type": "application/json"})
+        extras = {"client::notification": {"click": {"url": message.link}}} if message.link else {}
+        body = {"title": message.title, "message": message.text, "priority": 8 if message.event != "digest" else 5,
+                "extras": extras}
+        target = url if url.rstrip("/").endswith("/message") else url.rstrip("/") + "/message"
+        return target, headers, json.dumps(body).encode()
+    if kind in ("slack", "discord"):
+        headers["Content-Type"] = "application/json"
+        line = f"{message.title}\n{message.text}" + (f"\n{message.link}" if message.link else "")
+        body = ({"text": _slack_text(line)} if kind == "slack" else
+                {"content": line[:2000], "allowed_mentions": {"parse": []}})
+        return url, headers, json.dumps(body).encode()
+    payload = json.dumps({"type": message.event, "timestamp": iso(now_s * 1000), "data": message.data}).encode()
+    key = base64.b64decode((token or "").removeprefix("whsec_"))
+    signature = base64.b64encode(hmac.new(key, f"{message.id}.{now_s}.".encode() + payload,
+                                          hashlib.sha256).digest()).decode()
+    headers.update({"Content-Type": "application/json", "webhook-id": message.id, "webhook-timestamp": str(now_s),
+                    "webhook-signature": f"v1,{signature}"})
+    return url, headers, payload
+
+
+class Notifier:
+    """The sender loop. `wake()` may be called from any thread (the writer calls it after a commit that wrote
+    to the outbox); the loop also wakes when the next held-back message falls due."""
+
+    def __init__(self, db: Database, box: SecretBox, base_url: str | None, failures: Counter | None = None,
+                 sent: Counter | None = None):
+        self.db = db
+        self.box = box
+        self.base_url = base_url
+        self.failures = failures
+        self.sent = sent
+        self.busy: set[str] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def wake(self) -> None:
+        if self._loop is not None and self._wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the server is stopping
+                self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def run(self) -> None:
+        """Send what is due, then sleep until the next message falls due or a commit wakes the loop. One bad
+        round is logged and the loop goes on."""
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        async with httpx.AsyncClient(timeout=NOTIFY_TIMEOUT_SECONDS, follow_redirects=False, trust_env=False) as client:
+            while True:
+                self._wake.clear()
+                try:
+                    due, next_due = await self.db.write(due_messages, int(NOTIFY_RATE_SECONDS * 1000),
+                                                        frozenset(self.busy))
+                    for message in due:
+                        self._start(client, message)
+                except Exception:  # noqa: BLE001 - the loop must outlive one bad round; the cause is logged
+                    log.exception("notifier round failed")
+                    next_due = None
+                wait = 60.0 if next_due is None else max(0.05, (next_due - self.db.clock.now_ms()) / 1000)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+
+    def _start(self, client: httpx.AsyncClient, message: Outgoing) -> None:
+        channel_id = message.channel["id"]
+        self.busy.add(channel_id)
+        task = asyncio.create_task(self.deliver(client, message))
+        self.tasks.add(task)
+
+        def done(finished: asyncio.Task) -> None:
+            self.tasks.discard(finished)
+            self.busy.discard(channel_id)
+            self.wake()
+
+        task.add_done_callback(done)
+
+    async def deliver(self, client: httpx.AsyncClient, message: Outgoing) -> str | None:
+        """Send one message and record how it went; the error, or None."""
+        channel = message.channel
+        error = await self.send(client, message)
+        await self.db.write(record_sending, message, error)
+        counter = self.failures if error else self.sent
+        if counter is not None:
+            counter.labels(channel["kind"]).inc()
+        if error:
+            log.warning("notification %s to channel %s (%s) failed: %s", message.id, channel["id"], channel["kind"],
+                        error)
+        return error
+
+    async def send(self, client: httpx.AsyncClient, message: Outgoing) -> str | None:
+        channel = message.channel
+        try:
+            url = self.box.open(channel["url_sealed"], channel["id"]).decode()
+            token = (self.box.open(channel["token_sealed"], channel["id"] + ":token").decode()
+                     if channel["token_sealed"] else None)
+            composed = compose(message, self.base_url)
+            target, headers, body = shape_request(channel["kind"], url, token, composed,
+                                                  self.db.clock.now_ms() // 1000)
+            async with client.stream("POST", target, headers=headers, content=body) as answer:
+                read = 0
+                async for chunk in answer.aiter_raw():
+                    read += len(chunk)
+                    if read >= NOTIFY_MAX_RESPONSE_BYTES:
+                        break
+                if not answer.is_success:
+                    return f"HTTP {answer.status_code}"
+        except (httpx.HTTPError, httpx.InvalidURL, ApiError, OSError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"[:300] or type(exc).__name__
+        return None
+
+    async def send_now(self, message: Outgoing) -> dict:
+        """Send one message at once, outside the loop and its rate limit (a channel test), and say how it went."""
+        async with httpx.AsyncClient(timeout=NOTIFY_TIMEOUT_SECONDS, follow_redirects=False, trust_env=False) as client:
+            error = await self.deliver(client, message)
+        return {"id": message.id, "channel_id": message.channel["id"], "sent": error is None, "error": error}
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+# ======================================================================================================
+# 11. Flows: what REST, MCP, the CLI and the Board all do the same way
 # ======================================================================================================
 # The orchestration that is not HTTP: accepting a delivery, waiting claims, ring streams, rules with the
 # evaluator's fair share, releasing held work, and the background loop. The HTTP section below only reads
@@ -3751,6 +4271,10 @@ class Metrics:
                                ["stage", "disposition"], registry=self.registry)
         self.faults = Counter("switchboard_rule_faults", "Rule faults that held a delivery, by cause", ["cause"],
                               registry=self.registry)
+        self.notify_sent = Counter("switchboard_notify_sent", "Notifications delivered, by channel kind", ["kind"],
+                                   registry=self.registry)
+        self.notify_failures = Counter("switchboard_notify_failures", "Notification sends that failed, by channel"
+                                       " kind", ["kind"], registry=self.registry)
         self.registry.register(_StoreCollector(db, doorbell))
 
     def count_delivery(self, provider: str, outcome: dict, trace: dict) -> None:
@@ -3900,8 +4424,11 @@ class Flows:
     """The shared flows, over one database, doorbell, evaluator and secret box."""
 
     def __init__(self, db: Database, doorbell: Doorbell, evaluator: Evaluator, box: SecretBox,
-                 limiter: RateLimiter, metrics: Metrics, vitals: Vitals):
+                 limiter: RateLimiter, metrics: Metrics, vitals: Vitals, notifier: Notifier):
         self.db = db
+        self.notifier = notifier
+        self.failed_checks: dict[str, collections.deque] = {}
+        self.failures_told: dict[str, float] = {}
         self.doorbell = doorbell
         self.evaluator = evaluator
         self.box = box
@@ -3949,7 +4476,7 @@ class Flows:
             raise RateLimited(wait)
         return webhook
 
-    def _verify(self, webhook: sqlite3.Row, headers: dict[str, str], body: bytes, source: str) -> bool:
+    async def _verify(self, webhook: sqlite3.Row, headers: dict[str, str], body: bytes, source: str) -> bool:
         provider = webhook["provider"]
         secret = self.box.open(webhook["secret_sealed"], webhook["id"]) if webhook["secret_sealed"] else None
         try:
@@ -3959,7 +4486,20 @@ class Flows:
             self.metrics.deliveries.labels(provider, "unverified").inc()
             log.warning("delivery refused: webhook %s (%s) from %s: %s", webhook["id"], provider, source,
                         failure.reason)
+            await self._count_failed_check(webhook["id"], failure.reason)
             raise ApiError("unauthenticated", f"signature verification failed: {failure.reason}") from None
+
+    async def _count_failed_check(self, webhook_id: str, reason: str) -> None:
+        """Tell the human when a webhook fails its check again and again (a wrong secret, or someone probing):
+        at VERIFICATION_ALERT_COUNT failures within VERIFICATION_ALERT_WINDOW, at most once an hour."""
+        now = time.monotonic()
+        recent = self.failed_checks.setdefault(webhook_id, collections.deque(maxlen=VERIFICATION_ALERT_COUNT))
+        recent.append(now)
+        told = self.failures_told.get(webhook_id, -math.inf)
+        if (len(recent) == VERIFICATION_ALERT_COUNT and now - recent[0] <= VERIFICATION_ALERT_WINDOW
+                and now - told >= 3600):
+            self.failures_told[webhook_id] = now
+            await self.db.write(notify_verification_failures, webhook_id, len(recent), reason)
 
     async def _decide(self, webhook: sqlite3.Row, envelope: dict, envelope_text: str) -> tuple[dict, dict]:
         gated = gate(envelope)
@@ -3974,7 +4514,7 @@ class Flows:
                               source: str) -> tuple[int, dict]:
         """Verify, project, dedup, decide and record one delivery: (status, answer)."""
         provider = webhook["provider"]
-        verified = self._verify(webhook, headers, body, source)
+        verified = await self._verify(webhook, headers, body, source)
         payload, payload_error = decode_payload(headers, body)
         envelope = build_envelope(provider=provider, webhook_id=webhook["id"], trust_mode=webhook["trust_mode"],
                                   verified=verified, headers=headers, body=body, payload=payload,
@@ -4041,9 +4581,29 @@ class Flows:
 
     async def release_quarantined(self, principal: Principal, todo_id: str, body: ReleaseQuarantine) -> dict:
         """Re-evaluate a held delivery off the writer, then apply the decision in one transaction."""
+        principal.require_human("release-quarantine")
         release = await self.evaluate(principal.human_id or principal.id, prepare_quarantine_release, self.db,
                                       self.evaluator, principal, todo_id, body)
         return await self.db.write(apply_quarantine_release, principal, release, body.note)
+
+    # -- replay ---------------------------------------------------------------------------------------
+    async def replay(self, principal: Principal, event_ids: list[str], dry_run: bool) -> list[dict]:
+        subjects = await self.db.read(replay_subjects, principal, event_ids)
+        replays = await self.evaluate(principal.human_id, decide_again, self.evaluator, subjects, principal.human_id)
+        run = self.db.read if dry_run else self.db.write
+        return await run(apply_replays, principal, replays, dry_run)
+
+    async def replay_one(self, principal: Principal, event_id: str, body: ReplayOne) -> dict:
+        [result] = await self.replay(principal, [event_id], body.dry_run)
+        return result
+
+    async def replay_webhook(self, principal: Principal, webhook_id: str, body: ReplayMany) -> dict:
+        event_ids = await self.db.read(replay_events, principal, webhook_id, body)
+        return {**replay_summary(await self.replay(principal, event_ids, body.dry_run)), "dry_run": body.dry_run}
+
+    # -- notifications -------------------------------------------------------------------------------
+    async def test_channel(self, principal: Principal, channel_id: str) -> dict:
+        return await self.notifier.send_now(await self.db.write(queue_test_message, principal, channel_id))
 
     # -- the background loop -------------------------------------------------------------------------
     async def background(self) -> None:
@@ -4065,13 +4625,14 @@ class Flows:
                 log.exception("scheduler tick failed")
             await asyncio.sleep(SCHEDULER_TICK_SECONDS)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        await self.notifier.close()
         self.eval_threads.shutdown(wait=False, cancel_futures=True)
         self.evaluator.close()
 
 
 # ======================================================================================================
-# 11. HTTP: REST, ingress, MCP, SSE, the app
+# 12. HTTP: REST, ingress, MCP, SSE, the app
 # ======================================================================================================
 
 class JsonResponse(JSONResponse):
@@ -4199,6 +4760,7 @@ class ApiRoute:
     media: str = "application/json"
     store: Callable | None = None  # a store function that is the whole route: store(txn, principal, *path, body?)
     writes: bool = False
+    flow: str = ""  # or a Flows method that is: flow(principal, *path, body?)
 
 
 def _action_routes() -> list[ApiRoute]:
@@ -4230,9 +4792,9 @@ REST_ROUTES: list[ApiRoute] = [
     ApiRoute("GET", "/api/v1/todos/{todo_id}", "", "a todo with attempts, history and receipt",
              answer=TodoAnswer, store=get_todo),
     *_action_routes(),
-    ApiRoute("POST", "/api/v1/todos/{todo_id}/release-quarantine", "release_quarantine", "release a held"
-             " delivery: re-evaluate the rules, or send it to a queue", body=ReleaseQuarantine, answer=TodoAnswer,
-             auth="human"),
+    ApiRoute("POST", "/api/v1/todos/{todo_id}/release-quarantine", "", "release a held delivery: re-evaluate"
+             " the rules, or send it to a queue", body=ReleaseQuarantine, answer=TodoAnswer, auth="human",
+             flow="release_quarantined"),
     ApiRoute("GET", "/api/v1/endpoints", "endpoints", "the human's endpoints", auth="human"),
     ApiRoute("POST", "/api/v1/endpoints", "endpoints", "vend an endpoint; its token is shown once",
              body=EndpointCreate, status=201, auth="human"),
@@ -4261,11 +4823,24 @@ REST_ROUTES: list[ApiRoute] = [
              query=EventListQuery, store=list_events),
     ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/rules", "", "rules, default action and params",
              store=get_rules),
-    ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/rules", "set_rules", "validate and save rules", body=RuleSet),
-    ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/rules/test", "rules_test", "dry run: the decision for one"
-             " payload or stored delivery", body=RulesTest),
+    ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/rules", "", "validate and save rules", body=RuleSet,
+             flow="set_rules"),
+    ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/rules/test", "", "dry run: the decision for one"
+             " payload or stored delivery", body=RulesTest, flow="dry_run"),
     ApiRoute("GET", "/api/v1/events/{event_id}", "", "one delivery with its envelope and trace",
              store=get_event),
+    ApiRoute("POST", "/api/v1/events/{event_id}/replay", "", "evaluate a stored delivery under the current rules"
+             " and act on it (once claims and earlier todos hold)", body=ReplayOne, auth="human", flow="replay_one"),
+    ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/replay", "", "the same in bulk; a dry run by default,"
+             " answering what would change", body=ReplayMany, auth="human", flow="replay_webhook"),
+    ApiRoute("GET", "/api/v1/notify", "", "the human's notification channels (no credentials)", auth="human",
+             store=list_channels),
+    ApiRoute("POST", "/api/v1/notify", "add_channel", "add a notification channel (a webhook channel's signing"
+             " secret is shown once)", body=NotifyCreate, status=201, auth="human"),
+    ApiRoute("DELETE", "/api/v1/notify/{channel_id}", "", "remove a notification channel", auth="human",
+             store=remove_channel, writes=True),
+    ApiRoute("POST", "/api/v1/notify/{channel_id}/test", "", "send one test message now", auth="human",
+             flow="test_channel"),
     ApiRoute("GET", "/api/v1/friends", "", "the human's friend edges", auth="human", store=list_friends),
     ApiRoute("POST", "/api/v1/friends", "", "ask another human for a friend edge", body=FriendRequest,
              status=201, auth="human", store=friend_request, writes=True),
@@ -4447,37 +5022,28 @@ class Api:
         return JsonResponse(await self.db.write(set_webhook_secret, principal, self.flows.box,
                                                 request.path_params["webhook_id"], body))
 
-    async def set_rules(self, request: Request) -> Response:
-        principal = await self.principal(request)
-        body = await self.body(request, RuleSet)
-        return JsonResponse(await self.flows.set_rules(principal, request.path_params["webhook_id"], body))
-
-    async def rules_test(self, request: Request) -> Response:
-        principal = await self.principal(request)
-        body = await self.body(request, RulesTest)
-        return JsonResponse(await self.flows.dry_run(principal, request.path_params["webhook_id"], body))
-
-    async def release_quarantine(self, request: Request) -> Response:
-        principal = await self.principal(request)
-        principal.require_human("release-quarantine")
-        body = await self.body(request, ReleaseQuarantine)
-        return JsonResponse(await self.flows.release_quarantined(principal, request.path_params["todo_id"], body))
-
     async def run_store(self, request: Request, route: ApiRoute) -> Response:
-        """A route that is one store function in one transaction, called with the principal, the path's
-        parameters in order, then the validated body or query."""
+        """A route that is one store function in one transaction, or one flow, called with the principal, the
+        path's parameters in order, then the validated body or query."""
         principal = await self.principal(request)
         args = list(request.path_params.values())
         if route.body is not None:
             args.append(await self.body(request, route.body))
         if route.query is not None:
             args.append(parse_model(route.query, dict(request.query_params)))
+        if route.flow:
+            return JsonResponse(await getattr(self.flows, route.flow)(principal, *args), status_code=route.status)
         run = self.db.write if route.writes else self.db.read
         return JsonResponse(await run(route.store, principal, *args), status_code=route.status)
 
     def route_table(self) -> list[Route]:
-        return [Route(r.path, functools.partial(self.run_store, route=r) if r.store else getattr(self, r.handler),
-                      methods=[r.method]) for r in REST_ROUTES]
+        return [Route(r.path, functools.partial(self.run_store, route=r) if r.store or r.flow else
+                      getattr(self, r.handler), methods=[r.method]) for r in REST_ROUTES]
+
+    async def add_channel(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        body = await self.body(request, NotifyCreate)
+        return JsonResponse(await self.db.write(add_channel, principal, self.flows.box, body), status_code=201)
 
     async def openapi(self, request: Request) -> Response:
         return JsonResponse(self.openapi_document)
@@ -4934,30 +5500,33 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     db.on_rings = doorbell.ring
     evaluator = Evaluator()
     evaluator.on_death = vitals.died
-    flows = Flows(db, doorbell, evaluator, box, RateLimiter(ingest_rate, ingest_burst), Metrics(db, doorbell), vitals)
+    base_url = base_url or os.environ.get("SWITCHBOARD_BASE_URL")
+    metrics = Metrics(db, doorbell)
+    notifier = Notifier(db, box, base_url, metrics.notify_failures, metrics.notify_sent)
+    db.on_outbox = notifier.wake
+    flows = Flows(db, doorbell, evaluator, box, RateLimiter(ingest_rate, ingest_burst), metrics, vitals, notifier)
     origins = allowed_origins if allowed_origins is not None else os.environ.get("SWITCHBOARD_ALLOWED_ORIGINS", "")
-    api = Api(flows, base_url or os.environ.get("SWITCHBOARD_BASE_URL"),
-              frozenset(o.strip().rstrip("/") for o in origins.split(",") if o.strip()))
+    api = Api(flows, base_url, frozenset(o.strip().rstrip("/") for o in origins.split(",") if o.strip()))
 
-    def scheduler_ended(task: asyncio.Task) -> None:
-        if not task.cancelled():
-            vitals.died(f"the scheduler stopped: {task.exception()!r}")
+    def watch(task: asyncio.Task, what: str) -> None:
+        """A long-lived loop that ends (it never should) is a death: /healthz says so and the process exits."""
+        task.add_done_callback(lambda done: None if done.cancelled() else vitals.died(
+            f"the {what} stopped: {done.exception()!r}"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         db.loop = asyncio.get_running_loop()
-        task = asyncio.create_task(flows.background()) if background else None
-        if task is not None:
-            task.add_done_callback(scheduler_ended)
+        loops = {"scheduler": flows.background(), "notifier": notifier.run()} if background else {}
+        tasks = [asyncio.create_task(coroutine) for coroutine in loops.values()]
+        for task, what in zip(tasks, loops, strict=True):
+            watch(task, what)
         try:
             yield
         finally:
-            if task is not None:
-                task.remove_done_callback(scheduler_ended)
+            for task in tasks:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            flows.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await flows.close()
             db.close()
 
     mcp = Mcp(api)
@@ -4976,7 +5545,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
 
 
 # ======================================================================================================
-# 12. Board: the human's pages
+# 13. Board: the human's pages
 # ======================================================================================================
 # Server-rendered HTML for the human's half of the loop: what waits on them (held deliveries, reviews,
 # questions, dead letters), the queues, one todo, a webhook's deliveries, rules with a dry run, endpoints.
@@ -5752,7 +6321,7 @@ class Board:
 
 
 # ======================================================================================================
-# 13. CLI
+# 14. CLI
 # ======================================================================================================
 # Each subcommand has its own handler (set with set_defaults); a handler takes the parsed arguments and an
 # open Database and returns one JSON object, which --json prints as is and otherwise prints for people.
@@ -5991,6 +6560,45 @@ def _cli_friend_link(args: argparse.Namespace, db: Database) -> dict:
     return db.write_sync(friend_link, args.human_a, args.human_b)
 
 
+def _cli_events_replay(args: argparse.Namespace, db: Database) -> dict:
+    """One event (EVENT) or a webhook's events (--webhook): a dry run unless --apply."""
+    if (args.event is None) == (args.webhook is None):
+        raise ApiError("invalid_argument", "give EVENT or --webhook ID (not both)")
+    dry_run = not args.apply
+    if args.event is not None:
+        event_ids = [args.event]
+    else:
+        fields = {k: v for k, v in (("disposition", args.disposition), ("kind", args.kind), ("since", args.since),
+                                    ("until", args.until), ("limit", args.limit)) if v is not None}
+        event_ids = db.read_sync(replay_events, OPERATOR, args.webhook,
+                                 parse_model(ReplayMany, json.dumps({**fields, "dry_run": dry_run})))
+    with _evaluator() as evaluator:
+        replays = decide_again(evaluator, db.read_sync(replay_subjects, OPERATOR, event_ids), None)
+    results = (db.read_sync if dry_run else db.write_sync)(apply_replays, OPERATOR, replays, dry_run)
+    return results[0] if args.event is not None else {**replay_summary(results), "dry_run": dry_run}
+
+
+def _cli_notify_add(args: argparse.Namespace, db: Database) -> dict:
+    human = db.read_sync(find_human, args.human)
+    body = parse_model(NotifyCreate, json.dumps({"kind": args.kind, "url": args.url, "events": [
+        e for e in args.events.split(",") if e], **({"token": args.token} if args.token else {})}))
+    return _with_out(args, db.write_sync(add_channel, OPERATOR, _secret_box(args, db), body, human["id"]))
+
+
+def _cli_notify_list(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(list_channels, OPERATOR)
+
+
+def _cli_notify_remove(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(remove_channel, OPERATOR, args.id)
+
+
+def _cli_notify_test(args: argparse.Namespace, db: Database) -> dict:
+    """Send one test message from here, now, and say how it went."""
+    notifier = Notifier(db, _secret_box(args, db), _base_url(args))
+    return asyncio.run(notifier.send_now(db.write_sync(queue_test_message, OPERATOR, args.id)))
+
+
 def _cli_events_list(args: argparse.Namespace, db: Database) -> dict:
     query = parse_model(EventListQuery, {k: v for k, v in (("disposition", args.disposition), ("limit", args.limit))
                                          if v is not None})
@@ -6117,6 +6725,9 @@ def _cli_migrate(args: argparse.Namespace, db: Database | None) -> dict:
         before = conn.execute("PRAGMA user_version").fetchone()[0]
     finally:
         conn.close()
+    if before > SCHEMA_VERSION:
+        raise ApiError("conflict", f"{args.db} is schema {before}, newer than this program ({SCHEMA_VERSION}):"
+                                   " run the newer program, or restore a backup made before the upgrade")
     if not args.dry_run and steps:
         Database(args.db).close()
     return {"path": str(Path(args.db).resolve()), "from": before, "to": SCHEMA_VERSION, "steps": steps,
@@ -6226,11 +6837,15 @@ def _raise_file_limit() -> None:
 
 
 def _cli_serve(args: argparse.Namespace) -> int:
+    for name, allowed in (("synchronous", ("full", "normal")), ("log_format", ("plain", "json"))):
+        if getattr(args, name) not in allowed:
+            raise ApiError("invalid_argument", f"{name.replace('_', '-')} must be one of {', '.join(allowed)}"
+                                               f" (from SWITCHBOARD_{name.upper()})")
     configure_logging(args.log_format)
     _raise_file_limit()
     app = create_app(args.db, synchronous=args.synchronous, ingest_rate=args.ingest_rate,
                      ingest_burst=args.ingest_burst, base_url=args.base_url, allowed_origins=args.allowed_origins,
-                     trust_proxy=args.trust_proxy)
+                     trust_proxy=_yes("trust-proxy", args.trust_proxy))
     # The access log is off because ingest URLs carry credentials; Switchboard logs its own lines. uvicorn's
     # own lines go through the handler above (log_config=None), so they share its format.
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_config=None,
@@ -6249,24 +6864,23 @@ def _cli_serve(args: argparse.Namespace) -> int:
 
 # -- the parser --------------------------------------------------------------------------------------
 
-def _env(flag: str, default: Any, kind: Callable[[str], Any] = str) -> Any:
-    """A serve flag's default from SWITCHBOARD_<FLAG>, so a unit file or a container sets it once."""
-    value = os.environ.get("SWITCHBOARD_" + flag.upper().replace("-", "_"))
-    if value is None:
-        return default
-    try:
-        return kind(value)
-    except ValueError:
-        raise SystemExit(f"switchboard: SWITCHBOARD_{flag.upper().replace('-', '_')}={value!r} is not valid") from None
+def _env(flag: str, default: Any) -> Any:
+    """A serve flag's default from SWITCHBOARD_<FLAG>, so a unit file or a container sets it once. argparse
+    converts (and refuses) it like a value given on the command line, and only when `serve` runs."""
+    return os.environ.get("SWITCHBOARD_" + flag.upper().replace("-", "_"), default)
 
 
-def _yes(value: str) -> bool:
-    """A boolean flag's value from the environment: 1/true/yes/on or 0/false/no/off (any case)."""
+def _yes(flag: str, value: bool | str) -> bool:
+    """A switch's value: True when given on the command line, else SWITCHBOARD_<FLAG> as 1/true/yes/on or
+    0/false/no/off (any case); anything else refuses to serve."""
+    if isinstance(value, bool):
+        return value
     if value.strip().lower() in ("1", "true", "yes", "on"):
         return True
     if value.strip().lower() in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(value)
+    raise ApiError("invalid_argument", f"{flag} must be 1, true, yes, on, 0, false, no or off"
+                                       f" (from SWITCHBOARD_{flag.upper().replace('-', '_')})")
 
 
 def _subcommand(group: argparse._SubParsersAction, name: str, handler: Callable, help_text: str,
@@ -6276,26 +6890,32 @@ def _subcommand(group: argparse._SubParsersAction, name: str, handler: Callable,
     return parser
 
 
+def _group(commands: argparse._SubParsersAction, name: str, help_text: str, metavar: str
+           ) -> argparse._SubParsersAction:
+    """A command with subcommands (human add, todo push, …)."""
+    return commands.add_parser(name, help=help_text).add_subparsers(dest="sub", required=True, metavar=metavar)
+
+
 def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     serve = _subcommand(commands, "serve", _cli_serve,
                         "run the server (creates the database on first start); every flag also reads"
                         " SWITCHBOARD_<FLAG>", common)
     serve.add_argument("--host", default=_env("host", "127.0.0.1"), help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=_env("port", 8080, int), help="port (default 8080)")
+    serve.add_argument("--port", type=int, default=_env("port", "8080"), help="port (default 8080)")
     serve.add_argument("--synchronous", choices=["full", "normal"], default=_env("synchronous", "full"),
                        help="full: a 202 survives power loss (default); normal: faster, survives a crash")
     serve.add_argument("--ingest-rate", dest="ingest_rate", type=float,
-                       default=_env("ingest-rate", DEFAULT_INGEST_RATE, float),
+                       default=_env("ingest-rate", str(DEFAULT_INGEST_RATE)),
                        help="deliveries per second per source address (0 turns the limit off)")
     serve.add_argument("--ingest-burst", dest="ingest_burst", type=int,
-                       default=_env("ingest-burst", DEFAULT_INGEST_BURST, int), help="deliveries allowed at once")
+                       default=_env("ingest-burst", str(DEFAULT_INGEST_BURST)), help="deliveries allowed at once")
     serve.add_argument("--base-url", dest="base_url", default=_env("base-url", None),
                        help="public base of ingest URLs and Board links (default: as requested)")
     serve.add_argument("--allowed-origins", dest="allowed_origins", default=_env("allowed-origins", None),
                        help="comma-separated browser origins allowed on /mcp (loopback origins are allowed on a"
                             " loopback address)")
     serve.add_argument("--trust-proxy", dest="trust_proxy", action="store_true",
-                       default=_env("trust-proxy", False, _yes),
+                       default=_env("trust-proxy", False),
                        help="a reverse proxy in front sets X-Forwarded-Proto: `https` there makes the Board's"
                             " session cookie Secure")
     serve.add_argument("--log-format", dest="log_format", choices=["plain", "json"],
@@ -6303,15 +6923,13 @@ def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 
 def _add_principals(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    human = commands.add_parser("human", help="humans: the owners of endpoints and webhooks").add_subparsers(
-        dest="sub", required=True, metavar="{add,list}")
+    human = _group(commands, "human", "humans: the owners of endpoints and webhooks", "{add,list}")
     add = _subcommand(human, "add", _cli_human_add, "add a human; prints its token (sbh_…) once", common)
     add.add_argument("name", help="a unique name, e.g. alice")
     add.add_argument("--out", help="also write the answer (with the token) to this file, mode 0600")
     _subcommand(human, "list", _cli_human_list, "list the humans", common)
 
-    endpoint = commands.add_parser("endpoint", help="endpoints: agents' capability grants").add_subparsers(
-        dest="sub", required=True, metavar="{vend,list,revoke}")
+    endpoint = _group(commands, "endpoint", "endpoints: agents' capability grants", "{vend,list,revoke}")
     vend = _subcommand(endpoint, "vend", _cli_endpoint_vend, "vend an endpoint for a human; prints its token"
                        " (sbk_…) once", common)
     vend.add_argument("--human", required=True, help="the owning human's name or id")
@@ -6325,8 +6943,7 @@ def _add_principals(commands: argparse._SubParsersAction, common: argparse.Argum
     _subcommand(endpoint, "revoke", _cli_endpoint_revoke, "revoke an endpoint (its open work becomes dead"
                 " letters)", common).add_argument("id", help="endpoint id (ep_…)")
 
-    friend = commands.add_parser("friend", help="friend edges between humans").add_subparsers(
-        dest="sub", required=True, metavar="{link}")
+    friend = _group(commands, "friend", "friend edges between humans", "{link}")
     link = _subcommand(friend, "link", _cli_friend_link, "let HUMAN_A's webhooks route to HUMAN_B's endpoints"
                        " (request and approval at once)", common)
     link.add_argument("human_a", help="the human whose webhooks route")
@@ -6334,8 +6951,7 @@ def _add_principals(commands: argparse._SubParsersAction, common: argparse.Argum
 
 
 def _add_todos(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    todo = commands.add_parser("todo", help="todos: list, show, push and the human actions").add_subparsers(
-        dest="sub", required=True, metavar="{push,list,show,release,approve,request-changes,answer,resume,retry,"
+    todo = _group(commands, "todo", "todos: list, show, push and the human actions", "{push,list,show,release,approve,request-changes,answer,resume,retry,"
                                            "defer,undefer,cancel,reroute,discard}")
     push = _subcommand(todo, "push", _cli_todo_push, "write a todo for an endpoint", common)
     push.add_argument("endpoint", help="endpoint id (ep_…)")
@@ -6390,8 +7006,7 @@ def _add_trust_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    webhook = commands.add_parser("webhook", help="webhooks: signed ingress URLs").add_subparsers(
-        dest="sub", required=True, metavar="{create,trust,list,rotate,delete,set-secret}")
+    webhook = _group(commands, "webhook", "webhooks: signed ingress URLs", "{create,trust,list,rotate,delete,set-secret}")
     create = _subcommand(webhook, "create", _cli_webhook_create, "make an ingest URL; prints its secret once",
                          common)
     create.add_argument("--endpoint", required=True, help="owner endpoint id (ep_…)")
@@ -6418,8 +7033,7 @@ def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.Argumen
     set_secret.add_argument("id", help="webhook id (wh_…)")
     set_secret.add_argument("--secret", required=True, help="the producer's signing secret")
 
-    route = commands.add_parser("route", help="webhook routes to more endpoints").add_subparsers(
-        dest="sub", required=True, metavar="{add,list,remove}")
+    route = _group(commands, "route", "webhook routes to more endpoints", "{add,list,remove}")
     for name, handler, help_text in (("add", _cli_route_add, "route a webhook's deliveries to an endpoint too"),
                                      ("remove", _cli_route_remove, "remove a route")):
         sub = _subcommand(route, name, handler, help_text, common)
@@ -6428,8 +7042,7 @@ def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.Argumen
     _subcommand(route, "list", _cli_route_list, "a webhook's routes", common).add_argument(
         "webhook", help="webhook id (wh_…)")
 
-    rules = commands.add_parser("rules", help="routing rules (jq)").add_subparsers(
-        dest="sub", required=True, metavar="{get,set,test}")
+    rules = _group(commands, "rules", "routing rules (jq)", "{get,set,test}")
     _subcommand(rules, "get", _cli_rules_get, "a webhook's rules and params", common).add_argument(
         "webhook", help="webhook id (wh_…)")
     rules_set = _subcommand(rules, "set", _cli_rules_set, "validate and save rules (refused with the rule named)",
@@ -6443,12 +7056,43 @@ def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.Argumen
     rules_test.add_argument("--header", action="append", default=[], help="'Name: value', repeatable")
     rules_test.add_argument("--unverified", action="store_true", help="evaluate as an unverified delivery")
 
-    events = commands.add_parser("events", help="deliveries (events)").add_subparsers(
-        dest="sub", required=True, metavar="{list}")
+
+def _add_events(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    events = _group(commands, "events", "deliveries (events)", "{list,replay}")
     events_list = _subcommand(events, "list", _cli_events_list, "a webhook's deliveries, newest first", common)
     events_list.add_argument("webhook", help="webhook id (wh_…)")
     events_list.add_argument("--disposition", help="routed, dropped, repeat, quarantined or ping")
     events_list.add_argument("--limit", type=int, help="at most this many (1..200, default 50)")
+    replay = _subcommand(events, "replay", _cli_events_replay, "evaluate stored deliveries under the current rules"
+                         " (a dry run unless --apply; once claims and earlier todos hold)", common)
+    replay.add_argument("event", nargs="?", help="one event id (ev_…)")
+    replay.add_argument("--webhook", help="or every matching event of this webhook (wh_…)")
+    replay.add_argument("--disposition", help="only events that were routed, dropped, repeat, quarantined or ping")
+    replay.add_argument("--kind", help="only events of this kind")
+    replay.add_argument("--since", help="only events received at or after this ISO-8601 time")
+    replay.add_argument("--until", help="only events received before this ISO-8601 time")
+    replay.add_argument("--limit", type=int, help="at most this many events (1..1000, default 200)")
+    replay.add_argument("--apply", action="store_true", help="act on the new decisions (default: only report)")
+
+
+def _add_notify(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    notify = _group(commands, "notify", "humans' notification channels", "{add,list,remove,test}")
+    add = _subcommand(notify, "add", _cli_notify_add, "add a channel for a human (a webhook channel's secret is"
+                      " printed once)", common)
+    add.add_argument("--human", required=True, help="the human's name or id")
+    add.add_argument("--kind", required=True, choices=["ntfy", "gotify", "slack", "discord", "webhook"],
+                     help="what receives the messages")
+    add.add_argument("--url", required=True, help="ntfy topic URL, Gotify server URL, incoming-webhook URL, or"
+                                                  " your receiver's URL")
+    add.add_argument("--token", help="ntfy access token or Gotify app token")
+    add.add_argument("--events", required=True, help="comma-separated: needs_input, review, held, dead_letter,"
+                                                     " verification_failures")
+    add.add_argument("--out", help="also write the answer (with a webhook channel's secret) to this file, mode 0600")
+    _subcommand(notify, "list", _cli_notify_list, "every channel (no credentials)", common)
+    _subcommand(notify, "remove", _cli_notify_remove, "remove a channel", common).add_argument(
+        "id", help="channel id (nc_…)")
+    _subcommand(notify, "test", _cli_notify_test, "send one test message now", common).add_argument(
+        "id", help="channel id (nc_…)")
 
 
 def _add_operations(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -6479,6 +7123,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_principals(commands, common)
     _add_todos(commands, common)
     _add_webhooks(commands, common)
+    _add_events(commands, common)
+    _add_notify(commands, common)
     return parser
 
 
@@ -6508,7 +7154,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.handler is _cli_migrate:
             _print(args, _cli_migrate(args, None))
             return 0
-        db = Database(args.db, inline_rings=False)
+        # `check` reports the schema as it is and `backup` copies the file as it is: neither migrates it.
+        db = Database(args.db, inline_rings=False, migrate=args.handler not in (_cli_check, _cli_backup))
         try:
             _print(args, args.handler(args, db))
         finally:

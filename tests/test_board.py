@@ -65,7 +65,7 @@ def review_todo(world, alice, lane) -> dict:
 
 def held_delivery(world, alice, lane, title: str = "Handoff") -> tuple[dict, str]:
     """A cairn delivery the trust gate holds (a new cairn webhook trusts no one yet), stamped by the app's clock."""
-    hook = world.webhook(alice, lane, "cairn", queue="lane-s")
+    hook = world.webhook(alice, lane, "cairn", queue="lane-s", trusted_actors={"actor_ids": []})
     raw, headers = producers.cairn(hook["secret"], {"event_id": str(uuid.uuid4()), "data": {"title": title}},
                                    created_at=world.db.clock.now_ms() / 1000)
     outcome = world.deliver(hook, raw, headers).json()
@@ -401,11 +401,6 @@ def test_a_version_1_database_gets_the_sessions_table_on_migration(tmp_path):
 
 
 def test_serve_takes_trust_proxy_from_its_flag_or_the_environment(monkeypatch, db_path):
-    assert sb.build_parser().parse_args(["serve"]).trust_proxy is False
-    assert sb.build_parser().parse_args(["serve", "--trust-proxy"]).trust_proxy is True
-    monkeypatch.setenv("SWITCHBOARD_TRUST_PROXY", "true")
-    args = sb.build_parser().parse_args(["serve", "--db", db_path])
-    assert args.trust_proxy is True
     seen = {}
 
     def fake_app(*positional, **options):
@@ -414,9 +409,21 @@ def test_serve_takes_trust_proxy_from_its_flag_or_the_environment(monkeypatch, d
 
     monkeypatch.setattr(sb, "create_app", fake_app)
     monkeypatch.setattr(sb, "configure_logging", lambda log_format: None)
-    with pytest.raises(SystemExit):
-        sb._cli_serve(args)
-    assert seen["trust_proxy"] is True
+
+    def trust_proxy(*flags: str) -> bool:
+        seen.clear()
+        with pytest.raises(SystemExit):
+            sb._cli_serve(sb.build_parser().parse_args(["serve", "--db", db_path, *flags]))
+        return seen["trust_proxy"]
+
+    assert trust_proxy() is False and trust_proxy("--trust-proxy") is True
+    monkeypatch.setenv("SWITCHBOARD_TRUST_PROXY", "yes")
+    assert trust_proxy() is True
+    monkeypatch.setenv("SWITCHBOARD_TRUST_PROXY", "off")
+    assert trust_proxy() is False and trust_proxy("--trust-proxy") is True
+    monkeypatch.setenv("SWITCHBOARD_TRUST_PROXY", "maybe")
+    with pytest.raises(sb.ApiError, match="SWITCHBOARD_TRUST_PROXY"):
+        sb._cli_serve(sb.build_parser().parse_args(["serve", "--db", db_path]))
 
 
 def test_a_huge_payload_is_cut_on_the_page_and_signed_in_users_skip_the_login_form(client, world, alice, lane):

@@ -306,7 +306,7 @@ def test_the_queues_page_shows_running_work_and_who_is_connected(page, site):
 
 def test_producer_text_renders_as_text_and_runs_no_script(page, site):
     evil = "<img src=x onerror=alert(1)></script><script>alert(2)</script>"
-    hook = site.cairn_hook()
+    hook = site.cairn_hook(trusted_actors={"actor_ids": []})
     outcome = site.deliver_cairn(hook, {"title": evil, "share_type": evil, "tags": [evil]})
     held = outcome["todos"][0]["id"]
     sign_in(page, site.alice)
@@ -343,7 +343,7 @@ def test_screenshots_of_the_inbox_a_todo_and_the_rules_editor(browser, site):
     with one of each kind of waiting work."""
     casey = site.human("casey")
     router, lane = site.endpoint(casey, "router", ["triage"]), site.endpoint(casey, "lane-s", ["lane-s"])
-    hook = site.cairn_hook(casey, router, lane)
+    hook = site.cairn_hook(casey, router, lane, trusted_actors={"actor_ids": []})
     site.deliver_cairn(hook, {"title": "Handoff: rotate the backup keys on nas01", "actor_id": "night-agent"})
     todo = site.push(casey, lane, "Upgrade Grafana to 12.x on mon01", payload={
         "host": "mon01", "from": "11.4.2", "to": "12.0.1", "notes": ["back up dashboards first", "then restart"]},

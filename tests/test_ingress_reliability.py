@@ -319,7 +319,7 @@ def test_cross_human_route_through_the_cli(db_path):
                        "--verbs", "all")
     assert code == 0, bob_ep
     code, hook = cli(db_path, "webhook", "create", "--endpoint", alice_ep["id"], "--provider", "github",
-                     "--queue", QUEUE)
+                     "--queue", QUEUE, "--allow-all")
     assert code == 0, hook
     assert set(hook) >= {"id", "url", "secret", "provider", "queue"}
     assert hook["url"].startswith("http://127.0.0.1:8080/hooks/")
@@ -337,7 +337,7 @@ def test_cross_human_route_through_the_cli(db_path):
 
     # Reverse direction stays refused.
     code, bob_hook = cli(db_path, "webhook", "create", "--endpoint", bob_ep["id"], "--provider", "github",
-                         "--queue", QUEUE)
+                         "--queue", QUEUE, "--allow-all")
     assert code == 0, bob_hook
     code, refused = cli(db_path, "route", "add", bob_hook["id"], alice_ep["id"])
     assert code == 1 and refused.get("error") == "forbidden", refused
@@ -510,7 +510,7 @@ def test_rotate_list_and_delete_through_the_cli(client, db_path):
     code, ep = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "a", "--queues", QUEUE, "--verbs", "all")
     assert code == 0, ep
     code, hook = cli(db_path, "webhook", "create", "--endpoint", ep["id"], "--provider", "github", "--queue", QUEUE,
-                     "--base-url", "https://hooks.example.net")
+                     "--base-url", "https://hooks.example.net", "--allow-all")
     assert code == 0, hook
     assert set(hook) == {"id", "url", "secret", "provider", "queue"}, "the --json shape SPEC section 9 names"
     assert hook["url"].startswith("https://hooks.example.net/hooks/") and hook["provider"] == "github"

@@ -171,7 +171,7 @@ def test_a_ring_reaches_exactly_one_of_three_sessions_and_rotates(setup, db_path
     inboxes = [Inbox() for _ in range(3)]
     bobs_inbox = Inbox()
     _, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", worker["id"], "--provider", "github",
-                         "--queue", "build", "--base-url", server.url)
+                         "--queue", "build", "--base-url", server.url, "--allow-all")
     # Bob's endpoint uses the same queue name; it is not a target of this webhook and must never be rung.
 
     def deliver(n: int) -> dict:
@@ -216,7 +216,7 @@ def test_a_session_that_connects_is_rung_for_its_oldest_pending_work(setup):
 def test_sse_worker_is_woken_by_a_signed_delivery(setup, db_path):
     server, worker = setup["server"], setup["worker"]
     code, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", worker["id"], "--provider", "github",
-                            "--queue", "build", "--base-url", server.url)
+                            "--queue", "build", "--base-url", server.url, "--allow-all")
     events: list[tuple[str, dict]] = []
     ready = threading.Event()
 
@@ -247,7 +247,7 @@ def test_sse_worker_is_woken_by_a_signed_delivery(setup, db_path):
 def test_quarantined_work_never_rings(setup, db_path, tmp_path):
     server, worker = setup["server"], setup["worker"]
     _, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", worker["id"], "--provider", "github",
-                         "--queue", "build", "--base-url", server.url)
+                         "--queue", "build", "--base-url", server.url, "--allow-all")
     pack = tmp_path / "hold.json"
     pack.write_text(json.dumps({"rules": [{"id": "hold", "expr": "true", "action": {"quarantine": True}}]}))
     assert cli_inproc(db_path, "rules", "set", hook["id"], "--file", str(pack))[0] == 0

@@ -32,7 +32,8 @@ def test_metrics_count_what_happened_without_naming_tenants(world, clock):
     alice = world.human("alice")
     worker = world.endpoint(alice, ["secret-project"], name="secret-worker", verbs=["all"])
     hook = world.client.post("/api/v1/webhooks", headers=alice.auth, json={
-        "provider": "github", "queue": "secret-project", "endpoint_id": worker.id}).json()
+        "provider": "github", "queue": "secret-project", "endpoint_id": worker.id,
+        "trusted_actors": {"allow_all": True}}).json()
     path = hook["url"].removeprefix("http://testserver")
     raw, headers = producers.github("issues.opened", hook["secret"])
     world.client.post(path, content=raw, headers=headers)
@@ -73,7 +74,8 @@ def test_retention_prunes_old_finished_work_and_never_live_work(world, clock, db
     worker = world.endpoint(alice, ["lane"], name="worker", verbs=["all"])
     router = world.endpoint(alice, ["triage"], name="router", verbs=["all"])
     hook = world.client.post("/api/v1/webhooks", headers=alice.auth, json={
-        "provider": "github", "queue": "triage", "endpoint_id": router.id}).json()
+        "provider": "github", "queue": "triage", "endpoint_id": router.id,
+        "trusted_actors": {"allow_all": True}}).json()
     world.client.post(f"/api/v1/webhooks/{hook['id']}/routes", headers=alice.auth, json={"endpoint_id": worker.id})
     world.client.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=alice.auth, json={"rules": [
         {"id": "lane", "expr": "true", "action": {"queue": "lane", "once": True}}]})

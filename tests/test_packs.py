@@ -113,7 +113,7 @@ class Deployment:
             topology = cases["topology"]
             r = self.client.post("/api/v1/webhooks", headers=self.human.auth,
                                  json={"provider": provider, "queue": topology["webhook_queue"],
-                                       "endpoint_id": self.owner.id})
+                                       "endpoint_id": self.owner.id, "trusted_actors": {"allow_all": True}})
             assert r.status_code in (200, 201), r.text
             hook = r.json()
             for queue in topology["lane_endpoints"]:
@@ -427,7 +427,8 @@ def test_fleet_refuses_a_deployment_missing_a_lane_endpoint(world):
     cases = load("fleet.cases.json")
     dep = deploy(world, cases)
     r = world.client.post("/api/v1/webhooks", headers=dep.human.auth,
-                          json={"provider": "github", "queue": "hold", "endpoint_id": dep.owner.id})
+                          json={"provider": "github", "queue": "hold", "endpoint_id": dep.owner.id,
+                                "trusted_actors": {"allow_all": True}})
     hook = r.json()
     for queue in ("lane-s", "lane-m", "lane-l", "triage"):  # no lane-vision route
         world.client.post(f"/api/v1/webhooks/{hook['id']}/routes", headers=dep.human.auth,

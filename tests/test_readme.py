@@ -60,3 +60,82 @@ def test_readme_worker_loop_completes_pushed_work(live_server, db_path, tmp_path
     finally:
         worker.kill()
         worker.wait()
+
+
+def readme_block(heading: str) -> str:
+    section = (ROOT / "README.md").read_text().split(heading, 1)[1]
+    return re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+
+
+def run_block(script: str, env: dict, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env={**os.environ, **env, "PATH": path},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_readme_lane_block_keeps_credentials_private_and_routes_a_signed_issue(live_server, db_path, tmp_path):
+    """The lane copy-paste block, run as written against a real server: its credentials land 0600 in a 0700
+    directory outside the checkout, and a signed GitHub issue labelled size/S by alice reaches lane-s."""
+    import hashlib
+    import hmac
+
+    import httpx
+    import producers
+    server = live_server()
+    home = tmp_path / "home"
+    home.mkdir()
+    run_block(readme_block("### Lane topology, copy-paste"), {"SWITCHBOARD_DB": db_path, "HOME": str(home),
+                                                               "XDG_CONFIG_HOME": ""})
+    creds = home / ".config" / "switchboard"
+    assert (creds.stat().st_mode & 0o777) == 0o700
+    files = sorted(p.name for p in creds.iterdir())
+    assert {"alice.json", "router.json", "lane-s.json", "github-hook.json", "params.json"} <= set(files)
+    for name in files:
+        assert (creds / name).stat().st_mode & 0o777 == 0o600, name
+    assert not list(ROOT.glob("lane-*.json")) and not (ROOT / "github-hook.json").exists()
+    hook = json.loads((creds / "github-hook.json").read_text())
+    assert hook["trusted_actors"] == {"logins": ["alice", "alice-agent"], "match": "sender"}
+    lane_s = json.loads((creds / "lane-s.json").read_text())
+    raw = json.dumps(producers.deep_merge(json.loads((ROOT / "tests/fixtures/github/issues.labeled.json").read_text()), {
+        "issue": {"user": {"login": "alice"}, "labels": [{"name": "size/S"}], "state": "open"},
+        "label": {"name": "size/S"}, "sender": {"login": "alice"},
+        "repository": {"full_name": "homelab/tools"}})).encode()
+    signature = "sha256=" + hmac.new(hook["secret"].encode(), raw, hashlib.sha256).hexdigest()
+    path = "/hooks/" + hook["url"].rsplit("/hooks/", 1)[1]
+    answer = httpx.post(server.url + path, content=raw, headers={
+        "X-GitHub-Event": "issues", "X-GitHub-Delivery": "lane-block-1", "X-Hub-Signature-256": signature,
+        "Content-Type": "application/json"})
+    assert answer.status_code == 202 and answer.json()["disposition"] == "routed", answer.text
+    claim = httpx.post(server.url + "/api/v1/todos/claim", headers={"Authorization": f"Bearer {lane_s['token']}"},
+                       json={"queue": "lane-s"}).json()
+    assert claim["todo"]["work_order"]["lane"] == "lane-s"
+
+
+def test_readme_restore_block_brings_back_a_working_webhook(live_server, db_path, tmp_path):
+    """Backup while serving, restore into a new directory with the key, check, serve: a signed delivery to the
+    same ingest URL verifies."""
+    import httpx
+    import producers
+    server = live_server()
+    from conftest import cli_inproc
+    _, human = cli_inproc(db_path, "human", "add", "alice")
+    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "triage")
+    _, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github",
+                         "--queue", "triage", "--allow-all")
+    state = Path(db_path).parent
+    script = readme_block("### Backup and restore")
+    script = script.replace("STATE=/var/lib/switchboard BACKUPS=/var/lib/switchboard/backups",
+                            f"STATE={state} BACKUPS={tmp_path}/backups")
+    script = script.replace("NEW=/var/lib/switchboard-restored", f"NEW={tmp_path}/restored")
+    run_block(script, {})
+    from conftest import LiveServer
+    again = LiveServer(str(tmp_path / "restored" / "switchboard.db"))
+    try:
+        raw, headers = producers.github("issues.opened", hook["secret"])
+        path = "/hooks/" + hook["url"].rsplit("/hooks/", 1)[1]
+        answer = httpx.post(again.url + path, content=raw, headers=headers)
+        assert answer.status_code == 202 and answer.json()["verified"] is True, answer.text
+    finally:
+        again.stop()

@@ -59,8 +59,9 @@ def test_rules_route_to_a_lane_with_a_work_order(world, alice, hook, lane_s):
         "subject": {"type": "issue", "provider": "github", "repo": "Codertocat/Hello-World", "number": 1,
                     "url": "https://github.com/Codertocat/Hello-World/issues/1",
                     "title": "Spelling error in the README file", "author": "Codertocat", "sender": "Codertocat",
-                    "action": "labeled", "labels": ["size/S"]},
-        "authority": sb.WORK_ORDER_AUTHORITY}
+                    "action": "labeled", "labels": ["size/S"], "event_type": "issues", "state": "open",
+                    "label": "bug", "body_size": order["subject"]["body_size"]},
+        "author_trusted": None, "authority": sb.WORK_ORDER_AUTHORITY}
     assert order["authority"].startswith("semi-trusted task: verified provenance made this eligible")
     assert todo["trace"]["stage"] == "rule" and todo["trace"]["rule_id"] == "small"
     assert todo["trace"]["once_key"] == sb.once_key("github:Codertocat/Hello-World#1", "lane-s")
@@ -339,7 +340,8 @@ def test_rules_over_the_cli(db_path, tmp_path):
     cli(db_path, "human", "add", "alice")
     _, router = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "triage,hold",
                     "--verbs", "all")
-    _, made = cli(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "github", "--queue", "triage")
+    _, made = cli(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "github", "--queue", "triage",
+                  "--allow-all")
     pack = tmp_path / "pack.json"
     pack.write_text(sb.json.dumps({"rules": [{"id": "hold-bugs", "expr": '.issue.labels | index("bug") != null',
                                               "action": {"queue": "hold"}}]}))

@@ -30,7 +30,7 @@ def envelope_of(world, human, outcome: dict) -> dict:
 
 
 def test_a_new_forge_webhook_without_a_list_holds_everything_and_says_so(world, alice, owner):
-    hook = world.webhook(alice, owner, "github")
+    hook = world.webhook(alice, owner, "github", trusted_actors=None)
     assert hook["trusted_actors"] == {"logins": [], "match": "sender"} and "held" in hook["warning"]
     outcome = world.deliver(hook, *issue_opened(hook["secret"], "alice", "alice")).json()
     assert outcome["disposition"] == "quarantined" and outcome["held"] is True and outcome["created"] == 1
@@ -117,7 +117,7 @@ def test_providers_without_a_gate_refuse_a_list_and_have_a_null_actor(world, ali
 
 
 def test_setting_the_list_is_validated_and_changes_the_gate(world, alice, owner):
-    hook = world.webhook(alice, owner, "github")
+    hook = world.webhook(alice, owner, "github", trusted_actors=None)
     url = f"/api/v1/webhooks/{hook['id']}/trusted-actors"
     for bad in ({"logins": ["x"] * 257}, {"logins": ["x" * 129]}, {"logins": ["é" * 65]}, {"actor_ids": ["a"]},
                 {"allow_all": False}, {"logins": ["a"], "match": "anyone"}, {"logins": [""]}, {}):

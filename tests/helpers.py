@@ -1,0 +1,62 @@
+"""Webhook and delivery helpers shared by the test modules: make a webhook and its routes over REST, post a
+delivery to a webhook's ingest URL, and read the database file directly. They take any HTTP client with the
+app's base URL: the Starlette test client or an httpx.Client on a live server."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from urllib.parse import urlsplit
+
+
+def hook_path(url: str) -> str:
+    """The path part of an ingest URL (`/hooks/<token>`), to post through a client with another base."""
+    path = urlsplit(url).path
+    assert re.fullmatch(r"/hooks/[A-Za-z0-9_-]{16,}", path), url
+    return path
+
+
+def hook_token(url: str) -> str:
+    return hook_path(url).rsplit("/", 1)[1]
+
+
+# Forge and cairn webhooks hold every delivery until their trusted actors are named. Tests about routing make
+# them trusting everyone; the trust gate's own tests (test_trust_gate.py) pass their lists explicitly.
+GATED_PROVIDERS = ("github", "gitea", "cairn")
+
+
+def make_webhook(client, human, endpoint, provider: str = "github", queue: str = "triage", **extra) -> dict:
+    """A webhook `human` makes over REST for `endpoint` (an endpoint, its JSON, or its id); the answer must be 201.
+    A forge or cairn webhook trusts every actor unless `trusted_actors` is given."""
+    endpoint_id = endpoint if isinstance(endpoint, str) else (
+        endpoint["id"] if isinstance(endpoint, dict) else endpoint.id)
+    if provider in GATED_PROVIDERS:
+        extra.setdefault("trusted_actors", {"allow_all": True})
+    r = client.post("/api/v1/webhooks", headers=human.auth,
+                    json={"provider": provider, "queue": queue, "endpoint_id": endpoint_id, **extra})
+    assert r.status_code == 201, r.text
+    made = r.json()
+    assert made["provider"] == provider and made["queue"] == queue
+    return made
+
+
+def add_route(client, auth: dict, webhook_id: str, endpoint_id: str):
+    return client.post(f"/api/v1/webhooks/{webhook_id}/routes", headers=auth, json={"endpoint_id": endpoint_id})
+
+
+def post_delivery(client, webhook: dict, raw: bytes, headers: dict):
+    """POST `raw` with `headers` to the webhook's ingest URL, as the producer would."""
+    return client.post(hook_path(webhook["url"]), content=raw, headers=headers)
+
+
+def query(db_path: str, sql: str, params: tuple = ()) -> list[tuple]:
+    """Read the real database file through a read-only connection of our own."""
+    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=10)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+def count(db_path: str, table: str, where: str = "1", params: tuple = ()) -> int:
+    return query(db_path, f"SELECT count(*) FROM {table} WHERE {where}", params)[0][0]
