@@ -11,6 +11,20 @@ CREATE TABLE IF NOT EXISTS humans (
     created_at    INTEGER NOT NULL
 );
 
+-- The Board's sign-ins. The browser keeps a random session token in an HttpOnly cookie; only its SHA-256 is
+-- stored here. A session ends at sign-out, or once 12 hours pass without a request (each request moves
+-- expires_at on); `csrf` is the token every state-changing form of that session must carry.
+CREATE TABLE IF NOT EXISTS board_sessions (
+    id            TEXT PRIMARY KEY CHECK (length(id) = 64),
+    human_id      TEXT NOT NULL REFERENCES humans(id) ON DELETE CASCADE,
+    csrf          TEXT NOT NULL CHECK (length(csrf) BETWEEN 32 AND 128),
+    created_at    INTEGER NOT NULL,
+    last_seen_at  INTEGER NOT NULL CHECK (last_seen_at >= created_at),
+    expires_at    INTEGER NOT NULL CHECK (expires_at > last_seen_at)
+);
+CREATE INDEX IF NOT EXISTS board_sessions_by_human ON board_sessions(human_id);
+CREATE INDEX IF NOT EXISTS board_sessions_expiry ON board_sessions(expires_at);
+
 CREATE TABLE IF NOT EXISTS endpoints (
     id                     TEXT PRIMARY KEY CHECK (id LIKE 'ep\_%' ESCAPE '\'),
     human_id               TEXT NOT NULL REFERENCES humans(id),
@@ -164,6 +178,9 @@ CREATE INDEX IF NOT EXISTS todos_held ON todos(created_at) WHERE state = 'quaran
 CREATE INDEX IF NOT EXISTS todos_by_endpoint ON todos(endpoint_id, created_at);
 CREATE INDEX IF NOT EXISTS todos_by_event ON todos(event_id);
 CREATE INDEX IF NOT EXISTS todos_finished ON todos(updated_at) WHERE state IN ('done', 'failed', 'cancelled');
+-- The Board: open work by endpoint, state and queue (what waits on a human, and the depth of each queue).
+CREATE INDEX IF NOT EXISTS todos_open ON todos(endpoint_id, state, queue, created_at)
+    WHERE state NOT IN ('done', 'cancelled');
 -- Idempotency: one live todo per (endpoint, key); a finished one frees the key.
 CREATE UNIQUE INDEX IF NOT EXISTS todos_idempotency ON todos(endpoint_id, idempotency_key)
     WHERE idempotency_key IS NOT NULL AND state NOT IN ('done', 'failed', 'cancelled');

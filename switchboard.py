@@ -14,8 +14,9 @@ Contents, in dependency order (each section uses only those above it):
   9. Doorbell        waking exactly one session when work becomes claimable
  10. Notifier        telling humans they are needed: the outbox sender (ntfy, Gotify, Slack, Discord, webhook)
  11. Flows           what REST, MCP and the CLI share: deliveries, waiting claims, ring streams, rules, replay
- 12. HTTP            REST, ingress, MCP, SSE, OpenAPI, the app
- 13. CLI             the operator's commands
+ 12. HTTP            REST, ingress, MCP, SSE, OpenAPI
+ 13. Board           the human's pages (sign-in, inbox, queues, todos, deliveries, rules, endpoints), then the app
+ 14. CLI             the operator's commands
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 import httpx
+import jinja2
+import markupsafe
 import uvicorn
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, disable_created_metrics,
                                generate_latest)
@@ -65,10 +68,13 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, RootModel, StringConstraints, Tag,
                       ValidationError, model_validator)
 from starlette.applications import Starlette
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Match, Mount, NoMatchFound, Route, get_route_path, request_response
+from starlette.staticfiles import StaticFiles
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 # ======================================================================================================
@@ -3942,6 +3948,8 @@ class Session:
     kind: Literal["wait", "stream"]
     notify: Callable[[dict], None]
     close: Callable[[], None] | None = None
+    via: str = "sse"  # how the worker listens: "sse" (GET /api/v1/doorbell), "mcp", or "claim" (a waiting claim)
+    opened_at: float = field(default_factory=time.time)
 
     def covers(self, queue: str) -> bool:
         return self.queues is None or queue in self.queues
@@ -3962,6 +3970,11 @@ class Doorbell:
             for session in list(sessions):
                 if session.close:
                     session.close()
+
+    def sessions_of(self, endpoint_id: str) -> list[dict]:
+        """Read-only, for the Board: the sessions listening on an endpoint now, how, for which queues, since when."""
+        return [{"via": s.via, "queues": sorted(s.queues) if s.queues is not None else None, "since": s.opened_at}
+                for s in self._sessions.get(endpoint_id, ())]
 
     def attach(self, session: Session) -> Session:
         self._sessions.setdefault(session.endpoint_id, []).append(session)
@@ -4003,7 +4016,7 @@ class Doorbell:
             if not future.done():
                 future.set_result(ring)
 
-        session = Session(endpoint_id, frozenset(queues), "wait", notify, lambda: notify(None))
+        session = Session(endpoint_id, frozenset(queues), "wait", notify, lambda: notify(None), via="claim")
         if first:
             self._sessions.setdefault(endpoint_id, []).insert(0, session)
             return session, future
@@ -4550,7 +4563,7 @@ class Flows:
         return await WaitingClaim(self, principal, body, gone).run()
 
     async def ring_frames(self, principal: Principal, queues: list[str] | None, render: Callable[[dict], str],
-                          lead: list[str], queue: asyncio.Queue | None = None) -> AsyncIterator[str]:
+                          lead: list[str], queue: asyncio.Queue | None = None, via: str = "sse") -> AsyncIterator[str]:
         """A doorbell session as a stream of frames: `lead`, then rings for up to 3 of the oldest pending todos,
         then every ring the doorbell sends it, rendered by `render`, until the reader stops or the server shuts
         down (the session's close puts None on the queue). The session is attached before this returns."""
@@ -4558,7 +4571,8 @@ class Flows:
         connected = await self.db.write(rings_for_new_session, principal.id, queues or principal.queues)
         first = [*lead, *(render({k: r[k] for k in RING_FIELDS}) for r in connected)]
         bell = self.doorbell.attach(Session(principal.id, frozenset(queues) if queues else None, "stream",
-                                            lambda ring: queue.put_nowait(render(ring)), lambda: queue.put_nowait(None)))
+                                            lambda ring: queue.put_nowait(render(ring)), lambda: queue.put_nowait(None),
+                                            via=via))
 
         async def frames() -> AsyncIterator[str]:
             try:
@@ -4631,7 +4645,7 @@ class Flows:
 
 
 # ======================================================================================================
-# 12. HTTP: REST, ingress, MCP, SSE, the app
+# 12. HTTP: REST, ingress, MCP, SSE, OpenAPI
 # ======================================================================================================
 
 class JsonResponse(JSONResponse):
@@ -5441,7 +5455,7 @@ class Mcp:
                 session.stream = None  # the client may open a new stream on the same session
 
         frames = await self.api.flows.ring_frames(principal, None, lambda ring: sse_frame(channel_notification(ring)),
-                                                  [], queue)
+                                                  [], queue, via="mcp")
         return sse_response(_then(frames, ended), {"Mcp-Session-Id": session.id})
 
     async def _listen(self, request_id: Any, principal: Principal) -> Response:
@@ -5455,7 +5469,7 @@ class Mcp:
 
         ack = sse_frame({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged",
                          "params": {"notifications": {}, "_meta": stamp}})
-        return sse_response(await self.api.flows.ring_frames(principal, None, frame, [ack]))
+        return sse_response(await self.api.flows.ring_frames(principal, None, frame, [ack], via="mcp"))
 
 
 class JsonRpcError(Exception):
@@ -5484,10 +5498,789 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return JsonResponse({"error": "internal", "message": "internal error"}, status_code=500)
 
 
+# ======================================================================================================
+# 13. Board: the human's pages, and the app that mounts every part
+# ======================================================================================================
+# Server-rendered HTML for the human's half of the loop: what waits on them (held deliveries, reviews,
+# questions, dead letters), the queues, one todo, a webhook's deliveries, rules with a dry run, endpoints.
+# Sign-in trades a human token for a session (only its hash is stored); every state-changing form is a POST
+# carrying the session's CSRF token from the Board's own origin, and answers 303 (post-redirect-get), so every
+# page works without scripts. Every action calls the same store or flow function as REST, with the human's
+# Principal. Templates autoescape, and producer text is never marked safe.
+
+BOARD_DIR = Path(__file__).with_name("board")
+BOARD_COOKIE = "switchboard_board"
+BOARD_IDLE_MS = 12 * 3_600_000
+BOARD_TOUCH_MS = 60_000  # a session's last use is written at most this often
+BOARD_PAGE_SIZE = 25
+BOARD_POLL_SECONDS = 2.0
+BOARD_MCP_IDLE_SECONDS = 15 * 60
+BOARD_FORM_BYTES = 1 << 20
+BOARD_JSON_CHARS = 200_000
+FORM_TYPE = "application/x-www-form-urlencoded"
+BOARD_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; frame-ancestors 'none';"
+                               " base-uri 'none'; form-action 'self'",
+    "Referrer-Policy": "same-origin",
+    "X-Content-Type-Options": "nosniff",
+}
+# What waits on the human, in the inbox's order: name, heading, and which todos belong.
+INBOX_GROUPS: dict[str, tuple[str, str]] = {
+    "held": ("Held", "state = 'quarantined' OR (state = 'pending' AND queue = 'hold')"),
+    "review": ("Review", "state = 'review'"),
+    "questions": ("Questions", "state = 'needs_input'"),
+    "dead": ("Dead letters", "state = 'failed'"),
+    "blocked": ("Blocked", "state = 'blocked'"),
+    "deferred": ("Deferred", "state = 'deferred'"),
+}
+_INBOX_CASE = "CASE " + " ".join(f"WHEN {where} THEN '{name}'" for name, (_, where) in INBOX_GROUPS.items()) + " END"
+_OPEN = "state NOT IN ('done', 'cancelled')"  # the todos_open index's own condition, so SQLite uses it
+# Producer text keeps no bidirectional controls or lone surrogates on a page: they would make it read otherwise.
+_BOARD_UNSAFE = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_BOARD_BACK = re.compile(r"^/board(?:/[A-Za-z0-9_.~/-]*)?(?:\?[A-Za-z0-9_.~=&%:-]*)?$")
+EVENT_DISPOSITIONS = ("routed", "dropped", "repeat", "quarantined", "ping")
+
+
+@dataclass(frozen=True)
+class BoardSession:
+    """A signed-in browser: the stored hash of its session token, the human, and the form token."""
+    key: str
+    principal: Principal
+    csrf: str
+    last_seen_at: int
+
+
+class BoardRefusal(Exception):
+    """A state-changing form refused before it ran (no CSRF token, another origin): 403, nothing changed."""
+
+
+# -- sessions (transaction bodies) ----------------------------------------------------------------------
+
+def board_sign_in(txn: Txn, token: str) -> str | None:
+    """A new session for a human token, or None. Expired sessions are swept here."""
+    principal = authenticate(txn, token) if token.startswith("sbh_") else None
+    if principal is None:
+        return None
+    txn.execute("DELETE FROM board_sessions WHERE expires_at <= ?", (txn.now,))
+    session = new_token("sbs")
+    txn.execute("INSERT INTO board_sessions (id, human_id, csrf, created_at, last_seen_at, expires_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)", (token_hash(session), principal.id, secrets.token_urlsafe(32), txn.now,
+                                               txn.now, txn.now + BOARD_IDLE_MS))
+    txn.logs.append(f"board session opened for {principal.id}")
+    return session
+
+
+def board_session(txn: Txn, key: str) -> BoardSession | None:
+    row = txn.one("SELECT s.*, h.name FROM board_sessions s JOIN humans h ON h.id = s.human_id"
+                  " WHERE s.id = ? AND s.expires_at > ?", (key, txn.now))
+    if row is None:
+        return None
+    principal = Principal(kind="human", id=row["human_id"], human_id=row["human_id"], name=row["name"])
+    return BoardSession(row["id"], principal, row["csrf"], row["last_seen_at"])
+
+
+def board_touch(txn: Txn, key: str) -> None:
+    txn.execute("UPDATE board_sessions SET last_seen_at = ?, expires_at = ? WHERE id = ? AND expires_at > ?",
+                (txn.now, txn.now + BOARD_IDLE_MS, key, txn.now))
+
+
+def board_sign_out(txn: Txn, key: str) -> None:
+    if txn.execute("DELETE FROM board_sessions WHERE id = ?", (key,)).rowcount:
+        txn.logs.append("board session closed")
+
+
+# -- what the pages read (transaction bodies, each confined by the human's principal) ---------------------
+
+def board_counts(txn: Txn, principal: Principal) -> dict:
+    """How many todos wait in each inbox group, and a digest of every open count, which changes whenever
+    anything on the inbox or the queues page would."""
+    clause, params = _scope_clause(principal)
+    counts = {name: 0 for name in INBOX_GROUPS}
+    for row in txn.all(f"SELECT {_INBOX_CASE} AS grp, count(*) AS n FROM todos WHERE {clause} AND {_OPEN}"
+                       f" AND state IN ('quarantined', 'pending', 'review', 'needs_input', 'failed', 'blocked',"
+                       f" 'deferred') GROUP BY grp", params):
+        if row["grp"]:
+            counts[row["grp"]] = row["n"]
+    open_rows = [tuple(r) for r in txn.all(f"SELECT endpoint_id, queue, state, count(*), max(created_at) FROM todos"
+                                           f" WHERE {clause} AND {_OPEN} GROUP BY endpoint_id, queue, state", params)]
+    claims = txn.one(f"SELECT count(*), max(updated_at) FROM todos WHERE {clause} AND state = 'claimed'", params)
+    digest = hashlib.sha256(json.dumps([counts, open_rows, tuple(claims)]).encode()).hexdigest()[:16]
+    return {"counts": counts, "total": sum(counts.values()), "digest": digest}
+
+
+def _todo_rows(txn: Txn, principal: Principal, where: str, params: tuple, after: tuple[int, str] | None,
+               limit: int, newest_first: bool = False) -> list[sqlite3.Row]:
+    clause, scope = _scope_clause(principal)
+    order = "DESC" if newest_first else "ASC"
+    sql = (f"SELECT id, endpoint_id, queue, state, title, source, kind, state_reason, trace, created_at, updated_at,"
+           f" attempt, max_attempts, last_error, lease_expires_at FROM todos WHERE {clause} AND {_OPEN} AND ({where})")
+    args = [*scope, *params]
+    if after is not None:
+        sql += f" AND (created_at, id) {'<' if newest_first else '>'} (?, ?)"
+        args += list(after)
+    return txn.all(sql + f" ORDER BY created_at {order}, id {order} LIMIT ?", (*args, limit))
+
+
+def _inbox_item(row: sqlite3.Row) -> dict:
+    trace = _json(row["trace"]) or {}
+    return {"id": row["id"], "endpoint_id": row["endpoint_id"], "queue": row["queue"], "state": row["state"],
+            "title": row["title"], "source": row["source"], "kind": row["kind"], "state_reason": row["state_reason"],
+            "created_at": row["created_at"], "updated_at": row["updated_at"], "attempt": row["attempt"],
+            "max_attempts": row["max_attempts"], "last_error": row["last_error"],
+            "stage": trace.get("stage"), "rule": trace.get("rule_name") or trace.get("rule_id"),
+            "cause": trace.get("cause"), "hold": trace.get("hold")}
+
+
+def board_inbox(txn: Txn, principal: Principal, group: str | None, after: tuple[int, str] | None) -> dict:
+    """Every group's oldest items (or one group, a page at a time), oldest first."""
+    names = [group] if group else list(INBOX_GROUPS)
+    limit = BOARD_PAGE_SIZE if group else 10
+    groups = []
+    for name in names:
+        rows = _todo_rows(txn, principal, INBOX_GROUPS[name][1], (), after if group else None, limit + 1)
+        items = [_inbox_item(r) for r in rows[:limit]]
+        groups.append({"name": name, "title": INBOX_GROUPS[name][0], "items": items,
+                       "more": f"{items[-1]['created_at']}.{items[-1]['id']}" if len(rows) > limit else None})
+    return {"groups": groups, "queues": _human_queues(txn, principal)}
+
+
+def _human_queues(txn: Txn, principal: Principal) -> list[str]:
+    queues: set[str] = set()
+    for endpoint in list_endpoints(txn, principal)["endpoints"]:
+        if endpoint["revoked_at"] is None:
+            queues.update(endpoint["queues"])
+    return sorted(queues)
+
+
+def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) -> dict:
+    """Per endpoint and queue: open counts by state and the age of the oldest pending todo; the running work
+    with its claimant, lease and latest heartbeat note."""
+    clause, params = _scope_clause(principal)
+    endpoints = {e["id"]: {**e, "queues": {q: {"counts": {}, "oldest_pending": None} for q in e["queues"]}}
+                 for e in list_endpoints(txn, principal)["endpoints"]}
+    for row in txn.all(f"SELECT endpoint_id, queue, state, count(*) AS n, min(created_at) AS oldest FROM todos"
+                       f" WHERE {clause} AND {_OPEN} GROUP BY endpoint_id, queue, state", params):
+        queue = endpoints[row["endpoint_id"]]["queues"].setdefault(row["queue"], {"counts": {}, "oldest_pending": None})
+        queue["counts"][row["state"]] = row["n"]
+        if row["state"] == "pending":
+            queue["oldest_pending"] = row["oldest"]
+    sql = (f"SELECT t.id, t.title, t.queue, t.endpoint_id, t.lease_expires_at, t.created_at, a.claimant, a.claimed_at,"
+           f" a.summary, a.heartbeats, a.seq FROM todos t JOIN attempts a ON a.todo_id = t.id AND a.ended_at IS NULL"
+           f" WHERE t.state = 'claimed' AND t.{clause}")
+    args = list(params)
+    if after is not None:
+        sql += " AND (t.created_at, t.id) > (?, ?)"
+        args += list(after)
+    running = [dict(r) for r in txn.all(sql + " ORDER BY t.created_at, t.id LIMIT ?", (*args, BOARD_PAGE_SIZE + 1))]
+    more = running[BOARD_PAGE_SIZE - 1] if len(running) > BOARD_PAGE_SIZE else None
+    return {"endpoints": list(endpoints.values()), "running": running[:BOARD_PAGE_SIZE],
+            "more": f"{more['created_at']}.{more['id']}" if more else None}
+
+
+def board_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
+    """get_todo as REST answers it, plus one timeline of history and attempts, and the queues to offer."""
+    todo = get_todo(txn, principal, todo_id)
+    timeline = [{"at": h["at"], "kind": "history", **h} for h in todo["history"]]
+    for attempt in todo["attempts"]:
+        timeline.append({"at": attempt["claimed_at"], "kind": "claimed", **attempt})
+        if attempt["ended_at"]:
+            timeline.append({"at": attempt["ended_at"], "kind": "ended", **attempt})
+    timeline.sort(key=lambda entry: (entry["at"] or "", entry["kind"] != "history"))
+    return {"todo": todo, "timeline": timeline, "queues": _human_queues(txn, principal)}
+
+
+def _webhook_summary(txn: Txn, webhook: dict) -> dict:
+    last = txn.one("SELECT id, kind, verified, disposition, received_at FROM events WHERE webhook_id = ?"
+                   " ORDER BY received_at DESC, id DESC LIMIT 1", (webhook["id"],))
+    return {**webhook, "last_event": dict(last) if last else None}
+
+
+def board_webhooks(txn: Txn, principal: Principal) -> dict:
+    return {"webhooks": [_webhook_summary(txn, w) for w in list_webhooks(txn, principal)["webhooks"]],
+            "endpoints": list_endpoints(txn, principal)["endpoints"]}
+
+
+def board_webhook(txn: Txn, principal: Principal, webhook_id: str) -> dict:
+    webhook = _webhook_summary(txn, get_webhook(txn, principal, webhook_id))
+    recent = [dict(r) for r in txn.all(
+        "SELECT id, kind, disposition, verified, received_at FROM events WHERE webhook_id = ? AND envelope IS NOT NULL"
+        " ORDER BY received_at DESC, id DESC LIMIT 20", (webhook_id,))]
+    return {"webhook": webhook, "rules": get_rules(txn, principal, webhook_id),
+            "routes": list_routes(txn, principal, webhook_id)["routes"], "recent": recent,
+            "endpoints": list_endpoints(txn, principal)["endpoints"]}
+
+
+def board_deliveries(txn: Txn, principal: Principal, webhook_id: str, disposition: str | None, kind: str | None,
+                     before: tuple[int, str] | None) -> dict:
+    """A webhook's deliveries, newest first, a page at a time (what list_events shows, filterable by kind)."""
+    webhook = get_webhook(txn, principal, webhook_id)
+    sql, args = ("SELECT id, kind, disposition, verified, trust_mode, delivery_key, received_at, outcome FROM events"
+                 " WHERE webhook_id = ?", [webhook_id])
+    for column, value in (("disposition", disposition), ("kind", kind)):
+        if value:
+            sql += f" AND {column} = ?"
+            args.append(value)
+    if before is not None:
+        sql += " AND (received_at, id) < (?, ?)"
+        args += list(before)
+    rows = txn.all(sql + " ORDER BY received_at DESC, id DESC LIMIT ?", (*args, BOARD_PAGE_SIZE + 1))
+    events = [{**dict(r), "outcome": _json(r["outcome"]) or {}} for r in rows[:BOARD_PAGE_SIZE]]
+    more = events[-1] if len(rows) > BOARD_PAGE_SIZE else None
+    return {"webhook": webhook, "events": events, "more": f"{more['received_at']}.{more['id']}" if more else None}
+
+
+def board_delivery(txn: Txn, principal: Principal, event_id: str) -> dict:
+    event = get_event(txn, principal, event_id)
+    clause, params = _scope_clause(principal)
+    todos = [dict(r) for r in txn.all(f"SELECT id, title, state, queue, endpoint_id FROM todos WHERE event_id = ?"
+                                      f" AND {clause} ORDER BY created_at, id", (event_id, *params))]
+    return {"event": event, "todos": todos}
+
+
+def board_endpoints(txn: Txn, principal: Principal) -> dict:
+    clause, params = _scope_clause(principal)
+    open_counts = {r["endpoint_id"]: r["n"] for r in txn.all(
+        f"SELECT endpoint_id, count(*) AS n FROM todos WHERE {clause} AND {_OPEN} AND state NOT IN ('failed',"
+        f" 'quarantined') GROUP BY endpoint_id", params)}
+    endpoints = [{**e, "open": open_counts.get(e["id"], 0)} for e in list_endpoints(txn, principal)["endpoints"]]
+    return {"endpoints": endpoints, "presets": list(VERB_PRESETS)}
+
+
+# -- rendering helpers ---------------------------------------------------------------------------------------
+
+def _board_text(value: Any) -> Any:
+    """Jinja's finalize: every string reaches the page without bidirectional controls or lone surrogates (it
+    is escaped after this)."""
+    if isinstance(value, markupsafe.Markup):
+        return value  # our own markup (a macro's output), whose text was finalized when it was made
+    return _BOARD_UNSAFE.sub("\ufffd", value) if isinstance(value, str) else ("" if value is None else value)
+
+
+def pretty_json(value: Any) -> str:
+    """A stored document as indented JSON text for a <pre> (escaped by the template like any text), cut at
+    BOARD_JSON_CHARS so that a 5 MiB payload does not make a 10 MiB page (the API has all of it)."""
+    try:
+        text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
+    except (RecursionError, ValueError):
+        text = json.dumps(_shallow(value), indent=2, ensure_ascii=False)
+    if len(text) > BOARD_JSON_CHARS:
+        text = f"{text[:BOARD_JSON_CHARS]}\n… {len(text) - BOARD_JSON_CHARS:,} more characters (the API has all of it)"
+    return _BOARD_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _as_ms(value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, (int, float)):
+        return int(value)
+    try:
+        return to_ms(datetime.fromisoformat(str(value).replace("Z", "+00:00")))
+    except ValueError:
+        return None
+
+
+def _ago(ms: int | None, now: int) -> str:
+    if ms is None:
+        return "never"
+    seconds = (now - ms) / 1000
+    future = seconds < 0
+    seconds = abs(seconds)
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "min"), (1, "s")):
+        if seconds >= size or unit == "s":
+            amount = f"{int(seconds // size)} {unit}"
+            return f"in {amount}" if future else f"{amount} ago"
+    return ""
+
+
+def _cursor(text: str | None) -> tuple[int, str] | None:
+    """A page cursor `<ms>.<id>`; anything else is the first page."""
+    stamp, _, ident = (text or "").partition(".")
+    if not stamp.isdigit() or not re.fullmatch(r"[a-z]{2}_[0-9a-f]{1,64}", ident):
+        return None
+    return int(stamp), ident
+
+
+class BoardPage(Response):
+    """HTML that cannot fail to encode (a lone surrogate becomes U+FFFD)."""
+    media_type = "text/html"
+
+    def render(self, content: Any) -> bytes:
+        return content.encode("utf-8", "replace") if isinstance(content, str) else content
+
+
+class _BoardHeaders:
+    """ASGI middleware: the Board's security headers on every answer under /board, static files included."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        async def send_with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in BOARD_HEADERS.items():
+                    headers[name] = value
+                if "cache-control" not in headers:
+                    headers["Cache-Control"] = "no-store"
+            await send(message)
+        await self.app(scope, receive, send_with_headers)
+
+
+class _BoardEntry(BaseRoute):
+    """`/` (303 to the Board) and `/board` itself (the inbox). HTML pages, not API routes: not a `Route`, so
+    the OpenAPI document (which covers every API route) does not list them."""
+
+    def __init__(self, inbox: Callable) -> None:
+        self.inbox = _BoardHeaders(request_response(inbox))
+
+    def matches(self, scope: dict) -> tuple[Match, dict]:
+        if scope["type"] == "http" and get_route_path(scope) in ("/", "/board"):
+            return Match.FULL, {}
+        return Match.NONE, {}
+
+    def url_path_for(self, name: str, /, **path_params: Any) -> Any:
+        raise NoMatchFound(name, path_params)
+
+    async def handle(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if get_route_path(scope) == "/":
+            await RedirectResponse("/board", status_code=303)(scope, receive, send)
+        else:
+            await self.inbox(scope, receive, send)
+
+
+# -- the pages ---------------------------------------------------------------------------------------------
+
+class Board:
+    """The human's pages over the same flows as REST. `trust_proxy`: a reverse proxy the operator declared
+    sets X-Forwarded-Proto, so `https` there makes the session cookie Secure."""
+
+    def __init__(self, flows: Flows, api: Api, mcp: Mcp, trust_proxy: bool = False):
+        self.flows = flows
+        self.db = flows.db
+        self.api = api
+        self.mcp = mcp
+        self.trust_proxy = trust_proxy
+        self.templates = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(BOARD_DIR / "templates"), autoescape=True, finalize=_board_text,
+            trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+        self.templates.filters["json"] = pretty_json
+        self.templates.filters["iso"] = lambda value: iso(_as_ms(value)) or ""
+        self.templates.globals["inbox_groups"] = INBOX_GROUPS
+        # One-shot notices for the next page a session sees (post-redirect-get): kept in memory, popped on read.
+        self.notices: dict[str, list[dict]] = {}
+
+    def routes(self) -> list[BaseRoute]:
+        """The Board's routes; none when its files (board/ beside this module) are not installed."""
+        if not (BOARD_DIR / "templates").is_dir() or not (BOARD_DIR / "static").is_dir():
+            log.warning("the Board is off: its files are not in %s", BOARD_DIR)
+            return []
+        page, act = self._page, self._action
+        board = [
+            Route("/", page(self.inbox)),
+            Route("/login", self.login, methods=["GET", "POST"]),
+            Route("/logout", act(self.logout), methods=["POST"]),
+            Route("/inbox/{group}", page(self.inbox)),
+            Route("/events", self.events),
+            Route("/queues", page(self.queues)),
+            Route("/todos/{todo_id}", page(self.todo)),
+            Route("/todos/{todo_id}/{action}", act(self.todo_action), methods=["POST"]),
+            Route("/webhooks", page(self.webhooks)),
+            Route("/webhooks/{webhook_id}", page(self.webhook)),
+            Route("/webhooks/{webhook_id}/deliveries", page(self.deliveries)),
+            Route("/webhooks/{webhook_id}/rules", act(self.rules), methods=["POST"]),
+            Route("/webhooks/{webhook_id}/rotate", act(self.rotate), methods=["POST"]),
+            Route("/webhooks/{webhook_id}/trusted-actors", act(self.trusted_actors), methods=["POST"]),
+            Route("/webhooks/{webhook_id}/routes", act(self.add_route), methods=["POST"]),
+            Route("/webhooks/{webhook_id}/routes/{endpoint_id}/remove", act(self.remove_route), methods=["POST"]),
+            Route("/deliveries/{event_id}", page(self.delivery)),
+            Route("/endpoints", page(self.endpoints)),
+            Route("/endpoints/vend", act(self.vend), methods=["POST"]),
+            Route("/endpoints/{endpoint_id}/revoke", page(self.revoke_confirm)),
+            Route("/endpoints/{endpoint_id}/revoke", act(self.revoke), methods=["POST"]),
+            Mount("/static", app=StaticFiles(directory=BOARD_DIR / "static")),
+            Route("/{rest:path}", page(self.not_found), methods=["GET", "POST"]),
+        ]
+        return [_BoardEntry(self._page(self.inbox)),
+                Mount("/board", routes=board, middleware=[Middleware(_BoardHeaders)])]
+
+    # -- sessions, forms and answers --------------------------------------------------------------------
+    def secure(self, request: Request) -> bool:
+        forwarded = request.headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
+        return request.url.scheme == "https" or (self.trust_proxy and forwarded == "https")
+
+    def _origins(self, request: Request) -> set[str]:
+        scheme = "https" if self.secure(request) else request.url.scheme
+        mine = {f"{scheme}://{request.headers.get('host', '')}".lower()}
+        if self.api.base_url:
+            parts = urllib.parse.urlsplit(self.api.base_url)
+            mine.add(f"{parts.scheme}://{parts.netloc}".lower())
+        return mine
+
+    def _same_origin(self, request: Request) -> bool:
+        """A state-changing form must come from a page of this server: its Origin (or, where a browser sends
+        none, its Referer's origin) is this request's own scheme://host or the configured base URL."""
+        origin = request.headers.get("origin")
+        if origin is None or origin == "null":
+            referer = urllib.parse.urlsplit(request.headers.get("referer", ""))
+            origin = f"{referer.scheme}://{referer.netloc}" if referer.scheme and referer.netloc else None
+        return origin is not None and origin.rstrip("/").lower() in self._origins(request)
+
+    async def _session(self, request: Request) -> BoardSession | None:
+        token = request.cookies.get(BOARD_COOKIE)
+        if not token or len(token) > 128:
+            return None
+        session = await self.db.read(board_session, token_hash(token))
+        if session is not None and self.db.clock.now_ms() - session.last_seen_at >= BOARD_TOUCH_MS:
+            await self.db.write(board_touch, session.key)
+        return session
+
+    async def _form(self, request: Request) -> dict[str, str]:
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != FORM_TYPE:
+            raise ApiError("invalid_argument", "send the form as application/x-www-form-urlencoded")
+        raw = await read_capped(request, BOARD_FORM_BYTES)
+        try:
+            pairs = urllib.parse.parse_qsl(raw.decode("utf-8"), keep_blank_values=True, max_num_fields=200)
+        except (UnicodeDecodeError, ValueError):
+            raise ApiError("invalid_argument", "the form is not valid UTF-8 form data") from None
+        form: dict[str, str] = {}
+        for name, value in pairs:
+            form.setdefault(name, value.replace("\r\n", "\n"))
+        return form
+
+    def notice(self, session: BoardSession, text: str, kind: str = "ok", **extra: Any) -> None:
+        notes = self.notices.setdefault(session.key, [])
+        notes.append({"kind": kind, "text": text, **extra})
+        del notes[:-5]
+        if len(self.notices) > 10_000:
+            self.notices.pop(next(iter(self.notices)))
+
+    def render(self, request: Request, template: str, session: BoardSession | None, status: int = 200,
+               **context: Any) -> Response:
+        notices = self.notices.pop(session.key, []) if session else []
+        html = self.templates.get_template(template).render(
+            request_path=request.url.path, session=session, notices=notices, now=self.db.clock.now_ms(),
+            ago=lambda value: _ago(_as_ms(value), self.db.clock.now_ms()), **context)
+        return BoardPage(html, status_code=status)
+
+    def back(self, form: dict[str, str], default: str) -> RedirectResponse:
+        target = form.get("back", "")
+        return RedirectResponse(target if _BOARD_BACK.match(target) and "//" not in target else default,
+                                status_code=303)
+
+    async def page_data(self, session: BoardSession, fn: Callable, *args: Any) -> dict:
+        """A page's data and the navigation's counts, read in one transaction."""
+        def both(txn: Txn) -> dict:
+            return {**fn(txn, session.principal, *args), "live": board_counts(txn, session.principal)}
+        return await self.db.read(both)
+
+    def _page(self, handler: Callable) -> Callable:
+        """A GET page: a session (else to the sign-in form), then the handler; an ApiError is an HTML answer."""
+        async def endpoint(request: Request) -> Response:
+            session = await self._session(request)
+            if session is None:
+                if request.method != "GET":
+                    return self.render(request, "error.html", None, 403, title="Signed out",
+                                       message="Your session has ended: sign in again.")
+                target = urllib.parse.quote(request.url.path + (f"?{request.url.query}" if request.url.query else ""))
+                return RedirectResponse(f"/board/login?next={target}", status_code=303)
+            try:
+                return await handler(request, session)
+            except ApiError as error:
+                return await self._error_page(request, session, error)
+        return endpoint
+
+    def _action(self, handler: Callable) -> Callable:
+        """A state-changing form: a session, the same origin and the session's CSRF token, or 403 and nothing
+        runs; then the handler, whose ApiError goes back to the page it came from as a notice."""
+        async def endpoint(request: Request) -> Response:
+            session = await self._session(request)
+            try:
+                if session is None:
+                    raise BoardRefusal("Your session has ended: sign in again.")
+                if not self._same_origin(request):
+                    raise BoardRefusal("This form did not come from this server's own pages (Origin check).")
+                if request.headers.get("content-type", "").split(";")[0].strip().lower() != FORM_TYPE:
+                    raise BoardRefusal("This is not a form of the Board (CSRF check).")
+                form = await self._form(request)
+                if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
+                    raise BoardRefusal("This form is missing its session token (CSRF check). Reload the page.")
+            except BoardRefusal as refusal:
+                log.warning("board form refused: %s %s", request.method, request.url.path)
+                return self.render(request, "error.html", None, 403, title="Refused", message=str(refusal))
+            except ApiError as error:
+                return await self._error_page(request, session, error)
+            try:
+                return await handler(request, session, form)
+            except ApiError as error:
+                self.notice(session, error.message, "error")
+                return self.back(form, "/board")
+        return endpoint
+
+    async def _error_page(self, request: Request, session: BoardSession | None, error: ApiError) -> Response:
+        titles = {404: "Not found", 403: "Not allowed", 409: "Conflict", 400: "Not accepted"}
+        live = await self.db.read(board_counts, session.principal) if session else None
+        return self.render(request, "error.html", session, error.status, title=titles.get(error.status, "Error"),
+                           message=error.message, live=live)
+
+    async def not_found(self, request: Request, session: BoardSession) -> Response:
+        raise ApiError("not_found", f"there is no Board page at {request.url.path}")
+
+    # -- sign in and out ----------------------------------------------------------------------------------
+    async def login(self, request: Request) -> Response:
+        target = request.query_params.get("next", "")
+        target = target if _BOARD_BACK.match(target) and "//" not in target else "/board"
+        if request.method == "GET":
+            if await self._session(request) is not None:
+                return RedirectResponse(target, status_code=303)
+            return self.render(request, "login.html", None, next=target, error=None)
+        if not self._same_origin(request):
+            return self.render(request, "error.html", None, 403, title="Refused",
+                               message="This form did not come from this server's own pages (Origin check).")
+        form = await self._form(request)
+        session = await self.db.write(board_sign_in, form.get("token", "").strip())
+        if session is None:
+            return self.render(request, "login.html", None, 401, next=target,
+                               error="That is not a human token of this server (they start with sbh_).")
+        answer = RedirectResponse(target, status_code=303)
+        answer.set_cookie(BOARD_COOKIE, session, path="/board", httponly=True, samesite="strict",
+                          secure=self.secure(request))
+        return answer
+
+    async def logout(self, request: Request, session: BoardSession, form: dict) -> Response:
+        await self.db.write(board_sign_out, session.key)
+        self.notices.pop(session.key, None)
+        answer = RedirectResponse("/board/login", status_code=303)
+        answer.delete_cookie(BOARD_COOKIE, path="/board", httponly=True, samesite="strict",
+                             secure=self.secure(request))
+        return answer
+
+    # -- live counts --------------------------------------------------------------------------------------
+    async def events(self, request: Request) -> Response:
+        """GET /board/events: Server-Sent Events for the signed-in human. The server looks at the human's
+        counts every BOARD_POLL_SECONDS and sends `counts` whenever they changed; board.js then refreshes the
+        page's lists. A stream does not keep its session alive, and ends when the session does."""
+        session = await self._session(request)
+        if session is None:
+            return PlainTextResponse("sign in first", status_code=401)
+
+        async def frames() -> AsyncIterator[str]:
+            last, quiet = None, 0.0
+            yield "retry: 5000\n\n"
+            while not self.flows.doorbell.closing:
+                alive = await self.db.read(board_session, session.key)
+                if alive is None:
+                    yield sse_frame({}, "signed-out")
+                    return
+                live = await self.db.read(board_counts, session.principal)
+                if live != last:
+                    last, quiet = live, 0.0
+                    yield sse_frame(live, "counts")
+                elif quiet >= KEEPALIVE_SECONDS:
+                    quiet = 0.0
+                    yield ": keepalive\n\n"
+                await asyncio.sleep(BOARD_POLL_SECONDS)
+                quiet += BOARD_POLL_SECONDS
+
+        return sse_response(frames())
+
+    # -- pages --------------------------------------------------------------------------------------------
+    async def inbox(self, request: Request, session: BoardSession) -> Response:
+        group = request.path_params.get("group")
+        if group is not None and group not in INBOX_GROUPS:
+            raise ApiError("not_found", f"no inbox group {group}")
+        data = await self.page_data(session, board_inbox, group, _cursor(request.query_params.get("after")))
+        return self.render(request, "inbox.html", session, group=group, **data)
+
+    async def queues(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_queues, _cursor(request.query_params.get("after")))
+        monotonic_now, wall_now = time.monotonic(), time.time()
+        for endpoint in data["endpoints"]:
+            endpoint["sessions"] = [{**s, "since": int(s["since"] * 1000)}
+                                    for s in self.flows.doorbell.sessions_of(endpoint["id"])]
+            # MCP sessions without an open stream (those with one are doorbell sessions, listed above), while
+            # they were used in the last BOARD_MCP_IDLE_SECONDS: a client never has to say it left.
+            endpoint["sessions"] += [
+                {"via": "mcp, no stream open", "queues": None, "last_request": True,
+                 "since": int((wall_now - (monotonic_now - m.last_seen)) * 1000)}
+                for m in list(self.mcp.sessions.values()) if m.endpoint_id == endpoint["id"] and m.stream is None
+                and monotonic_now - m.last_seen < BOARD_MCP_IDLE_SECONDS]
+        return self.render(request, "queues.html", session, **data)
+
+    async def todo(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_todo, request.path_params["todo_id"])
+        return self.render(request, "todo.html", session, **data)
+
+    async def webhooks(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_webhooks)
+        return self.render(request, "webhooks.html", session, **data)
+
+    async def webhook(self, request: Request, session: BoardSession, *, status: int = 200,
+                      editor: str | None = None, dry: dict | None = None, form: dict | None = None) -> Response:
+        webhook_id = request.path_params["webhook_id"]
+        data = await self.page_data(session, board_webhook, webhook_id)
+        rules = data["rules"]
+        document = {"rules": rules["rules"], "default_action": rules["default_action"], "params": rules["params"]}
+        return self.render(request, "webhook.html", session, status, editor=editor or pretty_json(document),
+                           dry=dry or {}, form=form or {}, **data)
+
+    async def deliveries(self, request: Request, session: BoardSession) -> Response:
+        query = request.query_params
+        disposition = query.get("disposition") if query.get("disposition") in EVENT_DISPOSITIONS else None
+        kind = (query.get("kind") or "").strip()[:128] or None
+        data = await self.page_data(session, board_deliveries, request.path_params["webhook_id"], disposition, kind,
+                                    _cursor(query.get("before")))
+        return self.render(request, "deliveries.html", session, disposition=disposition, kind=kind,
+                           dispositions=EVENT_DISPOSITIONS, **data)
+
+    async def delivery(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_delivery, request.path_params["event_id"])
+        return self.render(request, "delivery.html", session, **data)
+
+    async def endpoints(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_endpoints)
+        return self.render(request, "endpoints.html", session, base=self.api.ingest_base(request).rstrip("/"),
+                           **data)
+
+    async def revoke_confirm(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_endpoints)
+        endpoint_id = request.path_params["endpoint_id"]
+        endpoint = next((e for e in data["endpoints"] if e["id"] == endpoint_id), None)
+        if endpoint is None:
+            raise ApiError("not_found", f"no endpoint {endpoint_id}")
+        return self.render(request, "revoke.html", session, endpoint=endpoint, live=data["live"])
+
+    # -- actions ------------------------------------------------------------------------------------------
+    async def todo_action(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """One human action on a todo, through the very function REST runs for it."""
+        todo_id, action = request.path_params["todo_id"], request.path_params["action"]
+        principal = session.principal
+        fields = {k: v for k, v in form.items() if k not in ("csrf", "back", "trust_actor") and v.strip()}
+        if action == "release":
+            body = parse_model(ReleaseQuarantine, {**fields, "trust_actor": form.get("trust_actor") == "1"})
+            done = await self.flows.release_quarantined(principal, todo_id, body)
+        elif action in HUMAN_ACTIONS:
+            model, fn = HUMAN_ACTIONS[action]
+            done = await self.db.write(fn, principal, todo_id, parse_model(model, fields))
+        else:
+            raise ApiError("not_found", f"no action {action}")
+        verb = {"release": "Released", "approve": "Approved", "request-changes": "Sent back for changes",
+                "answer": "Answered", "retry": "Retrying", "reroute": "Rerouted", "cancel": "Cancelled",
+                "discard": "Discarded", "resume": "Resumed", "undefer": "Undeferred", "defer": "Deferred"}[action]
+        where = f" to {done['queue']}" if action in ("release", "reroute") and done["state"] == "pending" else ""
+        self.notice(session, f"{verb}{where}: {done['title']}", todo_id=done["id"])
+        return self.back(form, f"/board/todos/{todo_id}")
+
+    async def rules(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """Save (or, with do=dry-run, only try) the candidate rules. A refusal is shown next to the editor with
+        the candidate kept; a save answers 303."""
+        webhook_id = request.path_params["webhook_id"]
+        editor = form.get("rules", "")
+        try:
+            document = json.loads(editor, parse_constant=_reject_constant)
+            if not isinstance(document, dict):
+                raise ApiError("invalid_argument", "the rules document is a JSON object: {\"rules\": [...], ...}")
+        except (ValueError, RecursionError) as exc:
+            error = ApiError("invalid_argument", f"not JSON: {exc}")
+            return await self.webhook(request, session, status=400, editor=editor, form=form,
+                                      dry={"error": error.message})
+        except ApiError as error:
+            return await self.webhook(request, session, status=400, editor=editor, form=form,
+                                      dry={"error": error.message})
+        try:
+            if form.get("do") == "dry-run":
+                result = await self.flows.dry_run(session.principal, webhook_id,
+                                                  parse_model(RulesTest, {**document, **self._test_subject(form)}))
+                return await self.webhook(request, session, editor=editor, form=form, dry={"result": result})
+            await self.flows.set_rules(session.principal, webhook_id, parse_model(RuleSet, document))
+        except ApiError as error:
+            if error.status == 404:
+                raise
+            return await self.webhook(request, session, status=400, editor=editor, form=form,
+                                      dry={"error": error.message})
+        self.notice(session, "Rules saved.")
+        return RedirectResponse(f"/board/webhooks/{webhook_id}#rules", status_code=303)
+
+    @staticmethod
+    def _test_subject(form: dict) -> dict:
+        """The dry run's document: a stored delivery, or a pasted payload with `Name: value` header lines."""
+        if form.get("source", "event") == "event":
+            if not form.get("event_id"):
+                raise ApiError("invalid_argument", "choose a stored delivery, or paste a payload")
+            return {"event_id": form["event_id"]}
+        try:
+            payload = json.loads(form.get("payload") or "null", parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise ApiError("invalid_argument", f"payload: not JSON: {exc}") from None
+        headers = {}
+        for line in (form.get("headers") or "").splitlines():
+            name, colon, value = line.partition(":")
+            if line.strip() and not colon:
+                raise ApiError("invalid_argument", f"headers: {line.strip()!r} is not `Name: value`")
+            if name.strip():
+                headers[name.strip()] = value.strip()
+        return {"payload": payload, "headers": headers}
+
+    async def rotate(self, request: Request, session: BoardSession, form: dict) -> Response:
+        webhook_id = request.path_params["webhook_id"]
+        made = await self.db.write(rotate_webhook, session.principal, self.flows.box, webhook_id,
+                                   self.api.ingest_base(request))
+        self.notice(session, "Rotated: the old URL stopped working. Copy the new URL (and secret) now; they are"
+                             " not shown again.", "secret", url=made["url"], secret=made["secret"])
+        return RedirectResponse(f"/board/webhooks/{webhook_id}", status_code=303)
+
+    async def trusted_actors(self, request: Request, session: BoardSession, form: dict) -> Response:
+        webhook_id = request.path_params["webhook_id"]
+        names = [n.strip() for n in re.split(r"[\n,]", form.get("names", "")) if n.strip()]
+        if form.get("mode") == "allow_all":
+            document: dict = {"allow_all": True}
+        elif form.get("kind") == "actor_ids":
+            document = {"actor_ids": names}
+        else:
+            document = {"logins": names, "match": form.get("match") or "sender"}
+        await self.db.write(set_trusted_actors, session.principal, webhook_id, parse_model(TrustedActors, document))
+        self.notice(session, "Trusted actors saved.")
+        return RedirectResponse(f"/board/webhooks/{webhook_id}#trust", status_code=303)
+
+    async def add_route(self, request: Request, session: BoardSession, form: dict) -> Response:
+        webhook_id = request.path_params["webhook_id"]
+        body = parse_model(RouteAdd, {"endpoint_id": form.get("endpoint_id", "").strip()})
+        await self.db.write(add_route, session.principal, webhook_id, body)
+        self.notice(session, f"Deliveries now also go to {body.endpoint_id}.")
+        return RedirectResponse(f"/board/webhooks/{webhook_id}#routes", status_code=303)
+
+    async def remove_route(self, request: Request, session: BoardSession, form: dict) -> Response:
+        webhook_id, endpoint_id = request.path_params["webhook_id"], request.path_params["endpoint_id"]
+        await self.db.write(remove_route, session.principal, webhook_id, endpoint_id)
+        self.notice(session, f"Route to {endpoint_id} removed.")
+        return RedirectResponse(f"/board/webhooks/{webhook_id}#routes", status_code=303)
+
+    async def vend(self, request: Request, session: BoardSession, form: dict) -> Response:
+        lease = form.get("default_lease_seconds", "").strip()
+        spec = {"name": form.get("name", "").strip(), "queues": re.split(r"[\s,]+", form.get("queues", "").strip()),
+                "verbs": [form.get("verbs") or "drain"]}
+        if lease:
+            spec["default_lease_seconds"] = int(lease) if lease.isdigit() else lease
+        made = await self.db.write(vend_endpoint, session.principal.human_id, parse_model(EndpointCreate, spec))
+        base = (self.api.base_url or str(request.base_url)).rstrip("/")
+        self.notice(session, f"Endpoint {made['name']} vended. Copy its token now; it is not shown again.", "token",
+                    token=made["token"], endpoint_id=made["id"], base=base, queues=made["queues"])
+        return RedirectResponse("/board/endpoints", status_code=303)
+
+    async def revoke(self, request: Request, session: BoardSession, form: dict) -> Response:
+        if form.get("confirm") != "yes":
+            raise ApiError("invalid_argument", "confirm the revocation first")
+        done = await self.db.write(revoke_endpoint, session.principal, request.path_params["endpoint_id"])
+        self.notice(session, f"Endpoint {done['name']} revoked; its token no longer works.")
+        return RedirectResponse("/board/endpoints", status_code=303)
+
+
+# -- the app: every part put together ----------------------------------------------------------------
+
 def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None = None, background: bool = True,
                ingest_rate: float = DEFAULT_INGEST_RATE, ingest_burst: int = DEFAULT_INGEST_BURST,
-               base_url: str | None = None, allowed_origins: str | None = None) -> Starlette:
-    """The ASGI app. `background=False` leaves the scheduler to the caller (tests drive it by hand)."""
+               base_url: str | None = None, allowed_origins: str | None = None, trust_proxy: bool = False) -> Starlette:
+    """The ASGI app. `background=False` leaves the scheduler to the caller (tests drive it by hand).
+    `trust_proxy`: X-Forwarded-Proto from a reverse proxy counts (the Board's cookie is Secure behind https)."""
     db = Database(db_path, synchronous=synchronous, clock=clock)
     try:
         box = SecretBox.for_database(db_path, db.read_sync(sealed_sample))
@@ -5531,6 +6324,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
 
     mcp = Mcp(api)
     routes = [*(Route(r.path, getattr(mcp, r.handler), methods=[r.method]) for r in MCP_ROUTES), *api.route_table()]
+    routes += Board(flows, api, mcp, trust_proxy).routes()
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected})
     app.state.db = db
@@ -5544,7 +6338,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
 
 
 # ======================================================================================================
-# 13. CLI
+# 14. CLI
 # ======================================================================================================
 # Each subcommand has its own handler (set with set_defaults); a handler takes the parsed arguments and an
 # open Database and returns one JSON object, which --json prints as is and otherwise prints for people.
@@ -6068,7 +6862,8 @@ def _cli_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     _raise_file_limit()
     app = create_app(args.db, synchronous=args.synchronous, ingest_rate=args.ingest_rate,
-                     ingest_burst=args.ingest_burst, base_url=args.base_url, allowed_origins=args.allowed_origins)
+                     ingest_burst=args.ingest_burst, base_url=args.base_url, allowed_origins=args.allowed_origins,
+                     trust_proxy=_yes("trust-proxy", args.trust_proxy))
     # The access log is off because ingest URLs carry credentials; Switchboard logs its own lines. uvicorn's
     # own lines go through the handler above (log_config=None), so they share its format.
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_config=None,
@@ -6091,6 +6886,19 @@ def _env(flag: str, default: Any) -> Any:
     """A serve flag's default from SWITCHBOARD_<FLAG>, so a unit file or a container sets it once. argparse
     converts (and refuses) it like a value given on the command line, and only when `serve` runs."""
     return os.environ.get("SWITCHBOARD_" + flag.upper().replace("-", "_"), default)
+
+
+def _yes(flag: str, value: bool | str) -> bool:
+    """A switch's value: True when given on the command line, else SWITCHBOARD_<FLAG> as 1/true/yes/on or
+    0/false/no/off (any case); anything else refuses to serve."""
+    if isinstance(value, bool):
+        return value
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ApiError("invalid_argument", f"{flag} must be 1, true, yes, on, 0, false, no or off"
+                                       f" (from SWITCHBOARD_{flag.upper().replace('-', '_')})")
 
 
 def _subcommand(group: argparse._SubParsersAction, name: str, handler: Callable, help_text: str,
@@ -6124,6 +6932,10 @@ def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
     serve.add_argument("--allowed-origins", dest="allowed_origins", default=_env("allowed-origins", None),
                        help="comma-separated browser origins allowed on /mcp (loopback origins are allowed on a"
                             " loopback address)")
+    serve.add_argument("--trust-proxy", dest="trust_proxy", action="store_true",
+                       default=_env("trust-proxy", False),
+                       help="a reverse proxy in front sets X-Forwarded-Proto: `https` there makes the Board's"
+                            " session cookie Secure")
     serve.add_argument("--log-format", dest="log_format", choices=["plain", "json"],
                        default=_env("log-format", "plain"), help="plain lines (default) or one JSON object per line")
 
