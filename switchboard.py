@@ -2665,11 +2665,13 @@ def undefer(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> di
 
 
 def cancel(txn: Txn, principal: Principal, todo_id: str, body: Cancel) -> dict:
+    """Cancel live work, or close a dead letter the human will not retry (it stops being a dead letter)."""
     todo = _human_todo(txn, principal, "cancel", todo_id,
-                       ("pending", "claimed", "needs_input", "blocked", "review", "deferred"))
+                       ("pending", "claimed", "needs_input", "blocked", "review", "deferred", "failed"))
     if todo["state"] == "claimed":
         _end_attempt(txn, todo, "cancelled", body.reason)
-    _transition(txn, todo, "cancelled", principal.actor, {"reason": body.reason}, state_reason=body.reason)
+    _transition(txn, todo, "cancelled", principal.actor, {"reason": body.reason}, state_reason=body.reason,
+                dead_letter=0)
     _let_go_of_absorbed(txn, todo_id)
     return todo_view(_reload(txn, todo_id))
 

@@ -316,3 +316,13 @@ def test_racing_claims_claim_every_todo_exactly_once(live_server, db_path):
     conn = sqlite3.connect(db_path)
     assert conn.execute("SELECT count(*) FROM todos WHERE state = 'done'").fetchone()[0] == 120
     assert conn.execute("SELECT count(*) FROM attempts").fetchone()[0] == 120
+
+
+def test_a_dead_letter_can_be_cancelled_and_stops_being_one(world, alice, worker):
+    todo = world.push(alice, worker, "build")
+    claim = world.claim(worker)
+    world.act(worker, todo["id"], "fail", lease_token=claim["lease_token"], error="broken", retry=False)
+    cancelled = world.act(alice, todo["id"], "cancel", reason="not worth retrying")
+    assert cancelled.status_code == 200, cancelled.text
+    assert cancelled.json()["state"] == "cancelled" and cancelled.json()["dead_letter"] is False
+    assert world.act(alice, todo["id"], "retry").status_code == 409
