@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import producers
+from helpers import GATED_PROVIDERS
 import pytest
 
 PACKS = Path(__file__).resolve().parent.parent / "packs"
@@ -113,7 +114,9 @@ class Deployment:
             topology = cases["topology"]
             r = self.client.post("/api/v1/webhooks", headers=self.human.auth,
                                  json={"provider": provider, "queue": topology["webhook_queue"],
-                                       "endpoint_id": self.owner.id, "trusted_actors": {"allow_all": True}})
+                                       "endpoint_id": self.owner.id,
+                                       **({"trusted_actors": {"allow_all": True}} if provider in GATED_PROVIDERS
+                                          else {})})
             assert r.status_code in (200, 201), r.text
             hook = r.json()
             for queue in topology["lane_endpoints"]:
