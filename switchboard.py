@@ -142,6 +142,9 @@ MAX_PAYLOAD_DEPTH = 128
 UNSAFE_TEXT = "\x00-\x1f\x7f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
 
 QUEUE_PATTERN = r"^[a-z0-9][a-z0-9._:-]{0,63}$"
+# Where a human hears they are needed, and about what.
+NOTIFY_KINDS = ("ntfy", "gotify", "slack", "discord", "webhook")
+NOTIFY_EVENTS = ("needs_input", "review", "held", "dead_letter", "verification_failures")
 # The lane where rules put work that waits for a human (packs/fleet.json's `hold`): like quarantine, it notifies.
 HOLD_QUEUE = "hold"
 RESERVED_QUEUES = frozenset({"quarantine"})
@@ -1151,11 +1154,10 @@ HttpUrl = Annotated[str, StringConstraints(max_length=2048, pattern=r"^https?://
 class NotifyCreate(Body):
     """A notification channel: where (`url`), with what credential (`token`: ntfy access token, Gotify app
     token), and for which events."""
-    kind: Literal["ntfy", "gotify", "slack", "discord", "webhook"]
+    kind: Literal[NOTIFY_KINDS]
     url: HttpUrl
     token: Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=ONE_LINE)] | None = None
-    events: Annotated[list[Literal["needs_input", "review", "held", "dead_letter", "verification_failures"]],
-                      Field(min_length=1, max_length=5)]
+    events: Annotated[list[Literal[NOTIFY_EVENTS]], Field(min_length=1, max_length=len(NOTIFY_EVENTS))]
 
     @model_validator(mode="after")
     def _token_fits_kind(self) -> NotifyCreate:
@@ -3667,7 +3669,6 @@ def replay_summary(results: list[dict]) -> dict:
 
 # -- notifications: channels and the outbox ---------------------------------------------------------
 
-NOTIFY_EVENTS = ("needs_input", "review", "held", "dead_letter", "verification_failures")
 NOTIFY_MAX_ATTEMPTS = 10
 
 
@@ -5895,6 +5896,12 @@ class Board:
             Route("/webhooks/{webhook_id}/routes", act(self.add_route), methods=["POST"]),
             Route("/webhooks/{webhook_id}/routes/{endpoint_id}/remove", act(self.remove_route), methods=["POST"]),
             Route("/deliveries/{event_id}", page(self.delivery)),
+            Route("/deliveries/{event_id}/replay", act(self.replay_delivery), methods=["POST"]),
+            Route("/webhooks/{webhook_id}/replay", act(self.replay_webhook), methods=["POST"]),
+            Route("/notify", page(self.notify)),
+            Route("/notify/add", act(self.add_channel), methods=["POST"]),
+            Route("/notify/{channel_id}/test", act(self.test_channel), methods=["POST"]),
+            Route("/notify/{channel_id}/remove", act(self.remove_channel), methods=["POST"]),
             Route("/endpoints", page(self.endpoints)),
             Route("/endpoints/vend", act(self.vend), methods=["POST"]),
             Route("/endpoints/{endpoint_id}/revoke", page(self.revoke_confirm)),
@@ -6143,6 +6150,10 @@ class Board:
         return self.render(request, "endpoints.html", session, base=self.api.ingest_base(request).rstrip("/"),
                            **data)
 
+    async def notify(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, list_channels)
+        return self.render(request, "notify.html", session, kinds=NOTIFY_KINDS, events=NOTIFY_EVENTS, **data)
+
     async def revoke_confirm(self, request: Request, session: BoardSession) -> Response:
         data = await self.page_data(session, board_endpoints)
         endpoint_id = request.path_params["endpoint_id"]
@@ -6267,6 +6278,54 @@ class Board:
         self.notice(session, f"Endpoint {made['name']} vended. Copy its token now; it is not shown again.", "token",
                     token=made["token"], endpoint_id=made["id"], base=base, queues=made["queues"])
         return RedirectResponse("/board/endpoints", status_code=303)
+
+    async def replay_delivery(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """Evaluate a stored delivery under the current rules: a dry run, or (with apply) act on it."""
+        event_id = request.path_params["event_id"]
+        result = await self.flows.replay_one(session.principal, event_id, ReplayOne(dry_run=form.get("apply") != "yes"))
+        verb = "would be" if result["dry_run"] else "is now"
+        self.notice(session, f"Replayed under the current rules: was {result['before']['disposition']}, {verb}"
+                             f" {result['after']['disposition']}"
+                             f"{' to ' + result['after']['queue'] if result['after']['queue'] else ''}"
+                             f" ({'would create' if result['dry_run'] else 'created'} {len(result['todos'])} todo(s)).")
+        return RedirectResponse(f"/board/deliveries/{event_id}", status_code=303)
+
+    async def replay_webhook(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """Replay a webhook's stored deliveries in bulk: a dry run by default, answered with the transitions."""
+        webhook_id = request.path_params["webhook_id"]
+        fields = {k: form[k].strip() for k in ("disposition", "kind", "since", "until") if form.get(k, "").strip()}
+        fields["limit"] = int(form["limit"]) if form.get("limit", "").strip().isdigit() else 200
+        body = parse_model(ReplayMany, json.dumps({**fields, "dry_run": form.get("apply") != "yes"}))
+        summary = await self.flows.replay_webhook(session.principal, webhook_id, body)
+        moves = "; ".join(f"{t['count']} {t['from']} → {t['to']}" + (f" (rule {t['rule_id']})" if t["rule_id"] else "")
+                          for t in summary["transitions"]) or "nothing matched"
+        self.notice(session, f"{'Dry run' if summary['dry_run'] else 'Replayed'}: {summary['matched']} deliveries,"
+                             f" {summary['changed']} change, {summary['created']} todos created. {moves}.")
+        return RedirectResponse(f"/board/webhooks/{webhook_id}#replay", status_code=303)
+
+    async def add_channel(self, request: Request, session: BoardSession, form: dict) -> Response:
+        body = parse_model(NotifyCreate, json.dumps({
+            "kind": form.get("kind", ""), "url": form.get("url", "").strip(),
+            "events": [event for event in NOTIFY_EVENTS if form.get(f"ev_{event}") == "on"],
+            **({"token": form["token"].strip()} if form.get("token", "").strip() else {})}))
+        made = await self.db.write(add_channel, session.principal, self.flows.box, body)
+        if made.get("secret"):
+            self.notice(session, "Channel added. Copy its signing secret now; it is not shown again.", "secret",
+                        url=made["url"], secret=made["secret"])
+        else:
+            self.notice(session, f"Channel added ({made['kind']}). Send a test to check it.")
+        return RedirectResponse("/board/notify", status_code=303)
+
+    async def test_channel(self, request: Request, session: BoardSession, form: dict) -> Response:
+        result = await self.flows.test_channel(session.principal, request.path_params["channel_id"])
+        self.notice(session, "Test message sent." if result["sent"] else f"Test failed: {result['error']}",
+                    "ok" if result["sent"] else "error")
+        return RedirectResponse("/board/notify", status_code=303)
+
+    async def remove_channel(self, request: Request, session: BoardSession, form: dict) -> Response:
+        await self.db.write(remove_channel, session.principal, request.path_params["channel_id"])
+        self.notice(session, "Channel removed.")
+        return RedirectResponse("/board/notify", status_code=303)
 
     async def revoke(self, request: Request, session: BoardSession, form: dict) -> Response:
         if form.get("confirm") != "yes":
@@ -7100,7 +7159,7 @@ def _add_notify(commands: argparse._SubParsersAction, common: argparse.ArgumentP
     add = _subcommand(notify, "add", _cli_notify_add, "add a channel for a human (a webhook channel's secret is"
                       " printed once)", common)
     add.add_argument("--human", required=True, help="the human's name or id")
-    add.add_argument("--kind", required=True, choices=["ntfy", "gotify", "slack", "discord", "webhook"],
+    add.add_argument("--kind", required=True, choices=NOTIFY_KINDS,
                      help="what receives the messages")
     add.add_argument("--url", required=True, help="ntfy topic URL, Gotify server URL, incoming-webhook URL, or"
                                                   " your receiver's URL")

@@ -441,3 +441,44 @@ def test_without_its_files_the_board_is_off_and_the_api_still_serves(monkeypatch
     with TestClient(app) as client:
         assert client.get("/board").status_code == 404
         assert client.get("/healthz").status_code == 200
+
+
+def test_notification_channels_are_added_tested_and_removed_from_the_board(client, world, alice):
+    sign_in(client, alice)
+    refused = post(client, "/board/notify/add", kind="ntfy", url="ftp://nowhere", ev_held="on")
+    assert refused.status_code in (303, 400) and client.get("/api/v1/notify", headers=alice.auth).json() == {
+        "channels": []}
+    added = post(client, "/board/notify/add", kind="webhook", url="http://127.0.0.1:9/hook", ev_held="on",
+                 ev_review="on")
+    assert added.status_code == 303 and added.headers["location"] == "/board/notify"
+    page = client.get("/board/notify")
+    assert "Copy its signing secret now" in page.text and "whsec_" in page.text
+    [channel] = client.get("/api/v1/notify", headers=alice.auth).json()["channels"]
+    assert channel["kind"] == "webhook" and channel["events"] == ["review", "held"]
+    assert "whsec_" not in client.get("/board/notify").text, "the secret is shown once"
+    tested = post(client, f"/board/notify/{channel['id']}/test")
+    assert tested.status_code == 303 and "Test failed" in client.get("/board/notify").text
+    assert post(client, f"/board/notify/{channel['id']}/remove").status_code == 303
+    assert client.get("/api/v1/notify", headers=alice.auth).json() == {"channels": []}
+
+
+def test_a_dropped_delivery_is_replayed_from_its_page_and_in_bulk_from_the_webhook(client, world, alice, lane):
+    hook = world.webhook(alice, lane, "github", queue="lane-s")
+    bad = {"rules": [{"id": "drop-all", "expr": "true", "action": {"drop": True}}]}
+    assert world.client.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=alice.auth, json=bad).status_code == 200
+    outcome = world.deliver(hook, *producers.github("issues.opened", hook["secret"])).json()
+    assert outcome["disposition"] == "dropped"
+    fixed = {"rules": [{"id": "to-lane", "expr": ".issue != null", "action": {"queue": "lane-s"}}]}
+    assert world.client.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=alice.auth, json=fixed).status_code == 200
+    sign_in(client, alice)
+    dry = post(client, f"/board/webhooks/{hook['id']}/replay", disposition="dropped", limit="50", apply="no")
+    assert dry.status_code == 303 and "1 dropped → routed (rule to-lane)" in client.get(f"/board/webhooks/{hook['id']}").text
+    assert world.client.get("/api/v1/todos", headers=alice.auth).json()["todos"] == []
+    done = post(client, f"/board/deliveries/{outcome['event_id']}/replay", apply="yes")
+    assert done.status_code == 303
+    page = client.get(f"/board/deliveries/{outcome['event_id']}")
+    assert "is now routed to lane-s (created 1 todo(s))" in page.text and "dropped → routed" in page.text
+    [todo] = world.client.get("/api/v1/todos", headers=alice.auth).json()["todos"]
+    assert todo["queue"] == "lane-s" and todo["event_id"] == outcome["event_id"]
+    post(client, f"/board/deliveries/{outcome['event_id']}/replay", apply="yes")
+    assert len(world.client.get("/api/v1/todos", headers=alice.auth).json()["todos"]) == 1, "never minted twice"
