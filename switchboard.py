@@ -6796,7 +6796,7 @@ def _cli_check(args: argparse.Namespace, db: Database) -> dict:
     return report
 
 
-def _cli_migrate(args: argparse.Namespace, db: Database | None) -> dict:
+def _cli_migrate(args: argparse.Namespace) -> dict:
     """What the schema change is; with --dry-run only that, without touching the file."""
     conn = sqlite3.connect(f"file:{Path(args.db).resolve()}?mode=ro", uri=True)
     try:
@@ -7231,7 +7231,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.handler is _cli_serve:
             return _cli_serve(args)
         if args.handler is _cli_migrate:
-            _print(args, _cli_migrate(args, None))
+            _print(args, _cli_migrate(args))
             return 0
         # `check` reports the schema as it is and `backup` copies the file as it is: neither migrates it.
         db = Database(args.db, inline_rings=False, migrate=args.handler not in (_cli_check, _cli_backup))
