@@ -206,25 +206,38 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """`python switchboard.py serve` as a child process on a free loopback port."""
+    """`python switchboard.py serve` as a child process on a free loopback port (`program` replaces the path of
+    switchboard.py: e.g. `-c CODE` for a patched copy), logging to a file beside the database."""
 
-    def __init__(self, db_path: str, *extra: str):
+    def __init__(self, db_path: str, *extra: str, program: tuple[str, ...] = (), env: dict | None = None,
+                 wait: bool = True):
         self.db_path = db_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(Path(db_path).with_suffix(".log"), "ab")
+        self.log_path = Path(db_path).with_suffix(".log")
+        self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "switchboard.py"), "serve", "--db", db_path, "--port", str(self.port), *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=str(Path(db_path).parent))
+            [sys.executable, *(program or (str(ROOT / "switchboard.py"),)), "serve", "--db", db_path,
+             "--port", str(self.port), *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=str(Path(db_path).parent),
+            env={**os.environ, **(env or {})})
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> None:
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 time.sleep(0.05)
         self.stop()
-        raise RuntimeError("server did not start")
+        raise RuntimeError(f"server did not start: {self.log_path.read_text(errors='replace')[-2000:]}")
+
+    def logged(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
@@ -234,7 +247,8 @@ class LiveServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
 
 
 @pytest.fixture

@@ -20,8 +20,6 @@ import signal
 import socket
 import sqlite3
 import stat
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -31,7 +29,7 @@ import httpx
 import producers
 import pytest
 import uvicorn
-from conftest import ROOT, cli, free_port, snapshot
+from conftest import ROOT, LiveServer, cli, free_port, snapshot
 from starlette.testclient import TestClient
 
 import switchboard as sb
@@ -154,50 +152,14 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
-class PatchedServer:
+class PatchedServer(LiveServer):
     """`serve` as `python switchboard.py serve` runs it (switchboard.main), in a child process, after `patch`
     (Python run with `sb` imported) changed some constants or functions."""
 
     def __init__(self, db_path: str, patch: str, *, wait: bool = True, env: dict | None = None):
-        self.db_path = db_path
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         code = (f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport switchboard as sb\n{patch}\n"
                 f"sys.exit(sb.main(sys.argv[1:]))\n")
-        self.log_path = Path(db_path).with_name(f"server-{self.port}.log")
-        self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, "serve", "--db", db_path, "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=str(Path(db_path).parent),
-            env={**os.environ, **(env or {})})
-        if wait:
-            self.wait_healthy()
-
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"server did not start: {self.log_path.read_text()[-2000:]}")
-
-    def logged(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if not self.log.closed:
-            self.log.close()
+        super().__init__(db_path, program=("-c", code), env=env, wait=wait)
 
 
 @pytest.fixture
