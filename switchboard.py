@@ -101,7 +101,8 @@ class Migration:
 MIGRATIONS: dict[int, Migration] = {
     1: Migration(
         "release 2: webhooks gain trusted_actors (existing forge and cairn webhooks keep receiving everything:"
-        " allow_all) and pinged_at; events may be pings; an index of events by webhook and time",
+        " allow_all) and pinged_at; events may be pings; new tables for Board sessions, notification channels,"
+        " the notification outbox and replays; indexes of events by webhook and of open todos",
         rebuild=("webhooks", "events"),
         fill={"webhooks": {"trusted_actors": "CASE WHEN provider IN ('github', 'gitea', 'cairn')"
                                              " THEN '{\"allow_all\": true}' END"}}),
