@@ -118,6 +118,8 @@ MAX_SUMMARY_BYTES = 2048
 BACKOFF_BASE_SECONDS = 30
 BACKOFF_CAP_SECONDS = 15 * 60
 SCHEDULER_TICK_SECONDS = 1.0
+# With nothing committed and nothing due, the scheduler still runs a full tick this often.
+SCHEDULER_IDLE_SECONDS = 10.0
 CHECKPOINT_EVERY_SECONDS = 60.0
 PRUNE_EVERY_SECONDS = 3600.0
 WRITER_BATCH = 64
@@ -3845,14 +3847,32 @@ def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
                      f" AND silent = 0 AND {_CLAIMABLE} ORDER BY available_at LIMIT ?", (txn.now, txn.now, limit))
     rerung: list[sqlite3.Row] = []
     for count, wait_ms in enumerate(RERING_AFTER_MS, start=1):
-        rerung += txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count = ? AND last_ring_at <= ?"
+        rerung += txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count > 0 AND ring_count = ?"
+                          f" AND last_ring_at <= ?"
                           f" AND available_at <= ? AND silent = 0 AND {_CLAIMABLE} LIMIT ?",
                           (count, txn.now - wait_ms, txn.now, txn.now, limit))
     if txn.inline_rings:
         for todo in unrung + rerung:
             _mark_rung(txn, todo)
     return {"lapsed": len(lapsed), "undeferred": len(due), "expired": len(expired), "rung": len(unrung),
-            "rerung": len(rerung)}
+            "rerung": len(rerung), "next_due": next_due(txn)}
+
+
+def next_due(txn: Txn) -> int | None:
+    """When the scheduler next has something to do (a lease lapses, a deferral ends, a held item expires, a
+    retry comes due, a re-ring is owed), from the partial indexes alone; None when nothing waits."""
+    moments = [txn.one("SELECT min(lease_expires_at) FROM todos WHERE state = 'claimed'")[0],
+               txn.one("SELECT min(deferred_until) FROM todos WHERE state = 'deferred'")[0],
+               txn.one("SELECT min(available_at) FROM todos WHERE state = 'pending' AND ring_count = 0"
+                       " AND available_at > ?", (txn.now,))[0]]
+    held = txn.one("SELECT min(created_at) FROM todos WHERE state = 'quarantined'")[0]
+    moments.append(held + QUARANTINE_DAYS * 86_400_000 if held is not None else None)
+    for count, wait_ms in enumerate(RERING_AFTER_MS, start=1):
+        # `ring_count > 0` repeats the partial index's own condition, so SQLite uses it (todos_rerung).
+        rung = txn.one(f"SELECT min(last_ring_at) FROM todos WHERE state = 'pending' AND ring_count > 0"
+                       f" AND ring_count = {count}")[0]
+        moments.append(rung + wait_ms if rung is not None else None)
+    return min((m for m in moments if m is not None), default=None)
 
 
 def rings_for_new_session(txn: Txn, endpoint_id: str, queues: Iterable[str], limit: int = 3) -> list[dict]:
@@ -4624,23 +4644,34 @@ class Flows:
 
     # -- the background loop -------------------------------------------------------------------------
     async def background(self) -> None:
-        """Every second: leases, deferrals, rings. Every minute: a WAL checkpoint. Hourly and at start:
-        retention. One bad tick is logged and the loop goes on."""
-        last_checkpoint = last_prune = -math.inf
-        while True:
-            try:
-                now = time.monotonic()
-                if now - last_prune >= PRUNE_EVERY_SECONDS:
-                    last_prune = now
-                    pruned = await anyio.to_thread.run_sync(prune, self.db)
-                    log.info("retention: pruned %d todos and %d events", pruned["todos"], pruned["events"])
-                if now - last_checkpoint >= CHECKPOINT_EVERY_SECONDS:
-                    last_checkpoint = now
-                    await anyio.to_thread.run_sync(self.db.checkpoint)
-                await self.db.write(scheduler_tick)
-            except Exception:  # noqa: BLE001 - the loop must outlive one bad tick; the cause is logged
-                log.exception("scheduler tick failed")
-            await asyncio.sleep(SCHEDULER_TICK_SECONDS)
+        """Every second, look; run a tick (leases, deferrals, rings) only when another connection committed
+        (PRAGMA data_version moved: a request, the CLI), when what the last tick saw falls due, or at least every
+        SCHEDULER_IDLE_SECONDS. Idle, that costs one pragma a second, not a scan. Every minute a WAL checkpoint;
+        hourly and at start, retention. One bad round is logged and the loop goes on."""
+        last_checkpoint = last_prune = last_tick = -math.inf
+        seen, due_ms = None, None
+        probe = connect(self.db.path, self.db.synchronous)
+        try:
+            while True:
+                try:
+                    now = time.monotonic()
+                    if now - last_prune >= PRUNE_EVERY_SECONDS:
+                        last_prune = now
+                        pruned = await anyio.to_thread.run_sync(prune, self.db)
+                        log.info("retention: pruned %d todos and %d events", pruned["todos"], pruned["events"])
+                    if now - last_checkpoint >= CHECKPOINT_EVERY_SECONDS:
+                        last_checkpoint = now
+                        await anyio.to_thread.run_sync(self.db.checkpoint)
+                    version = probe.execute("PRAGMA data_version").fetchone()[0]
+                    if (version != seen or now - last_tick >= SCHEDULER_IDLE_SECONDS
+                            or (due_ms is not None and self.db.clock.now_ms() >= due_ms)):
+                        seen, last_tick = version, now
+                        due_ms = (await self.db.write(scheduler_tick))["next_due"]
+                except Exception:  # noqa: BLE001 - the loop must outlive one bad round; the cause is logged
+                    log.exception("scheduler tick failed")
+                await asyncio.sleep(SCHEDULER_TICK_SECONDS)
+        finally:
+            probe.close()
 
     async def close(self) -> None:
         await self.notifier.close()

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+import time
 
 import anyio
 import httpx
 import producers
 from conftest import cli, cli_inproc
+from starlette.testclient import TestClient
 
 import switchboard as sb
 
@@ -180,3 +182,39 @@ def test_check_reports_integrity_key_sandbox_and_schema(db_path):
     assert code == 1 and failed["error"] == "internal" and "missing" in failed["message"]
     code, pruned = cli(db_path, "prune")
     assert code == 0 and pruned["pruned"] == {"todos": 0, "events": 0, "notifications": 0}
+
+
+def test_next_due_is_the_earliest_thing_the_scheduler_must_do(world, alice, clock):
+    endpoint = world.endpoint(alice, ["build"], lease=600)
+    assert world.tick()["next_due"] is None, "nothing waits: the scheduler has nothing to wake for"
+    world.push(alice, endpoint, "build", "first")
+    claim = world.claim(endpoint)
+    lease_end = sb.to_ms(sb.datetime.fromisoformat(claim["todo"]["lease_expires_at"].replace("Z", "+00:00")))
+    assert world.tick()["next_due"] == lease_end
+    later = world.push(alice, endpoint, "build", "later")
+    world.act(alice, later["id"], "defer", reason="after lunch", until=sb.iso(clock.ms + 60_000))
+    assert world.tick()["next_due"] == clock.ms + 60_000
+
+
+def test_an_idle_scheduler_looks_every_second_but_only_works_when_something_changed(db_path, monkeypatch):
+    """Idle, the background loop reads one pragma a second and runs no tick; a commit from another connection
+    (the CLI's, here) is noticed within about a second and ticked on."""
+    ticks: list[float] = []
+    real_tick = sb.scheduler_tick
+
+    def counting_tick(txn, *args, **kwargs):
+        ticks.append(time.monotonic())
+        return real_tick(txn, *args, **kwargs)
+
+    monkeypatch.setattr(sb, "scheduler_tick", counting_tick)
+    app = sb.create_app(db_path, background=True)
+    with TestClient(app):
+        time.sleep(3.5)
+        assert len(ticks) <= 2, f"{len(ticks)} ticks in 3.5 idle seconds"
+        before = len(ticks)
+        code, human = cli_inproc(db_path, "human", "add", "idle-alice")
+        assert code == 0, human
+        deadline = time.monotonic() + 5
+        while len(ticks) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(ticks) > before, "a commit by another connection wakes the scheduler"
