@@ -4581,7 +4581,6 @@ class Flows:
         """claim_next, waiting up to `wait_seconds` for a ring when the asker can wait (`gone` resolves when it
         leaves)."""
         principal.require_verb("claim_next")
-        _claim_queues(principal, body.queue_filter())
         if not body.wait_seconds or gone is None:
             return await self.db.write(claim_next, principal, body)
         return await WaitingClaim(self, principal, body, gone).run()
