@@ -1723,10 +1723,12 @@ class JqText:
         return sorted({name for name in self.identifiers if name in FORBIDDEN_IDENTIFIERS})
 
 
-def combined_program(exprs: list[str]) -> str:
+@functools.lru_cache(maxsize=256)
+def combined_program(exprs: tuple[str, ...]) -> str:
     """One jq program for a whole rule set: rule i is tried only when rules 0..i-1 neither matched nor
     faulted. Its reply is {"match": i}, {"fault": i, "detail": …} or {"none": true}. Each rule runs without
-    its comments, inside its own parentheses: having compiled alone, it cannot reach into its neighbours."""
+    its comments, inside its own parentheses: having compiled alone, it cannot reach into its neighbours.
+    Cached: reading the rules costs more than evaluating them, and a webhook's rule set rarely changes."""
     program = '{"none": true}'
     for index, expr in reversed(list(enumerate(exprs))):
         program = (f'(try ([limit(1; ({JqText(expr).code}\n))] | if length > 0 and (.[0] | . != false and . != null)'
@@ -1945,7 +1947,7 @@ class Evaluator:
         """Evaluate a rule set over one envelope: {"match": i}, {"none": True} or {"fault": cause, "rule_index",
         "detail"}. A fault the child could not pin on one rule has rule_index None. The child's reply is
         untrusted: anything but a well-formed reply is a fault."""
-        program = combined_program(exprs)
+        program = combined_program(tuple(exprs))
         key = hashlib.sha256(program.encode() + b"\x00" + json.dumps(params, sort_keys=True).encode()).hexdigest()
         try:
             reply = self._call({"op": "eval", "key": key, "program_text": program, "params": params}, doc,
@@ -3405,7 +3407,7 @@ def validate_rule_set(evaluator: Evaluator, rules: list[Rule], params: dict, ten
     for error in evaluator.compile_errors(exprs, params, tenant):
         raise ApiError("invalid_argument", f"{_rule_label(error['index'], rules[error['index']])}: "
                                            f"{_fault_detail(error['detail'])}")
-    program = combined_program(exprs)
+    program = combined_program(tuple(exprs))
     # What runs is the combined program: its identifiers are checked as jq will read them.
     forbidden = JqText(program).forbidden()
     if forbidden:

@@ -263,12 +263,13 @@ def bench_doorbell(rings: int, sessions: int = 50, warmup: int = 10) -> dict:
     db_path = os.path.join(tmp, "switchboard.db")
     server = None
     try:
+        cli(db_path, "init")
         cli(db_path, "human", "add", "bench")
         setup = {}
         for channel in CHANNELS:
             ep = cli(db_path, "endpoint", "vend", "--human", "bench", "--name", channel, "--queues", QUEUE)
             hook = cli(db_path, "webhook", "create", "--endpoint", ep["id"], "--provider", "github", "--queue", QUEUE,
-                       "--base-url", "http://placeholder")
+                       "--base-url", "http://placeholder", "--trust", "Codertocat")
             setup[channel] = (ep, hook)
         server = Server(db_path, "full", "--ingest-rate", "0")
         results = []

@@ -45,15 +45,18 @@ PARAMS = {"require_verified": True, "trusted_humans": ["Codertocat"], "trusted_a
           "cairn_actors": [], "repo_prefixes": ["Codertocat/"]}
 
 
-def fleet_topology(db_path: str, tmp: str) -> dict:
-    """The lane topology of packs/README.md through the CLI; returns tokens, ids and the webhook."""
+def fleet_topology(db_path: str, tmp: str, secret: str | None = None) -> dict:
+    """The lane topology of packs/README.md through the CLI; returns tokens, ids and the webhook. The webhook
+    trusts the fixtures' sender (Codertocat), so the trust gate lets the deliveries reach the rules; `secret`
+    sets the webhook's signing secret (else one is generated)."""
+    cli(db_path, "init")
     human = cli(db_path, "human", "add", "bench")
     router = cli(db_path, "endpoint", "vend", "--human", "bench", "--name", "router", "--queues", "hold",
                  "--verbs", "webhooks")
     lanes = {q: cli(db_path, "endpoint", "vend", "--human", "bench", "--name", q, "--queues", q, "--verbs", "drain")
              for q in LANES}
     hook = cli(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "github", "--queue", "hold",
-               "--base-url", "http://placeholder")
+               "--base-url", "http://placeholder", "--trust", "Codertocat", *(("--secret", secret) if secret else ()))
     for q in LANES:
         cli(db_path, "route", "add", hook["id"], lanes[q]["id"])
     params_path = os.path.join(tmp, "params.json")

@@ -176,6 +176,7 @@ def bench_rest(synchronous: str, n_todos: int, n_workers: int, push_threads: int
     server = None
     try:
         # Set-up through the CLI (before the server starts, so nothing else holds the file).
+        cli(db_path, "init")
         human = cli(db_path, "human", "add", "bench")
         endpoint = cli(db_path, "endpoint", "vend", "--human", "bench", "--name", "w", "--queues", QUEUE)
         server = Server(db_path, synchronous)
