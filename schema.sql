@@ -98,7 +98,9 @@ CREATE TABLE IF NOT EXISTS events (
     delivery_key  TEXT,
     body_hash     TEXT,
     headers       TEXT NOT NULL DEFAULT '{}' CHECK (json_valid(headers)),
+    -- The body as received, the only copy: a delivery's payload (in its envelope and its todos) is read from it.
     body          BLOB,
+    -- The envelope without `.payload` and `.headers` (read from body and headers when the envelope is shown).
     envelope      TEXT CHECK (envelope IS NULL OR json_valid(envelope)),
     -- ping: a producer's hello (GitHub's `ping`), recorded and answered, never work.
     disposition   TEXT NOT NULL CHECK (disposition IN ('routed', 'dropped', 'repeat', 'quarantined', 'ping')),
@@ -133,6 +135,8 @@ CREATE TABLE IF NOT EXISTS todos (
     source           TEXT NOT NULL,
     kind             TEXT,
     subject_key      TEXT,
+    -- NULL: the payload is the event's body (see todo_rows). Set only on a todo from a release-2 database whose
+    -- event retention had already pruned (since release 3 an event outlives every todo that points at it).
     payload          TEXT CHECK (payload IS NULL OR json_valid(payload)),
     work_order       TEXT CHECK (work_order IS NULL OR json_valid(work_order)),
     work_item        TEXT CHECK (work_item IS NULL OR json_valid(work_item)),
@@ -167,6 +171,11 @@ CREATE TABLE IF NOT EXISTS todos (
     CHECK (state <> 'quarantined' OR queue = 'quarantine'),
     CHECK (queue <> 'quarantine' OR state IN ('quarantined', 'done', 'cancelled'))
 );
+-- Todos as they are shown: each with the body and content type of its event, from which its payload is read.
+CREATE VIEW IF NOT EXISTS todo_rows AS
+    SELECT t.*, t.rowid AS todo_rowid, e.body AS event_body,
+           json_extract(e.envelope, '$.content_type') AS event_content_type
+    FROM todos t LEFT JOIN events e ON e.id = t.event_id;
 CREATE INDEX IF NOT EXISTS todos_claimable ON todos(endpoint_id, queue, priority DESC, created_at)
     WHERE state = 'pending';
 CREATE INDEX IF NOT EXISTS todos_lapsed ON todos(lease_expires_at) WHERE state = 'claimed';

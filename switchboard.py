@@ -83,7 +83,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 VERSION = "0.2.0"
 SCHEMA_PATH = Path(__file__).with_name("schema.sql")
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -91,10 +91,12 @@ class Migration:
     """Upgrades a database from user_version v to v + 1. SQLite cannot change a CHECK in place, so a table whose
     constraints changed is rebuilt from its definition in schema.sql, copying the columns both versions have;
     `fill` gives SQL expressions (over the old row) for new columns that need a value. Then schema.sql runs
-    again (every statement is idempotent), which adds new tables and indexes."""
+    again (every statement is idempotent), which adds new tables and indexes. `sql` runs between the two, for
+    changes to the data itself."""
     summary: str
     rebuild: tuple[str, ...] = ()
     fill: dict[str, dict[str, str]] = field(default_factory=dict)
+    sql: tuple[str, ...] = ()
 
 
 # Explicit, ordered migrations: MIGRATIONS[v] upgrades a database from user_version v to v + 1.
@@ -106,6 +108,13 @@ MIGRATIONS: dict[int, Migration] = {
         rebuild=("webhooks", "events"),
         fill={"webhooks": {"trusted_actors": "CASE WHEN provider IN ('github', 'gitea', 'cairn')"
                                              " THEN '{\"allow_all\": true}' END"}}),
+    2: Migration(
+        "release 3: each delivery's body is stored once: envelopes lose their copies of the payload and headers and"
+        " todos theirs of the payload (read from the event's body and headers; a todo whose event was already"
+        " pruned keeps its payload)",
+        sql=("UPDATE events SET envelope = json_remove(envelope, '$.payload', '$.headers') WHERE envelope IS NOT NULL",
+             "UPDATE todos SET payload = NULL WHERE payload IS NOT NULL"
+             " AND event_id IN (SELECT id FROM events WHERE body IS NOT NULL)")),
 }
 
 DEFAULT_LEASE_SECONDS = 300
@@ -289,6 +298,9 @@ def pending_migrations(conn: sqlite3.Connection) -> list[dict]:
 def _migrate(conn: sqlite3.Connection, migration: Migration, statements: list[str]) -> None:
     tables = {m.group(1): s for s in statements
               if (m := re.search(r"^CREATE TABLE IF NOT EXISTS (\w+)", s, re.MULTILINE))}
+    # Views come back with schema.sql at the end of the step; a table rebuilt under one could not be renamed.
+    for (view,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'view'").fetchall():
+        conn.execute(f"DROP VIEW {view}")
     for table in migration.rebuild:
         old_columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
         conn.execute(tables[table].replace(f"CREATE TABLE IF NOT EXISTS {table} ", f"CREATE TABLE {table}__new ", 1))
@@ -299,6 +311,8 @@ def _migrate(conn: sqlite3.Connection, migration: Migration, statements: list[st
         conn.execute(f"INSERT INTO {table}__new ({', '.join(columns)}) SELECT {', '.join(values)} FROM {table}")
         conn.execute(f"DROP TABLE {table}")
         conn.execute(f"ALTER TABLE {table}__new RENAME TO {table}")
+    for statement in migration.sql:
+        conn.execute(statement)
     for statement in statements:
         conn.execute(statement)
 
@@ -1562,12 +1576,40 @@ def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified:
 
 
 def payload_text(payload: Any, body: bytes) -> str:
-    """The payload as JSON text for a todo: the body itself when it is a plain UTF-8 JSON object or array (no
-    re-encoding), else the parsed value written out again (a BOM, UTF-16, a NUL or a lone surrogate)."""
+    """The payload as JSON text: the body itself when it is a plain UTF-8 JSON object or array (no re-encoding),
+    else the parsed value written out again (a form, a BOM, UTF-16, a NUL or a lone surrogate)."""
     if payload is not None and body[:1] in (b"{", b"[") and b"\x00" not in body and b"\\ud" not in body.lower():
         with contextlib.suppress(UnicodeDecodeError):
             return body.decode("utf-8")
     return json.dumps(payload)
+
+
+# A delivery's body is stored once, as its event's body. The envelope is stored without `.payload` and
+# `.headers` (its record; the event keeps the headers in a column of their own), and the payload is parsed from the
+# body again wherever a whole envelope or a todo's payload is read.
+
+def envelope_record(envelope: dict) -> str:
+    """The envelope as its event stores it: every field but `.payload` and `.headers`."""
+    return json.dumps({k: v for k, v in envelope.items() if k not in ("payload", "headers")})
+
+
+def envelope_document(record: str, headers_json: str, payload_json: str) -> str:
+    """The whole envelope as JSON text, for jq: the record with the headers' and the payload's text appended, so
+    that a large body is never encoded again."""
+    return f'{record[:-1]}, "headers": {headers_json}, "payload": {payload_json}}}'
+
+
+def stored_payload(body: bytes | str | None, content_type: str | None) -> Any:
+    """A stored body's payload, parsed as it was on arrival (an operator-pushed todo's body is its JSON)."""
+    if body is None:
+        return None
+    raw = body.encode() if isinstance(body, str) else body
+    return decode_payload({"content-type": content_type} if content_type else {}, raw)[0]
+
+
+def stored_envelope(record: str, headers_json: str, body: bytes | None) -> dict:
+    envelope = json.loads(record)
+    return {**envelope, "headers": json.loads(headers_json), "payload": stored_payload(body, envelope["content_type"])}
 
 
 def envelope_title(envelope: dict) -> str:
@@ -2165,6 +2207,7 @@ def _json(text: str | None) -> Any:
 
 
 def todo_view(row: sqlite3.Row) -> dict:
+    """A todo as the API shows it, from a row of the todo_rows view (which carries its event's body)."""
     return {
         "id": row["id"], "endpoint_id": row["endpoint_id"], "queue": row["queue"], "state": row["state"],
         "outcome": row["outcome"], "title": row["title"], "source": row["source"], "kind": row["kind"],
@@ -2172,7 +2215,9 @@ def todo_view(row: sqlite3.Row) -> dict:
         "max_attempts": row["max_attempts"], "dead_letter": bool(row["dead_letter"]),
         "lease_expires_at": iso(row["lease_expires_at"]), "available_at": iso(row["available_at"]),
         "created_at": iso(row["created_at"]), "updated_at": iso(row["updated_at"]),
-        "payload": _json(row["payload"]), "work_order": _json(row["work_order"]),
+        "payload": (_json(row["payload"]) if row["payload"] is not None
+                    else stored_payload(row["event_body"], row["event_content_type"])),
+        "work_order": _json(row["work_order"]),
         "work_item": _json(row["work_item"]), "trace": _json(row["trace"]), "result": _json(row["result"]),
         "last_error": row["last_error"], "key": row["idempotency_key"], "state_reason": row["state_reason"],
         "answer": row["answer"], "deferred_until": iso(row["deferred_until"]), "event_id": row["event_id"],
@@ -2206,19 +2251,20 @@ def _load_todo(txn: Txn, principal: Principal, todo_id: str) -> sqlite3.Row:
 
 
 def _reload(txn: Txn, todo_id: str) -> sqlite3.Row:
-    return txn.one("SELECT * FROM todos WHERE id = ?", (todo_id,))
+    """A todo as todo_view reads it."""
+    return txn.one("SELECT * FROM todo_rows WHERE id = ?", (todo_id,))
 
 
 def list_todos(txn: Txn, principal: Principal, query: TodoListQuery) -> dict:
     if principal.kind == "endpoint":
         principal.require_verb("list_todos")
     clause, params = _scope_clause(principal)
-    sql, args = f"SELECT * FROM todos WHERE {clause}", list(params)
+    sql, args = f"SELECT * FROM todo_rows WHERE {clause}", list(params)
     for column, value in (("queue", query.queue), ("state", query.state), ("endpoint_id", query.endpoint)):
         if value is not None:
             sql += f" AND {column} = ?"
             args.append(value)
-    sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+    sql += " ORDER BY created_at DESC, todo_rowid DESC LIMIT ?"
     args.append(query.limit)
     return {"todos": [todo_view(r) for r in txn.all(sql, args)]}
 
@@ -2226,8 +2272,8 @@ def list_todos(txn: Txn, principal: Principal, query: TodoListQuery) -> dict:
 def get_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
     if principal.kind == "endpoint":
         principal.require_verb("get_todo")
-    row = _load_todo(txn, principal, todo_id)
-    view = todo_view(row)
+    _load_todo(txn, principal, todo_id)
+    view = todo_view(_reload(txn, todo_id))
     view["attempts"] = [attempt_view(a) for a in txn.all(
         "SELECT * FROM attempts WHERE todo_id = ? ORDER BY seq", (todo_id,))]
     view["history"] = [
@@ -2257,18 +2303,19 @@ _CLAIMABLE = (f"{_UNBLOCKED} AND NOT EXISTS (SELECT 1 FROM absorptions a JOIN to
 
 TODO_DEFAULTS = {"state": "pending", "subject_key": None, "work_order": None, "work_item": None,
                  "idempotency_key": None, "priority": 0, "gated": 0, "state_reason": None, "silent": 0}
-_INSERT_TODO = (f"INSERT INTO todos (id, endpoint_id, queue, title, source, kind, payload, trace, event_id,"
+_INSERT_TODO = (f"INSERT INTO todos (id, endpoint_id, queue, title, source, kind, trace, event_id,"
                 f" {', '.join(TODO_DEFAULTS)}, available_at, created_at, updated_at)"
-                f" VALUES ({', '.join('?' * (9 + len(TODO_DEFAULTS) + 3))})")
+                f" VALUES ({', '.join('?' * (8 + len(TODO_DEFAULTS) + 3))})")
 
 
 def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: str, title: str, source: str,
-                kind: str | None, payload: str | None, trace: str, event_id: str, depends_on: Iterable[str] = (),
+                kind: str | None, trace: str, event_id: str, depends_on: Iterable[str] = (),
                 **optional: Any) -> None:
     """The one place a todo is born (the counterpart of _transition): its row, its dependencies, its first
-    history entry, the count, and a ring when it is claimable now. `optional` overrides TODO_DEFAULTS."""
+    history entry, the count, and a ring when it is claimable now. `optional` overrides TODO_DEFAULTS. Its payload
+    is its event's body."""
     values = {**TODO_DEFAULTS, **optional}
-    txn.execute(_INSERT_TODO, (todo_id, endpoint_id, queue, title, source, kind, payload, trace, event_id,
+    txn.execute(_INSERT_TODO, (todo_id, endpoint_id, queue, title, source, kind, trace, event_id,
                                *values.values(), txn.now, txn.now, txn.now))
     for dependency in depends_on:
         txn.execute("INSERT INTO todo_deps (todo_id, depends_on_id) VALUES (?, ?)", (todo_id, dependency))
@@ -2432,8 +2479,8 @@ def absorb(txn: Txn, principal: Principal, todo_id: str, body: Leased) -> dict:
                         " VALUES (?, ?, ?, ?)", (row["id"], todo_id, seq, txn.now))
         if fresh:
             txn.logs.append(f"todo {todo_id} absorbed {len(fresh)} todos")
-    rows = txn.all("SELECT t.* FROM absorptions a JOIN todos t ON t.id = a.absorbed_id WHERE a.holder_id = ?"
-                   " ORDER BY t.created_at, t.rowid", (todo_id,))
+    rows = txn.all("SELECT t.* FROM absorptions a JOIN todo_rows t ON t.id = a.absorbed_id WHERE a.holder_id = ?"
+                   " ORDER BY t.created_at, t.todo_rowid", (todo_id,))
     return {"absorbed": [todo_view(r) for r in rows]}
 
 
@@ -2740,7 +2787,7 @@ def push_todo(txn: Txn, principal: Principal, endpoint_id: str, body: TodoPush) 
     if body.queue not in json.loads(endpoint["queues"]):
         raise ApiError("invalid_argument", f"queue: {body.queue} is outside the endpoint's scope")
     if body.key is not None:
-        existing = txn.one(f"SELECT * FROM todos WHERE endpoint_id = ? AND idempotency_key = ?"
+        existing = txn.one(f"SELECT * FROM todo_rows WHERE endpoint_id = ? AND idempotency_key = ?"
                            f" AND state NOT IN {TERMINAL_STATES}", (endpoint_id, body.key))
         if existing is not None:
             return {**todo_view(existing), "created": False}
@@ -2761,7 +2808,7 @@ def push_todo(txn: Txn, principal: Principal, endpoint_id: str, body: TodoPush) 
                  verified=True, body=payload, disposition="routed", trace=trace)
     dead = [(dep, state) for dep, state in dep_states if state in ("failed", "cancelled")]
     create_todo(txn, todo_id, principal.actor, endpoint_id=endpoint_id, queue=body.queue, title=body.title,
-                source="operator", kind="todo", payload=payload, trace=trace, event_id=event_id,
+                source="operator", kind="todo", trace=trace, event_id=event_id,
                 work_item=work_item.model_dump_json(by_alias=True, exclude_none=True) if work_item else None,
                 idempotency_key=body.key, priority=body.priority,
                 gated=int(bool(work_item and "review" in (work_item.approval_gates or []))),
@@ -3034,7 +3081,9 @@ def event_view(row: sqlite3.Row, full: bool = False) -> dict:
             "disposition": row["disposition"], "received_at": iso(row["received_at"]),
             "outcome": _json(row["outcome"])}
     if full:
-        view.update(headers=_json(row["headers"]), envelope=_json(row["envelope"]), trace=_json(row["trace"]),
+        view.update(headers=_json(row["headers"]),
+                    envelope=stored_envelope(row["envelope"], row["headers"], row["body"]) if row["envelope"] else None,
+                    trace=_json(row["trace"]),
                     size=len(row["body"] or b""))
     return view
 
@@ -3078,8 +3127,8 @@ class Delivery:
     token_hash: str
     body: bytes
     envelope: dict
-    envelope_text: str
-    payload_text: str
+    envelope_record: str
+    headers_json: str
     delivery_key: str
     body_hash: str
     action: dict
@@ -3196,11 +3245,11 @@ def plan_delivery(txn: Txn, webhook: sqlite3.Row, envelope: dict, action: dict, 
 
 
 def _create_planned_todo(txn: Txn, todo_id: str, target: tuple[str, str, str], envelope: dict, plan: Plan,
-                         event_id: str, title: str, payload: str) -> None:
+                         event_id: str, title: str) -> None:
     endpoint_id, queue, state = target
     create_todo(txn, todo_id, "system", endpoint_id=endpoint_id, queue=queue, state=state, title=title,
                 source=envelope["source"], kind=envelope["kind"], subject_key=envelope["subject_key"],
-                payload=payload, work_order=json.dumps(plan.work_order) if plan.work_order else None,
+                work_order=json.dumps(plan.work_order) if plan.work_order else None,
                 trace=json.dumps(plan.trace_for(endpoint_id)), event_id=event_id,
                 state_reason=plan.trace.get("hold") if state == "quarantined" else None,
                 # Only verified, token-trust or operator work rings; signed work that did not verify never does.
@@ -3239,11 +3288,11 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
     record_event(txn, event_id, webhook_id=webhook["id"], human_id=webhook["human_id"], source=envelope["source"],
                  kind=envelope["kind"], trust_mode=envelope["trust_mode"], verified=envelope["verified"],
                  delivery_key=delivery.delivery_key, body_hash=delivery.body_hash,
-                 headers=json.dumps(envelope["headers"]), body=delivery.body, envelope=delivery.envelope_text,
+                 headers=delivery.headers_json, body=delivery.body, envelope=delivery.envelope_record,
                  disposition=plan.disposition, trace=json.dumps(plan.trace), outcome=json.dumps(outcome))
     title = envelope_title(envelope)
     for todo_id, target in zip(todo_ids, plan.targets, strict=True):
-        _create_planned_todo(txn, todo_id, target, envelope, plan, event_id, title, delivery.payload_text)
+        _create_planned_todo(txn, todo_id, target, envelope, plan, event_id, title)
     txn.logs.append(f"delivery {event_id} to {webhook['id']}: {plan.disposition}, {len(plan.targets)} todos")
     return outcome
 
@@ -3329,9 +3378,9 @@ def get_rules(txn: Txn, principal: Principal, webhook_id: str) -> dict:
 
 
 def latest_envelopes(txn: Txn, webhook_id: str) -> list[tuple[str, bytes]]:
-    rows = txn.all("SELECT id, envelope FROM events WHERE webhook_id = ? AND envelope IS NOT NULL"
+    rows = txn.all("SELECT id, envelope, headers, body FROM events WHERE webhook_id = ? AND envelope IS NOT NULL"
                    " ORDER BY received_at DESC, id DESC LIMIT ?", (webhook_id, DRY_RUN_EVENTS))
-    return [(r["id"], r["envelope"].encode()) for r in rows]
+    return [(r["id"], json.dumps(stored_envelope(r["envelope"], r["headers"], r["body"])).encode()) for r in rows]
 
 
 def save_rules(txn: Txn, principal: Principal, webhook_id: str, rules: list[Rule], default: Any,
@@ -3448,10 +3497,10 @@ def _test_subject(txn: Txn, principal: Principal, webhook_id: str, event_id: str
     webhook = _visible_webhook(txn, principal, webhook_id, "test_webhook_rules")
     if event_id is None:
         return webhook, None
-    row = txn.one("SELECT envelope FROM events WHERE id = ? AND webhook_id = ?", (event_id, webhook_id))
+    row = txn.one("SELECT envelope, headers, body FROM events WHERE id = ? AND webhook_id = ?", (event_id, webhook_id))
     if row is None or row["envelope"] is None:
         raise ApiError("not_found", f"no event {event_id} on this webhook")
-    return webhook, with_current_actor(json.loads(row["envelope"]), webhook)
+    return webhook, with_current_actor(stored_envelope(row["envelope"], row["headers"], row["body"]), webhook)
 
 
 def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webhook_id: str, body: RulesTest) -> dict:
@@ -3522,11 +3571,11 @@ def _trusting(todo: sqlite3.Row, webhook: sqlite3.Row, envelope: dict) -> dict:
 
 def _held_subject(txn: Txn, principal: Principal, todo_id: str) -> tuple[sqlite3.Row, sqlite3.Row | None, dict]:
     todo = _human_todo(txn, principal, "release", todo_id, ("quarantined",))
-    event = txn.one("SELECT envelope, webhook_id FROM events WHERE id = ?", (todo["event_id"],))
+    event = txn.one("SELECT envelope, headers, body, webhook_id FROM events WHERE id = ?", (todo["event_id"],))
     if event is None or event["envelope"] is None:
         raise ApiError("conflict", "the held delivery was pruned; discard it")
     webhook = txn.one("SELECT * FROM webhooks WHERE id = ?", (event["webhook_id"],))
-    return todo, webhook, json.loads(event["envelope"])
+    return todo, webhook, stored_envelope(event["envelope"], event["headers"], event["body"])
 
 
 def prepare_quarantine_release(db: Database, evaluator: Evaluator, principal: Principal, todo_id: str,
@@ -3570,7 +3619,7 @@ def apply_quarantine_release(txn: Txn, principal: Principal, release: Quarantine
                 trace=json.dumps(plan.trace_for(endpoint_id)), work_order=json.dumps(plan.work_order) if plan.work_order else None,
                 state_reason=None)
     for target in others:
-        _create_planned_todo(txn, new_id("td"), target, release.envelope, plan, todo["event_id"], todo["title"], todo["payload"])
+        _create_planned_todo(txn, new_id("td"), target, release.envelope, plan, todo["event_id"], todo["title"])
     return todo_view(_reload(txn, todo["id"]))
 
 
@@ -3587,7 +3636,7 @@ def replay_subject(txn: Txn, principal: Principal, event_id: str) -> tuple[sqlit
                       " WHERE w.id = ?", (event["webhook_id"],))
     if webhook is None or event["envelope"] is None:
         raise ApiError("conflict", f"event {event_id} can no longer be replayed (its webhook or envelope is gone)")
-    return event, webhook, with_current_actor(json.loads(event["envelope"]), webhook)
+    return event, webhook, with_current_actor(stored_envelope(event["envelope"], event["headers"], event["body"]), webhook)
 
 
 def replay_events(txn: Txn, principal: Principal, webhook_id: str, body: ReplayMany) -> list[str]:
@@ -3648,8 +3697,7 @@ def apply_replay(txn: Txn, principal: Principal, replay: Replay, dry_run: bool) 
     todos = []
     for target in fresh:
         todo_id = new_id("td")
-        _create_planned_todo(txn, todo_id, target, envelope, plan, event["id"], envelope_title(envelope),
-                             payload_text(envelope["payload"], event["body"] or b""))
+        _create_planned_todo(txn, todo_id, target, envelope, plan, event["id"], envelope_title(envelope))
         todos.append({"id": todo_id, "endpoint_id": target[0], "queue": target[1], "created": True})
     if plan.disposition == "routed" and fresh:
         for held in (m for m in minted if m["state"] == "quarantined"):
@@ -3897,10 +3945,11 @@ PRUNE_BATCH = 5_000
 
 def prune_batch(txn: Txn) -> dict:
     """One bounded step of retention: terminal todos and events older than 30 days or beyond 500,000 rows.
-    Pending and claimed work is never touched, nor an event a live todo still points at, nor routing_once."""
+    Pending and claimed work is never touched, nor an event any todo still points at (the todo's payload is the
+    event's body), nor routing_once."""
     todos = _prune_table(txn, "todos", f"state IN {TERMINAL_STATES}", "updated_at")
-    events = _prune_table(txn, "events", f"NOT EXISTS (SELECT 1 FROM todos t WHERE t.event_id = events.id"
-                                         f" AND t.state NOT IN {TERMINAL_STATES})", "received_at")
+    events = _prune_table(txn, "events", "NOT EXISTS (SELECT 1 FROM todos t WHERE t.event_id = events.id)",
+                          "received_at")
     messages = _prune_table(txn, "notify_outbox", "(sent_at IS NOT NULL OR gave_up_at IS NOT NULL)", "created_at")
     if todos or events or messages:
         txn.logs.append(f"pruned {todos} todos, {events} events and {messages} sent notifications")
@@ -4540,14 +4589,16 @@ class Flows:
             self.failures_told[webhook_id] = now
             await self.db.write(notify_verification_failures, webhook_id, len(recent), reason)
 
-    async def _decide(self, webhook: sqlite3.Row, envelope: dict, envelope_text: str) -> tuple[dict, dict]:
+    async def _decide(self, webhook: sqlite3.Row, envelope: dict, record: str, headers_json: str,
+                      body: bytes) -> tuple[dict, dict]:
         gated = gate(envelope)
         if gated is not None:
             return gated
         if not webhook["rules"]:
             return decide_for_webhook(self.evaluator, webhook, b"")
-        return await self.evaluate(webhook["human_id"], decide_for_webhook, self.evaluator, webhook,
-                                   envelope_text.encode(), webhook["human_id"])
+        document = envelope_document(record, headers_json, payload_text(envelope["payload"], body)).encode()
+        return await self.evaluate(webhook["human_id"], decide_for_webhook, self.evaluator, webhook, document,
+                                   webhook["human_id"])
 
     async def accept_delivery(self, webhook: sqlite3.Row, headers: dict[str, str], body: bytes,
                               source: str) -> tuple[int, dict]:
@@ -4567,13 +4618,13 @@ class Flows:
         if seen is not None:
             self.metrics.deliveries.labels(provider, "duplicate").inc()
             return 202, seen
-        envelope_text = json.dumps(envelope)
-        action, trace = await self._decide(webhook, envelope, envelope_text)
+        record, headers_json = envelope_record(envelope), json.dumps(envelope["headers"])
+        action, trace = await self._decide(webhook, envelope, record, headers_json, body)
         if payload_error:
             trace = {**trace, "payload_error": payload_error}
         outcome = await self.db.write(record_delivery, Delivery(
             webhook_id=webhook["id"], token_hash=webhook["token_hash"], body=body, envelope=envelope,
-            envelope_text=envelope_text, payload_text=payload_text(payload, body),
+            envelope_record=record, headers_json=headers_json,
             delivery_key=key, body_hash=body_hash, action=action, trace=trace))
         self.metrics.count_delivery(provider, outcome, trace)
         return 202, outcome

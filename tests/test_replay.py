@@ -275,7 +275,7 @@ def store_deliveries(app, hook: dict, start: int, n: int, event: str) -> None:
         trace = {"stage": "rule", "rule_index": 0, "rule_id": "drop-all", "rule_name": None, "action": action}
         deliveries.append(sb.Delivery(
             webhook_id=hook["id"], token_hash=sb.token_hash(token), body=raw, envelope=envelope,
-            envelope_text=json.dumps(envelope), payload_text=sb.payload_text(payload, raw),
+            envelope_record=sb.envelope_record(envelope), headers_json=json.dumps(envelope["headers"]),
             delivery_key=sb.delivery_key("github", headers, payload, raw), body_hash=hashlib.sha256(raw).hexdigest(),
             action=action, trace=trace))
 

@@ -354,6 +354,12 @@ def test_a_release1_database_migrates_and_serves(tmp_path, monkeypatch):
     before_bytes = hashlib.sha256(path.read_bytes()).hexdigest()
     before = _counts(path)
     assert before["todos"] == 3 and before["events"] == 3
+    conn = sqlite3.connect(path)
+    payloads_before = {i: p and json.loads(p) for i, p in conn.execute("SELECT id, payload FROM todos")}
+    envelopes_before = {i: json.loads(e) for i, e in conn.execute("SELECT id, envelope FROM events")
+                        if e is not None}
+    conn.close()
+    assert any(p is not None for p in payloads_before.values()) and envelopes_before
 
     code, plan = cli(str(path), "migrate", "--dry-run")
     assert code == 0, plan
@@ -368,6 +374,10 @@ def test_a_release1_database_migrates_and_serves(tmp_path, monkeypatch):
     assert conn.execute("PRAGMA user_version").fetchone()[0] == sb.SCHEMA_VERSION
     assert _counts(path) == before
     trusted = dict(conn.execute("SELECT id, trusted_actors FROM webhooks").fetchall())
+    # Each body is stored once now: the todos' and the envelopes' copies of it are gone from the file.
+    assert conn.execute("SELECT count(*) FROM todos WHERE payload IS NOT NULL").fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM events WHERE json_type(envelope, '$.payload') IS NOT NULL"
+                        " OR json_type(envelope, '$.headers') IS NOT NULL").fetchone()[0] == 0
     conn.close()
     assert json.loads(trusted[facts["github"]["id"]]) == {"allow_all": True}
     assert trusted[facts["generic"]["id"]] is None
@@ -379,6 +389,11 @@ def test_a_release1_database_migrates_and_serves(tmp_path, monkeypatch):
         auth = {"Authorization": f"Bearer {facts['human_token']}"}
         todos = httpx.get(server.url + "/api/v1/todos", headers=auth)
         assert todos.status_code == 200 and len(todos.json()["todos"]) == 3, todos.text
+        # ...and read back from the event's body, every payload and envelope is what release 1 stored.
+        assert {t["id"]: t["payload"] for t in todos.json()["todos"]} == payloads_before
+        for event_id, envelope in envelopes_before.items():
+            shown = httpx.get(f"{server.url}/api/v1/events/{event_id}", headers=auth)
+            assert shown.status_code == 200 and shown.json()["envelope"] == envelope, shown.text
         hooks = {h["id"]: h for h in httpx.get(server.url + "/api/v1/webhooks", headers=auth).json()["webhooks"]}
         assert hooks[facts["github"]["id"]]["trusted_actors"] == {"allow_all": True}
         assert facts["github"]["secret"] == "s" * 32
