@@ -4550,8 +4550,10 @@ class Flows:
 
     # -- deliveries ----------------------------------------------------------------------------------
     async def open_webhook(self, token: str, source: str) -> sqlite3.Row:
-        """The webhook behind an ingest URL, ready to take a delivery from `source`, before any body is read."""
-        webhook = await self.db.read(find_webhook, token)
+        """The webhook behind an ingest URL, ready to take a delivery from `source`, before any body is read.
+        Looked up on the event loop: one indexed row under WAL (which never waits on the writer) costs less than
+        the hop to a thread and back."""
+        webhook = self.db.read_sync(find_webhook, token)
         if webhook is None:
             raise ApiError("not_found", "no such webhook")
         if webhook["owner_revoked_at"] is not None:
@@ -4614,7 +4616,7 @@ class Flows:
         key, body_hash = delivery_key(provider, headers, payload, body), hashlib.sha256(body).hexdigest()
         # With rules, dedup comes before evaluation: a redelivery answers its first outcome even when the sandbox
         # is down. The write transaction checks again (and alone, without rules), so racing redeliveries mint once.
-        seen = await self.db.read(duplicate_of, webhook, key, body_hash) if webhook["rules"] else None
+        seen = self.db.read_sync(duplicate_of, webhook, key, body_hash) if webhook["rules"] else None
         if seen is not None:
             self.metrics.deliveries.labels(provider, "duplicate").inc()
             return 202, seen
