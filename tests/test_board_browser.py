@@ -338,9 +338,11 @@ def test_the_inbox_updates_live_without_a_reload(page, site):
     assert page.evaluate("window.__same_page") is True, "updated in place, not reloaded"
 
 
-def test_screenshots_of_the_inbox_a_todo_and_the_rules_editor(browser, site):
+def test_screenshots_of_the_inbox_a_todo_and_the_rules_editor(browser, site, tmp_path):
     """docs/board-*.png, desktop (1280 wide) and phone (390 wide), for people to look at: a human of their own
-    with one of each kind of waiting work."""
+    with one of each kind of waiting work. Taken into a temporary directory, so that a test run leaves the
+    clone as it was; SWITCHBOARD_UPDATE_SCREENSHOTS=1 writes them to docs/."""
+    shots = DOCS if os.environ.get("SWITCHBOARD_UPDATE_SCREENSHOTS") == "1" else tmp_path
     casey = site.human("casey")
     router, lane = site.endpoint(casey, "router", ["triage"]), site.endpoint(casey, "lane-s", ["lane-s"])
     hook = site.cairn_hook(casey, router, lane, trusted_actors={"actor_ids": []})
@@ -369,19 +371,19 @@ def test_screenshots_of_the_inbox_a_todo_and_the_rules_editor(browser, site):
          "action": {"queue": "lane-s", "once": True, "work_order": True}}],
         "default_action": {"queue": "triage"}}
     assert site.http.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=casey.auth, json=rules).status_code == 200
-    DOCS.mkdir(exist_ok=True)
+    shots.mkdir(exist_ok=True)
     for name, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
         context = browser.new_context(viewport=viewport, base_url=site.url, device_scale_factor=1)
         shot = context.new_page()
         sign_in(shot, casey)
-        shot.screenshot(path=str(DOCS / f"board-inbox-{name}.png"), full_page=True)
+        shot.screenshot(path=str(shots / f"board-inbox-{name}.png"), full_page=True)
         shot.goto(f"/board/todos/{todo['id']}")
-        shot.screenshot(path=str(DOCS / f"board-todo-{name}.png"), full_page=True)
+        shot.screenshot(path=str(shots / f"board-todo-{name}.png"), full_page=True)
         shot.goto(f"/board/webhooks/{hook['id']}")
         shot.get_by_role("button", name="Dry run").click()
         shot.locator("#dry-result").wait_for()
-        shot.locator("#rules").screenshot(path=str(DOCS / f"board-rules-{name}.png"))
+        shot.locator("#rules").screenshot(path=str(shots / f"board-rules-{name}.png"))
         context.close()
     for name in ("inbox", "todo", "rules"):
         for size in ("desktop", "phone"):
-            assert (DOCS / f"board-{name}-{size}.png").stat().st_size > 5_000
+            assert (shots / f"board-{name}-{size}.png").stat().st_size > 5_000
