@@ -2,15 +2,20 @@
 
     python tests/bench/run_all.py [--quick] [--no-readme]
 
-1. ingest     signed GitHub deliveries/s end to end over HTTP with the fleet pack, 16 senders, FULL and NORMAL
-              (bench_ingest.py)
-2. rest       claim+complete cycles/s with 8 competing workers over REST, FULL and NORMAL (bench_store.py, A)
-3. doorbell   202 -> notification latency for SSE, MCP and a waiting claim, 50 sessions (bench_doorbell.py)
-4. rules      fleet-pack evaluation per delivery on a 15 KB payload, sandbox round trip included (bench_rules.py)
-5. inproc     the store's claim+ack in-process vs litequeue and persist-queue, FULL and NORMAL (bench_store.py, B)
+1. compare    Switchboard side by side with a minimal Starlette + uvicorn app (the architecture's ceiling) and
+              the peer SQLite queues: ingest without rules and with the fleet pack (16 senders, p99 ack),
+              claim+complete over REST (8 workers), in-process claim+ack vs litequeue / persist-queue / huey,
+              idle CPU, database size and RSS after 10,000 deliveries, each against its goal (bench_compare.py)
+2. doorbell   202 -> notification latency for SSE, MCP and a waiting claim, 50 sessions (bench_doorbell.py)
+3. rules      fleet-pack evaluation per delivery on a 15 KB payload, sandbox round trip included (bench_rules.py)
+
+bench_compare supersedes this script's former ingest (FULL/NORMAL), REST claim+complete and in-process steps;
+bench_ingest.py and bench_store.py still run them on their own (NORMAL included). The whole run stays under
+5 minutes on the 2-core development machine.
 
 Writes tests/bench/results-all.json (git-ignored) and replaces only the lines between `<!-- bench:start -->`
-and `<!-- bench:end -->` in README.md. Exit status 1 when any benchmark failed or failed its own checks.
+and `<!-- bench:end -->` in README.md, the comparison table first. Exit status 1 when any benchmark failed or
+failed its own checks.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+import bench_compare  # noqa: E402
 import bench_doorbell  # noqa: E402
-import bench_ingest  # noqa: E402
 import bench_rules  # noqa: E402
 import bench_store  # noqa: E402
 
@@ -38,13 +43,9 @@ README = ROOT / "README.md"
 RESULTS_PATH = HERE / "results-all.json"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
-SIZES = {  # full, quick
-    "ingest_deliveries": (3000, 300),
-    "rest_todos": (2000, 400),
+SIZES = {  # full, quick (bench_compare has its own, see bench_compare.SIZES_FULL / SIZES_QUICK)
     "doorbell_rings": (200, 40),
     "rules_runs": (2000, 300),
-    "inproc_cycles": (3000, 500),
-    "inproc_rounds": (3, 1),
 }
 
 
@@ -133,14 +134,9 @@ def run_all(quick: bool) -> dict:
                      "steps": {}, "loadavg_at_start": os.getloadavg()}
     t0 = time.perf_counter()
     cpu0 = cpu_snapshot()
-    results["ingest"] = [run_step(results, f"ingest {s}", bench_ingest.bench_ingest, s,
-                                  size("ingest_deliveries", quick)) for s in ("full", "normal")]
-    results["rest"] = [run_step(results, f"rest {s}", bench_store.bench_rest, s, size("rest_todos", quick), 8)
-                       for s in ("full", "normal")]
+    results["compare"] = run_step(results, "compare", bench_compare.run, quick)
     results["doorbell"] = run_step(results, "doorbell", bench_doorbell.bench_doorbell, size("doorbell_rings", quick))
     results["rules"] = run_step(results, "rules", bench_rules.bench_rules, size("rules_runs", quick))
-    results["inproc"] = [run_step(results, f"inproc {s}", bench_store.bench_inproc, s, size("inproc_cycles", quick),
-                                  size("inproc_rounds", quick)) for s in ("FULL", "NORMAL")]
     results["elapsed_s"] = round(time.perf_counter() - t0, 1)
     results["other_processes"] = other_load(cpu0, cpu_snapshot())
     if bench_store.source_fingerprint() != results["machine"]["source"]:
@@ -149,18 +145,24 @@ def run_all(quick: bool) -> dict:
     return results
 
 
+def last_line(error: str) -> str:
+    """The exception line of a formatted traceback (inside an exception group's box drawing, too)."""
+    lines = [line.strip().lstrip("|").strip() for line in error.strip().splitlines()]
+    lines = [line for line in lines if line and set(line) - set("+-")]
+    return lines[-1] if lines else error.strip()
+
+
 def failures(results: dict) -> list[str]:
     bad = []
-    for key in ("ingest", "rest", "inproc"):
-        for i, item in enumerate(results[key]):
-            if "error" in item:
-                bad.append(f"{key}[{i}]: {item['error'].strip().splitlines()[-1]}")
-            elif "verified" in item and not item["verified"]["ok"]:
-                bad.append(f"{key} {item['synchronous']}: checks failed: {json.dumps(item['verified'])[:600]}")
+    compare = results["compare"]
+    if "error" in compare:
+        bad.append(f"compare: {last_line(compare['error'])}")
+    else:
+        bad += [f"compare: {x}" for x in compare["failures"]]
     for key in ("doorbell", "rules"):
         item = results[key]
         if "error" in item:
-            bad.append(f"{key}: {item['error'].strip().splitlines()[-1]}")
+            bad.append(f"{key}: {last_line(item['error'])}")
     if "channels" in results["doorbell"]:
         for ch in results["doorbell"]["channels"]:
             if not ch["verified"]["ok"]:
@@ -178,52 +180,22 @@ def f(x, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
-def cores(cpu: dict) -> str:
-    parts = [f"server {f(cpu.get('server_cores'), 2)}"]
-    if cpu.get("evaluator_children_cores") is not None:
-        parts.append(f"evaluator children {f(cpu['evaluator_children_cores'], 2)}")
-    parts.append(f"client {f(cpu.get('client_cores'), 2)}")
-    return ", ".join(parts)
-
-
 def table(results: dict) -> list[str]:
     rows = ["| # | benchmark | setting | result | p50 | p99 | notes |", "|---|---|---|---:|---:|---:|---|"]
     failed = "FAILED (see results-all.json)"
-
-    for item in results["ingest"]:
-        if "error" in item:
-            rows.append(f"| 1 | ingest | | {failed} | | | |")
-            continue
-        share = ", ".join(f"{k} {v / item['deliveries']:.0%}" for k, v in sorted(item["dispositions"].items()))
-        rows.append(f"| 1 | ingest: signed GitHub `issues.labeled` over HTTP, fleet pack, 16 senders | "
-                    f"{item['synchronous']} | **{f(item['deliveries_per_s'], 0)} deliveries/s** | "
-                    f"{f(item['ack_p50_ms'])} ms | {f(item['ack_p99_ms'])} ms | {item['deliveries']} deliveries of "
-                    f"{item['body_bytes_mean'] / 1024:.1f} KB: {share}; CPU cores: {cores(item['cpu_during_ingest'])}"
-                    f"{'' if item['verified']['ok'] else '; CHECKS FAILED'} |")
-
-    for item in results["rest"]:
-        if "error" in item:
-            rows.append(f"| 2 | claim+complete | | {failed} | | | |")
-            continue
-        rows.append(f"| 2 | claim+complete over REST, 8 competing workers | {item['synchronous']} | "
-                    f"**{f(item['cycles_per_s'], 0)} cycles/s** | {f(item['cycle_p50_ms'])} ms | "
-                    f"{f(item['cycle_p99_ms'])} ms | {item['todos']} todos, each done exactly once: "
-                    f"{'yes' if item['verified']['ok'] else 'NO'}; claim p50/p99 {f(item['claim_p50_ms'])}/"
-                    f"{f(item['claim_p99_ms'])} ms, complete {f(item['complete_p50_ms'])}/"
-                    f"{f(item['complete_p99_ms'])} ms; CPU cores: {cores(item['cpu_during_cycles'])} |")
 
     door = results["doorbell"]
     labels = {"sse": "SSE `GET /api/v1/doorbell`", "mcp": "MCP `notifications/claude/channel`",
               "wait": "waiting claim (`wait_seconds: 30`)"}
     if "error" in door:
-        rows.append(f"| 3 | doorbell | | {failed} | | | |")
+        rows.append(f"| 1 | doorbell | | {failed} | | | |")
     else:
         for ch in door["channels"]:
             early = round(ch["share_before_202"] * ch["rings"])
             extra = "; ".join(x for x in (
                 f"notification parsed before the 202 for {early} of {ch['rings']}" if early else "",
                 "includes the claim's own commit" if ch["channel"] == "wait" else "") if x)
-            rows.append(f"| 3 | doorbell, 202 → notification: {labels[ch['channel']]} | "
+            rows.append(f"| 1 | doorbell, 202 → notification: {labels[ch['channel']]} | "
                         f"{door['synchronous']}, {ch['sessions']} sessions | {ch['rings']} rings | "
                         f"{f(ch['p50_ms'], 2)} ms | {f(ch['p99_ms'], 2)} ms | "
                         f"POST start → notification p50/p99 {f(ch['from_post_p50_ms'], 1)}/"
@@ -233,11 +205,11 @@ def table(results: dict) -> list[str]:
 
     rules = results["rules"]
     if "error" in rules:
-        rows.append(f"| 4 | rule evaluation | | {failed} | | | |")
+        rows.append(f"| 2 | rule evaluation | | {failed} | | | |")
     else:
         fl, tr, jq = rules["fleet"], rules["trivial_one_rule"], rules["jq_in_process"]
         jq_note = f"; jq alone in-process p50 {f(jq['p50_ms'], 2)} ms" if "p50_ms" in jq else ""
-        rows.append(f"| 4 | rule evaluation per delivery, fleet pack ({rules['rules']} rules), sandbox round trip | "
+        rows.append(f"| 2 | rule evaluation per delivery, fleet pack ({rules['rules']} rules), sandbox round trip | "
                     f"{rules['payload_bytes'] / 1024:.0f} KB payload | **mean {f(fl['mean_ms'], 2)} ms** | "
                     f"{f(fl['p50_ms'], 2)} ms | {f(fl['p99_ms'], 2)} ms | target < 2 ms: mean "
                     f"{'met' if fl['mean_ms'] < 2 else 'NOT met'}, p99 {'met' if fl['p99_ms'] < 2 else 'NOT met'}; "
@@ -245,34 +217,14 @@ def table(results: dict) -> list[str]:
                     f"{rules['matched_index'] + 1} `{rules['matched']}`; one-rule `false` round trip p50 "
                     f"{f(tr['p50_ms'], 2)} ms{jq_note} |")
 
-    for item in results["inproc"]:
-        if "error" in item:
-            rows.append(f"| 5 | in-process store vs peers | | {failed} | | | |")
-            continue
-        s = item["systems"]
-        sbx, lq, pq = s["switchboard"], s["litequeue"], s["persist-queue"]
-        rows.append(f"| 5 | claim+ack in-process, single thread: store vs litequeue / persist-queue | "
-                    f"{item['synchronous']} | **{lq['ratio_switchboard_over_peer']:.2f}x / "
-                    f"{pq['ratio_switchboard_over_peer']:.2f}x** | {f(sbx['p50_ms'], 2)} ms | "
-                    f"{f(sbx['p99_ms'], 2)} ms | "
-                    f"cycles/s: switchboard {f(sbx['ops_per_s'], 0)}, litequeue {f(lq['ops_per_s'], 0)}, "
-                    f"persist-queue {f(pq['ops_per_s'], 0)}; p50/p99 are Switchboard's |")
     return rows
 
 
 HOW_MEASURED = (
-    "**How measured.** One command, `python tests/bench/run_all.py`, on the machine above, client and server "
-    "sharing its cores over loopback (so client CPU is part of every HTTP number; the CPU columns say how much). "
-    "Every HTTP benchmark starts a real `python switchboard.py serve` child on a fresh SQLite file, set up through "
-    "the CLI, and stops it by its pid. "
-    "(1) Ingest: the fleet pack installed with `rules set --file packs/fleet.json --params` on a router webhook "
-    "that owns the GitHub hook, with five lane endpoints routed as `packs/README.md` lays out; each delivery is the "
-    "`issues.labeled` fixture with its own issue number, a rotating `size/S|M|L` label and a fresh "
-    "`X-GitHub-Delivery`, signed in advance; 16 threads with one keep-alive httpx client each; `--ingest-rate 0`; "
-    "p50/p99 are the time from POST to parsed 202. "
-    "(2) claim+complete: todos pushed first, then 8 threads claim and complete until the queue is empty; a cycle is "
-    "one claim plus one complete; exactly-once is checked in the file. "
-    "(3) Doorbell: each channel has its own endpoint owning a GitHub webhook with no rules (plain fan-out) and 50 "
+    "**How measured (doorbell, rules).** Client and server share the machine's cores over loopback. The doorbell "
+    "benchmark starts a real `python switchboard.py serve` child on a fresh SQLite file, set up through the CLI, "
+    "and stops it by its pid. "
+    "(1) Doorbell: each channel has its own endpoint owning a GitHub webhook with no rules (plain fan-out) and 50 "
     "sessions of that channel connected on the measured endpoint itself; the doorbell rings exactly one of them per "
     "todo, so the time is taken on whichever session was rung (the run checks each todo rang once). Deliveries are "
     "sent one at a time, the next after the previous notification; latency is from the 202 being parsed to the "
@@ -281,10 +233,8 @@ HOW_MEASURED = (
     "many). The waiting-claim latency ends at the "
     "claim's 200 and includes that claim's own commit; after each ring the sender waits 50 ms so the woken worker "
     "is waiting again. "
-    "(4) Rules: in-process `switchboard.decide` through a real `Evaluator` (sandboxed child, pipe round trip, "
+    "(2) Rules: in-process `switchboard.decide` through a real `Evaluator` (sandboxed child, pipe round trip, "
     "JSON parse of the envelope in the child), after a warm-up. "
-    "(5) In-process: one thread, claim then ack, two commits per cycle for every system, at the same "
-    "`PRAGMA synchronous`, median of the rounds; the ratio is Switchboard's cycles/s over the peer's. "
     "`--wait-quiet SECONDS` first waits for other processes to leave the CPUs idle; the machine line says how "
     "much CPU other processes took during the run anyway.")
 
@@ -292,6 +242,11 @@ HOW_MEASURED = (
 def markdown(results: dict) -> str:
     m = results["machine"]
     src = m["source"]
+    compare = results["compare"]
+    if "error" in compare:
+        compare_block = ["Comparison (bench_compare.py): FAILED (see results-all.json)."]
+    else:
+        compare_block = [bench_compare.markdown(compare, header=False)]
     lines = [
         f"Measured {m['date'].replace('+00:00', '').replace('T', ' ')} UTC"
         f"{' (QUICK RUN: small sizes, not representative)' if results['quick'] else ''}, "
@@ -299,10 +254,18 @@ def markdown(results: dict) -> str:
         f"(source hash {src['sha256_switchboard_and_schema']}); whole run {results['elapsed_s']:.0f} s.",
         "",
         f"Machine: {m['nproc']} CPUs ({m['cpu_model'] or 'model unknown'}), {m['memory']} memory, "
-        f"Python {m['python']}, SQLite {m['sqlite']}, {m['os']}. Other processes used "
+        f"Python {m['python']}, SQLite {m['sqlite']}, {m['os']}. Load average (1/5/15 min) at the start "
+        f"{'/'.join(f'{x:.2f}' for x in results['loadavg_at_start'])}. Other processes used "
         f"{results['other_processes']['other_cores']:.2f} cores on average during the run (at most "
         f"{max(v['other_cores'] for v in results['steps'].values()):.2f} during one benchmark); hypervisor steal "
         f"{results['other_processes']['steal_cores']:.2f} cores.",
+        "",
+        "**Side by side** (`python tests/bench/bench_compare.py`; Switchboard against the minimal app that is this "
+        "architecture's ceiling here, and against the peer SQLite queues):",
+        "",
+        *compare_block,
+        "",
+        "**Other benchmarks in this run:**",
         "",
         *table(results),
         "",

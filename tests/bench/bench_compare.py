@@ -1,0 +1,1304 @@
+"""Switchboard side by side with the ceiling of its architecture and with the peer SQLite queues, in one run.
+
+    python tests/bench/bench_compare.py [--quick] [--out PATH]     (also run first by tests/bench/run_all.py)
+
+The reference point is tests/bench/minimal_app.py: a Starlette + uvicorn app (uvloop + httptools, like `serve`)
+that does only what every delivery must do -- verify the HMAC-SHA256 signature, parse the JSON, insert one row
+in SQLite (WAL, synchronous=FULL) and commit -- plus the smallest claim/complete. It runs in a child process on
+a free 127.0.0.1 port, once with one commit per request and once with group commit (one writer thread batches
+the waiting writes), the latter for information.
+
+Figures (FULL everywhere):
+
+1. Signed deliveries/s, no rules, 16 senders, and the p99 ack: Switchboard (a human; an endpoint with verbs
+   `webhooks,drain` on queue `inbox`; a GitHub webhook on it trusting the fixtures' sender, no rules, so each
+   delivery is fanned out into one pending todo; `serve --ingest-rate 0`) vs the minimal app.
+2. The same with packs/fleet.json installed (bench_ingest.fleet_topology), vs the same minimal-app runs.
+3. claim + complete cycles/s over REST, 8 workers, on pre-pushed todos, vs the minimal app's /claim + /complete.
+4. In-process claim + ack, single thread, two commits per cycle: Switchboard's store (bench_store part B) vs
+   litequeue, persist-queue and huey (SqliteHuey: dequeue, then execute, which stores the result) at
+   synchronous=FULL.
+5. Idle CPU (server + children, /proc) after 10,000 deliveries left 10,000 pending todos, vs the minimal app idle.
+6. Database size (db + -wal while serving, after stopping, and after `PRAGMA wal_checkpoint(TRUNCATE)` from a
+   separate connection) after those deliveries, as a ratio to the bytes of bodies received.
+7. RSS (VmRSS) of the server and all its children after those deliveries.
+
+Every delivery is the `issues.labeled` fixture with its own issue number, a rotating size/S|M|L label and an
+issue body padded to 12,800 bytes of JSON, signed with one fixed secret (set on Switchboard's webhooks with
+`--secret`), so both systems receive byte-identical requests. All deliveries are built and signed before any
+clock starts; 16 threads with one keep-alive httpx.Client each send them (as bench_ingest does). Every run is
+verified (every delivery answered 202, the rows in the file) before its number counts.
+
+Throughput figures (1)-(4) run three repetitions, interleaving the systems, and report medians and the ratio of
+medians. Before each repetition round the load gate waits (up to 30 s) until other processes use under 0.15
+cores over 1 s (/proc/stat busy time minus this process tree's); every measured window records the 1-minute
+load average and the other processes' CPU, and a figure with a window above 0.25 cores is marked busy instead
+of being reported as the result. Switchboard is only driven through its CLI (`--json`), HTTP, and, for (4), the
+store API bench_store part B uses.
+
+Writes tests/bench/results-compare.json and prints a Markdown table (`markdown(results)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # tests/, for producers
+import minimal_app  # noqa: E402
+import producers  # noqa: E402
+from bench_ingest import SIZES, fleet_topology, labeled_delivery  # noqa: E402
+from bench_store import (SYNC_CODE, Server, cli, free_port, inproc_litequeue, inproc_persistqueue,  # noqa: E402
+                         inproc_switchboard, machine_facts, percentile, source_fingerprint)
+
+RESULTS_PATH = HERE / "results-compare.json"
+MINIMAL_APP = HERE / "minimal_app.py"
+SECRET = "bench-compare-secret-0123456789abcdef"
+MINIMAL_HOOK = "/hooks/bench"
+INBOX = "inbox"
+CLAIM_QUEUE = "bench"
+BODY_BYTES = 12_800  # ~12.5 KB per delivery, as JSON on the wire
+SENDERS = 16
+WORKERS = 8
+
+GATE_CORES = 0.15   # start a round only when other processes use less than this
+BUSY_CORES = 0.25   # a measured window above this is marked busy
+GATE_MAX_S = 30.0
+
+SIZES_FULL = {"deliveries": 1500, "cycles": 1000, "inproc_cycles": 1000, "reps": 3, "footprint": 10_000,
+              "idle_s": 20.0, "settle_s": 3.0, "gate_max_s": GATE_MAX_S}
+SIZES_QUICK = {"deliveries": 300, "cycles": 300, "inproc_cycles": 300, "reps": 1, "footprint": 1000,
+               "idle_s": 5.0, "settle_s": 1.0, "gate_max_s": 10.0}
+
+FILLER = ("Steps to reproduce: open the README, read the second paragraph, notice the typo. " * 200)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# /proc: CPU of the machine, of our own process tree, of a server tree; RSS
+# ----------------------------------------------------------------------------------------------------
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_table() -> dict[int, tuple[int, float]]:
+    """pid -> (ppid, CPU seconds: utime + stime + cutime + cstime, so reaped descendants stay counted)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        table[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / TICK)
+    return table
+
+
+def _tree(root: int, table: dict[int, tuple[int, float]]) -> set[int]:
+    children = collections.defaultdict(list)
+    for pid, (ppid, _) in table.items():
+        children[ppid].append(pid)
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table and pid not in found:
+            found.add(pid)
+            todo.extend(children[pid])
+    return found
+
+
+def tree_cpu(root: int) -> float:
+    table = _proc_table()
+    return sum(table[p][1] for p in _tree(root, table))
+
+
+def machine_snapshot() -> dict:
+    """Wall clock; CPU seconds of the whole machine (user, nice, system), of this process tree (servers and their
+    children included), of kernel threads, of interrupts (irq + softirq), and steal."""
+    with open("/proc/stat") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:]]
+    table = _proc_table()
+    return {"t": time.monotonic(), "busy": sum(fields[:3]) / TICK, "irq": sum(fields[5:7]) / TICK,
+            "steal": (fields[7] if len(fields) > 7 else 0) / TICK,
+            "own": sum(table[p][1] for p in _tree(os.getpid(), table)),
+            "kernel": sum(cpu for pid, (ppid, cpu) in table.items() if pid == 2 or ppid == 2)}
+
+
+def other_cores(before: dict, after: dict) -> dict:
+    """Other processes' CPU: the machine's user+system time less this process tree's and the kernel threads'
+    (which mostly flush this run's own fsyncs; interrupts, mostly this run's loopback traffic and disk, are left
+    out the same way). Both left-out parts are recorded. `other_cores` allows two clock ticks of rounding."""
+    wall = max(1e-9, after["t"] - before["t"])
+    d = {k: after[k] - before[k] for k in ("busy", "irq", "steal", "own", "kernel")}
+    other = d["busy"] - d["own"] - d["kernel"]
+    return {"wall_s": wall, "other_cores": max(0.0, (other - 2 / TICK) / wall), "own_cores": d["own"] / wall,
+            "kernel_thread_cores": d["kernel"] / wall, "irq_cores": d["irq"] / wall, "steal_cores": d["steal"] / wall}
+
+
+def tree_rss(root: int) -> dict:
+    table = _proc_table()
+    per = {}
+    for pid in sorted(_tree(root, table)):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+            name = next(line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Name:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+        per[pid] = {"name": name, "rss_kib": kib}
+    return {"total_mib": sum(p["rss_kib"] for p in per.values()) / 1024, "processes": list(per.values())}
+
+
+def load_gate(label: str, max_wait: float = GATE_MAX_S) -> dict:
+    """Wait until processes outside this tree use under GATE_CORES over a 1 s window (or max_wait passed)."""
+    t0 = time.monotonic()
+    while True:
+        before = machine_snapshot()
+        time.sleep(1.0)
+        other = other_cores(before, machine_snapshot())["other_cores"]
+        waited = time.monotonic() - t0
+        if other < GATE_CORES or waited >= max_wait:
+            gate = {"label": label, "waited_s": round(waited, 1), "other_cores": round(other, 3),
+                    "quiet": other < GATE_CORES, "loadavg1": os.getloadavg()[0]}
+            if not gate["quiet"]:
+                log(f"gate {label}: still {other:.2f} cores used by other processes after {waited:.0f} s; going on")
+            return gate
+        log(f"gate {label}: other processes use {other:.2f} cores; waiting")
+
+
+class Window:
+    """One measured window: other processes' CPU, this client's CPU, a server tree's CPU, the load average."""
+
+    def __init__(self, server_pid: int | None = None):
+        self.server_pid = server_pid
+        self.m0 = machine_snapshot()
+        self.server0 = tree_cpu(server_pid) if server_pid else None
+        self.client0 = time.process_time()
+
+    def close(self) -> dict:
+        client1 = time.process_time()
+        server1 = tree_cpu(self.server_pid) if self.server_pid else None
+        out = other_cores(self.m0, machine_snapshot())
+        wall = out["wall_s"]
+        out["client_cores"] = (client1 - self.client0) / wall
+        out["server_cores"] = None if server1 is None else (server1 - self.server0) / wall
+        out["loadavg1"] = os.getloadavg()[0]
+        out["busy"] = out["other_cores"] > BUSY_CORES
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# systems under test
+# ----------------------------------------------------------------------------------------------------
+
+class MinimalServer:
+    """tests/bench/minimal_app.py as a child process, stopped by its own pid (the same shape as bench_store.Server)."""
+
+    def __init__(self, db_path: str, group_commit: bool = False):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(db_path).with_suffix(".log")
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(MINIMAL_APP), "--db", db_path, "--port", str(self.port), "--secret", SECRET,
+             *(["--group-commit"] if group_commit else [])],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=str(Path(db_path).parent))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"minimal app did not start; log:\n{self.log_path.read_text(errors='replace')[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if not self.log.closed:
+            self.log.close()
+
+    def log_problems(self) -> list[str]:
+        return [line for line in self.log_path.read_text(errors="replace").splitlines()
+                if "Traceback" in line or "ERROR" in line]
+
+
+def db_files(db_path: str) -> dict:
+    sizes = {}
+    for suffix in ("", "-wal", "-shm"):
+        p = Path(db_path + suffix)
+        sizes["db" if not suffix else suffix[1:]] = p.stat().st_size if p.exists() else 0
+    sizes["db_plus_wal"] = sizes["db"] + sizes["wal"]
+    return sizes
+
+
+def checkpoint_truncate(db_path: str) -> list:
+    conn = sqlite3.connect(db_path)
+    try:
+        return list(conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone())
+    finally:
+        conn.close()
+
+
+def copy_dir(src: str, prefix: str) -> str:
+    """A fresh working copy of a template directory (database and key; never logs or a stale -shm)."""
+    dst = tempfile.mkdtemp(prefix=prefix)
+    shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.log", "*-shm"))
+    return dst
+
+
+def hook_path(hook: dict) -> str:
+    return "/hooks/" + hook["url"].rsplit("/hooks/", 1)[1]
+
+
+def make_templates(tmp_root: str, n_cycles: int) -> dict:
+    """Set-up through the CLI (and, for the claim template, todos pushed over REST), done once; each repetition
+    then runs on a copy, so every repetition starts from the same file."""
+    t = {}
+    # No rules: one endpoint that owns the webhook and may drain its queue.
+    d = os.path.join(tmp_root, "plain")
+    os.mkdir(d)
+    db = os.path.join(d, "switchboard.db")
+    cli(db, "init")
+    cli(db, "human", "add", "bench")
+    ep = cli(db, "endpoint", "vend", "--human", "bench", "--name", "inbox", "--queues", INBOX,
+             "--verbs", "webhooks,drain")
+    hook = cli(db, "webhook", "create", "--endpoint", ep["id"], "--provider", "github", "--queue", INBOX,
+               "--trust", "Codertocat", "--secret", SECRET, "--base-url", "http://placeholder")
+    if hook.get("secret") != SECRET:
+        raise RuntimeError(f"webhook create did not take the fixed secret: {hook}")
+    t["plain"] = {"dir": d, "hook_path": hook_path(hook), "endpoint": ep}
+
+    # The fleet pack, as bench_ingest lays it out, with the same fixed secret.
+    d = os.path.join(tmp_root, "fleet")
+    os.mkdir(d)
+    topo = fleet_topology(os.path.join(d, "switchboard.db"), d, secret=SECRET)
+    if topo["hook"].get("secret") != SECRET:
+        raise RuntimeError(f"webhook create did not take the fixed secret: {topo['hook']}")
+    t["fleet"] = {"dir": d, "hook_path": topo["hook_path"]}
+
+    # claim+complete: n_cycles todos pushed over REST (8 threads), then the server stopped.
+    d = os.path.join(tmp_root, "claim")
+    os.mkdir(d)
+    db = os.path.join(d, "switchboard.db")
+    cli(db, "init")
+    human = cli(db, "human", "add", "bench")
+    ep = cli(db, "endpoint", "vend", "--human", "bench", "--name", "w", "--queues", CLAIM_QUEUE)
+    server = Server(db, "full")
+    try:
+        errors: list[str] = []
+
+        def pusher(indexes: range) -> None:
+            with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {human['token']}"},
+                              timeout=30) as client:
+                for i in indexes:
+                    try:
+                        r = client.post(f"/api/v1/endpoints/{ep['id']}/todos",
+                                        json={"title": f"t{i}", "queue": CLAIM_QUEUE})
+                    except httpx.HTTPError as exc:
+                        errors.append(f"push {i}: {type(exc).__name__}: {exc}")
+                        return
+                    if r.status_code != 201:
+                        errors.append(f"push {i}: {r.status_code} {r.text[:200]}")
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(pusher, [range(k, n_cycles, 8) for k in range(8)]))
+        if errors:
+            exited = server.proc.poll()
+            server.stop()
+            raise RuntimeError(f"pushing the claim template failed: {errors[:5]}; server "
+                               f"{'exited ' + str(exited) if exited is not None else 'still running'}; log tail:\n"
+                               + server.log_path.read_text(errors="replace")[-3000:])
+    finally:
+        server.stop()
+    checkpoint_truncate(db)
+    t["claim"] = {"dir": d, "endpoint": ep}
+
+    # The minimal app's claim template: the same number of small pending rows, written directly.
+    d = os.path.join(tmp_root, "minimal-claim")
+    os.mkdir(d)
+    conn = minimal_app.connect(os.path.join(d, "minimal.db"))
+    with conn:
+        conn.execute("BEGIN")
+        conn.executemany("INSERT INTO deliveries (delivery, body, received_at) VALUES (?, ?, ?)",
+                         [(f"d{i}", json.dumps({"title": f"t{i}"}).encode(), time.time()) for i in range(n_cycles)])
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    t["minimal_claim"] = {"dir": d}
+    return t
+
+
+def build_deliveries(n: int) -> list[tuple[bytes, dict]]:
+    """`issues.labeled` deliveries padded to BODY_BYTES, each with its own issue number and delivery id."""
+    out = []
+    for i in range(n):
+        raw, _ = labeled_delivery(SECRET, 10_000 + i, SIZES[i % len(SIZES)])
+        body = json.loads(raw)
+        text = body["issue"].get("body") or ""
+        body["issue"]["body"] = text
+        pad = BODY_BYTES - len(json.dumps(body).encode())  # the filler is plain ASCII: one byte per character
+        body["issue"]["body"] = text + FILLER[:max(0, pad)]
+        raw = json.dumps(body).encode()
+        if abs(len(raw) - BODY_BYTES) > 8:
+            raise RuntimeError(f"delivery {i} is {len(raw)} bytes, wanted {BODY_BYTES}")
+        out.append((raw, producers.github_headers(SECRET, raw, str(uuid.uuid4()), "issues")))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# the HTTP client: 16 senders, 8 workers
+# ----------------------------------------------------------------------------------------------------
+
+def send_deliveries(base_url: str, path: str, deliveries: list[tuple[bytes, dict]], server_pid: int,
+                    n_senders: int = SENDERS) -> dict:
+    n = len(deliveries)
+    lock = threading.Lock()
+    next_index = [0]
+    ack_ms: list[float] = []
+    answers: list[dict | None] = [None] * n
+    errors: list[str] = []
+    start = threading.Barrier(n_senders + 1)
+    finished_at = [0.0] * n_senders
+    url = base_url + path
+
+    def sender(s: int) -> None:
+        with httpx.Client(timeout=60) as client:
+            client.get(f"{base_url}/healthz")  # open the keep-alive connection before the clock starts
+            start.wait()
+            while True:
+                with lock:
+                    i = next_index[0]
+                    next_index[0] += 1
+                if i >= n:
+                    break
+                raw, headers = deliveries[i]
+                t0 = time.perf_counter()
+                try:
+                    r = client.post(url, content=raw, headers=headers)
+                except httpx.HTTPError as exc:
+                    errors.append(f"delivery {i}: {type(exc).__name__}: {exc}")
+                    continue
+                took = (time.perf_counter() - t0) * 1e3
+                if r.status_code != 202:
+                    errors.append(f"delivery {i}: {r.status_code} {r.text[:300]}")
+                    continue
+                answers[i] = r.json()
+                with lock:
+                    ack_ms.append(took)
+        finished_at[s] = time.perf_counter()
+
+    threads = [threading.Thread(target=sender, args=(s,), name=f"sender-{s}") for s in range(n_senders)]
+    for t in threads:
+        t.start()
+    window = Window(server_pid)
+    start.wait()
+    t_start = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = max(finished_at) - t_start
+    return {"deliveries": n, "wall_s": round(wall, 3), "rate": len(ack_ms) / wall,
+            "p50_ms": percentile(ack_ms, 50), "p99_ms": percentile(ack_ms, 99),
+            "max_ms": max(ack_ms) if ack_ms else float("nan"),
+            "window": window.close(), "answers": answers, "errors": errors}
+
+
+def claim_complete(base_url: str, headers: dict, claim, complete, server_pid: int, n_workers: int = WORKERS) -> dict:
+    """Each worker claims and completes until the queue is empty; a cycle is one claim plus one complete."""
+    start = threading.Barrier(n_workers + 1)
+    completed: list[list] = [[] for _ in range(n_workers)]
+    cycle_ms: list[list[float]] = [[] for _ in range(n_workers)]
+    errors: list[str] = []
+    finished_at = [0.0] * n_workers
+
+    def worker(w: int) -> None:
+        with httpx.Client(base_url=base_url, headers=headers, timeout=30) as client:
+            client.get("/healthz")
+            start.wait()
+            strikes = 0
+            while strikes < 5:
+                c0 = time.perf_counter()
+                try:
+                    got = claim(client)
+                    if got is None:
+                        break
+                    complete(client, got)
+                except Exception as exc:  # noqa: BLE001 - counted, and the run fails its checks
+                    errors.append(f"worker {w}: {exc}")
+                    strikes += 1
+                    continue
+                cycle_ms[w].append((time.perf_counter() - c0) * 1e3)
+                completed[w].append(got[0])
+        finished_at[w] = time.perf_counter()
+
+    threads = [threading.Thread(target=worker, args=(w,), name=f"worker-{w}") for w in range(n_workers)]
+    for t in threads:
+        t.start()
+    window = Window(server_pid)
+    start.wait()
+    t_start = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = max(finished_at) - t_start
+    cycles = [x for per in cycle_ms for x in per]
+    done = [x for per in completed for x in per]
+    return {"wall_s": round(wall, 3), "rate": len(cycles) / wall, "p50_ms": percentile(cycles, 50),
+            "p99_ms": percentile(cycles, 99), "window": window.close(), "completed": done, "errors": errors[:20]}
+
+
+# ----------------------------------------------------------------------------------------------------
+# one repetition of each system
+# ----------------------------------------------------------------------------------------------------
+
+def _strip(out: dict) -> dict:
+    out.pop("answers", None)
+    out.pop("completed", None)
+    for k in ("p50_ms", "p99_ms", "max_ms", "rate"):
+        if isinstance(out.get(k), float):
+            out[k] = round(out[k], 3)
+    return out
+
+
+def rep_switchboard_ingest(template: dict, deliveries: list, fleet: bool) -> dict:
+    tmp = copy_dir(template["dir"], "sb-cmp-ingest-")
+    db = os.path.join(tmp, "switchboard.db")
+    server = None
+    try:
+        server = Server(db, "full", "--ingest-rate", "0")
+        out = send_deliveries(server.url, template["hook_path"], deliveries, server.proc.pid)
+        out["rss_after"] = tree_rss(server.proc.pid)
+        server.stop()
+        problems = server.log_problems()
+        server = None
+        n = len(deliveries)
+        answers = out["answers"]
+        dispositions = collections.Counter("duplicate" if a.get("duplicate") else a.get("disposition")
+                                           for a in answers if a is not None)
+        ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            db_dispositions = dict(ro.execute("SELECT disposition, count(*) FROM events GROUP BY disposition"))
+            db_queues = dict(ro.execute("SELECT queue, count(*) FROM todos GROUP BY queue"))
+            db_states = dict(ro.execute("SELECT state, count(*) FROM todos GROUP BY state"))
+        finally:
+            ro.close()
+        if fleet:
+            wrong_lane = sum(1 for i, a in enumerate(answers) if a is not None and a.get("disposition") == "routed"
+                             and [t["queue"] for t in a["todos"]] != [f"lane-{SIZES[i % len(SIZES)].lower()}"])
+            queues_ok = set(db_queues) == {f"lane-{s.lower()}" for s in SIZES} and sum(db_queues.values()) == n
+        else:
+            wrong_lane = sum(1 for a in answers
+                             if a is not None and [t["queue"] for t in a.get("todos", [])] != [INBOX])
+            queues_ok = db_queues == {INBOX: n}
+        verified = {"http_errors": out["errors"][:10], "server_log_problems": problems[:10],
+                    "dispositions": dict(dispositions), "db_event_dispositions": db_dispositions,
+                    "db_todo_queues": db_queues, "db_todo_states": db_states, "wrong_queue": wrong_lane}
+        verified["ok"] = (not out["errors"] and not problems and dispositions == {"routed": n}
+                          and db_dispositions == {"routed": n} and queues_ok and db_states == {"pending": n}
+                          and wrong_lane == 0)
+        out["verified"] = verified
+        return _strip(out)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def rep_minimal_ingest(deliveries: list, group_commit: bool) -> dict:
+    tmp = tempfile.mkdtemp(prefix="sb-cmp-minimal-")
+    db = os.path.join(tmp, "minimal.db")
+    server = None
+    try:
+        server = MinimalServer(db, group_commit)
+        out = send_deliveries(server.url, MINIMAL_HOOK, deliveries, server.proc.pid)
+        out["rss_after"] = tree_rss(server.proc.pid)
+        server.stop()
+        problems = server.log_problems()
+        server = None
+        n = len(deliveries)
+        duplicates = sum(1 for a in out["answers"] if a is not None and a["duplicate"])
+        ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            rows, distinct, pending = ro.execute("SELECT count(*), count(DISTINCT delivery), "
+                                                 "sum(state = 'pending') FROM deliveries").fetchone()
+        finally:
+            ro.close()
+        out["verified"] = {"http_errors": out["errors"][:10], "server_log_problems": problems[:10],
+                           "duplicates": duplicates, "db_rows": rows, "db_distinct": distinct, "db_pending": pending,
+                           "ok": not out["errors"] and not problems and duplicates == 0 and rows == n
+                           and distinct == n and pending == n}
+        return _strip(out)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def rep_switchboard_claim(template: dict, n: int) -> dict:
+    tmp = copy_dir(template["dir"], "sb-cmp-claim-")
+    db = os.path.join(tmp, "switchboard.db")
+    server = None
+
+    def claim(client: httpx.Client):
+        r = client.post("/api/v1/todos/claim", json={"queue": CLAIM_QUEUE})
+        if r.status_code != 200:
+            raise RuntimeError(f"claim: {r.status_code} {r.text[:200]}")
+        body = r.json()
+        return None if body.get("empty") else (body["todo"]["id"], body["lease_token"])
+
+    def complete(client: httpx.Client, got) -> None:
+        r = client.post(f"/api/v1/todos/{got[0]}/complete", json={"lease_token": got[1]})
+        if r.status_code != 200 or r.json().get("state") != "done":
+            raise RuntimeError(f"complete {got[0]}: {r.status_code} {r.text[:200]}")
+
+    try:
+        server = Server(db, "full")
+        out = claim_complete(server.url, {"Authorization": f"Bearer {template['endpoint']['token']}"},
+                             claim, complete, server.proc.pid)
+        server.stop()
+        problems = server.log_problems()
+        server = None
+        dupes = [k for k, c in collections.Counter(out["completed"]).items() if c > 1]
+        ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            states = dict(ro.execute("SELECT state, count(*) FROM todos GROUP BY state"))
+            completed_attempts = ro.execute("SELECT count(*) FROM attempts WHERE outcome = 'completed'").fetchone()[0]
+            attempts_not_1 = ro.execute("SELECT count(*) FROM (SELECT todo_id FROM attempts GROUP BY todo_id "
+                                        "HAVING count(*) <> 1)").fetchone()[0]
+        finally:
+            ro.close()
+        out["cycles"] = len(out["completed"])
+        out["verified"] = {"http_errors": out["errors"], "server_log_problems": problems[:10], "duplicates": dupes[:10],
+                           "db_states": states, "db_completed_attempts": completed_attempts,
+                           "db_todos_with_attempts_not_1": attempts_not_1,
+                           "ok": not out["errors"] and not problems and not dupes and len(out["completed"]) == n
+                           and states == {"done": n} and completed_attempts == n and attempts_not_1 == 0}
+        return _strip(out)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def rep_minimal_claim(template: dict, n: int, group_commit: bool) -> dict:
+    tmp = copy_dir(template["dir"], "sb-cmp-minimal-claim-")
+    db = os.path.join(tmp, "minimal.db")
+    server = None
+
+    def claim(client: httpx.Client):
+        r = client.post("/claim")
+        if r.status_code != 200:
+            raise RuntimeError(f"claim: {r.status_code} {r.text[:200]}")
+        body = r.json()
+        return None if body.get("empty") else (body["id"], None)
+
+    def complete(client: httpx.Client, got) -> None:
+        r = client.post(f"/complete/{got[0]}")
+        if r.status_code != 200 or r.json().get("state") != "done":
+            raise RuntimeError(f"complete {got[0]}: {r.status_code} {r.text[:200]}")
+
+    try:
+        server = MinimalServer(db, group_commit)
+        out = claim_complete(server.url, {}, claim, complete, server.proc.pid)
+        server.stop()
+        problems = server.log_problems()
+        server = None
+        dupes = [k for k, c in collections.Counter(out["completed"]).items() if c > 1]
+        ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            states = dict(ro.execute("SELECT state, count(*) FROM deliveries GROUP BY state"))
+        finally:
+            ro.close()
+        out["cycles"] = len(out["completed"])
+        out["verified"] = {"http_errors": out["errors"], "server_log_problems": problems[:10], "duplicates": dupes[:10],
+                           "db_states": states,
+                           "ok": not out["errors"] and not problems and not dupes and len(out["completed"]) == n
+                           and states == {"done": n}}
+        return _strip(out)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# in-process: bench_store part B plus huey
+# ----------------------------------------------------------------------------------------------------
+
+def inproc_huey(tmp: str, synchronous: str, n: int) -> dict:
+    """SqliteHuey in this process: tasks enqueued first; a cycle is `dequeue()` (select + delete of the task in one
+    exclusive transaction) and `execute(task)` (runs it and stores its result in the kv table: the second commit),
+    the consumer's own two steps without its threads. huey has no lease: a dequeued task is gone."""
+    from huey import SqliteHuey
+
+    huey = SqliteHuey("bench", filename=os.path.join(tmp, "huey.db"))
+    huey.storage.conn.execute(f"PRAGMA synchronous={synchronous}")  # its one connection (fsync= offers FULL or OFF)
+    pragma = huey.storage.conn.execute("PRAGMA synchronous").fetchone()[0]
+    try:
+        @huey.task()
+        def work(i: int) -> int:
+            return i
+
+        for i in range(n):
+            work(i)
+        seen = set()
+
+        def cycle() -> None:
+            task = huey.dequeue()
+            if task.id in seen:
+                raise AssertionError(f"huey handed out {task.id} twice")
+            seen.add(task.id)
+            huey.execute(task)
+
+        lat = []
+        t0 = time.perf_counter()
+        for _ in range(n):
+            c0 = time.perf_counter()
+            cycle()
+            lat.append((time.perf_counter() - c0) * 1e3)
+        seconds = time.perf_counter() - t0
+        assert huey.dequeue() is None, "huey: tasks left after the loop"
+        results = huey.storage.sql("SELECT count(*) FROM kv WHERE queue = ?", ("bench",), results=True)[0][0]
+        assert results == n, f"huey: {results} results stored of {n}"
+        return {"seconds": seconds, "lat": lat, "pragma": pragma}
+    finally:
+        huey.storage.close()
+
+
+INPROC = {"switchboard": inproc_switchboard, "litequeue": inproc_litequeue, "persist-queue": inproc_persistqueue,
+          "huey": inproc_huey}
+
+
+def inproc_round(r: int, n: int) -> dict[str, dict]:
+    names = list(INPROC)
+    order = names[r % len(names):] + names[:r % len(names)]
+    out = {}
+    for name in order:
+        tmp = tempfile.mkdtemp(prefix=f"sb-cmp-{name}-")
+        try:
+            window = Window(None)
+            got = INPROC[name](tmp, "FULL", n)
+            w = window.close()
+        except Exception:  # noqa: BLE001
+            out[name] = {"error": traceback.format_exc(limit=6)}
+            continue
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if got["pragma"] != SYNC_CODE["FULL"]:
+            out[name] = {"error": f"PRAGMA synchronous is {got['pragma']}, wanted FULL (2)"}
+            continue
+        # The window includes each system's pre-fill; the other processes' CPU over it is what the gate watches.
+        out[name] = {"rate": round(n / got["seconds"], 1), "p50_ms": round(percentile(got["lat"], 50), 3),
+                     "p99_ms": round(percentile(got["lat"], 99), 3), "window": w,
+                     "verified": {"ok": True}}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# footprint: 10,000 deliveries, then idle CPU, RSS, database size
+# ----------------------------------------------------------------------------------------------------
+
+def footprint(system: str, template: dict | None, deliveries: list, idle_s: float, settle_s: float) -> dict:
+    if system == "switchboard":
+        tmp = copy_dir(template["dir"], "sb-cmp-footprint-")
+        db = os.path.join(tmp, "switchboard.db")
+        path = template["hook_path"]
+    else:
+        tmp = tempfile.mkdtemp(prefix="sb-cmp-minimal-footprint-")
+        db = os.path.join(tmp, "minimal.db")
+        path = MINIMAL_HOOK
+    server = None
+    try:
+        before = db_files(db)
+        server = Server(db, "full", "--ingest-rate", "0") if system == "switchboard" else MinimalServer(db)
+        if system != "switchboard":
+            before = db_files(db)  # the minimal app makes its (empty) schema at start
+        pid = server.proc.pid
+        rss_start = tree_rss(pid)
+        sent = send_deliveries(server.url, path, deliveries, pid)
+        time.sleep(settle_s)
+        window = Window(pid)
+        time.sleep(idle_s)
+        idle = window.close()
+        rss = tree_rss(pid)
+        serving = db_files(db)
+        server.stop()
+        problems = server.log_problems()
+        server = None
+        stopped = db_files(db)
+        checkpoint = checkpoint_truncate(db)
+        truncated = db_files(db)
+        n = len(deliveries)
+        received = sum(len(raw) for raw, _ in deliveries)
+        ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            if system == "switchboard":
+                events = ro.execute("SELECT count(*) FROM events").fetchone()[0]
+                pending = ro.execute("SELECT count(*) FROM todos WHERE state = 'pending'").fetchone()[0]
+            else:
+                events = pending = ro.execute("SELECT count(*) FROM deliveries WHERE state = 'pending'").fetchone()[0]
+        finally:
+            ro.close()
+        acked = sum(1 for a in sent["answers"] if a is not None)
+        verified = {"http_errors": sent["errors"][:10], "server_log_problems": problems[:10], "acked": acked,
+                    "db_events": events, "db_pending": pending,
+                    "ok": not sent["errors"] and not problems and acked == n and events == n and pending == n}
+        growth = truncated["db_plus_wal"] - before["db_plus_wal"]
+        return {
+            "deliveries": n, "bytes_received": received,
+            "ingest": {"rate": round(sent["rate"], 1), "p50_ms": round(sent["p50_ms"], 2),
+                       "p99_ms": round(sent["p99_ms"], 2), "window": sent["window"]},
+            "idle": {"seconds": idle["wall_s"], "server_cores": idle["server_cores"], "window": idle},
+            "rss_start": rss_start, "rss": rss,
+            "size": {"before": before, "serving": serving, "stopped": stopped, "checkpoint": checkpoint,
+                     "after_checkpoint": truncated, "growth_bytes": growth,
+                     "serving_ratio": round((serving["db_plus_wal"] - before["db_plus_wal"]) / received, 3),
+                     "growth_ratio": round(growth / received, 3)},
+            "verified": verified,
+        }
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the run
+# ----------------------------------------------------------------------------------------------------
+
+def _attempt(label: str, fn, *args) -> dict:
+    log(label)
+    try:
+        out = fn(*args)
+    except Exception:  # noqa: BLE001 - recorded; the figure reports FAILED and the run exits 1
+        out = {"error": traceback.format_exc(limit=8)}
+        log(f"{label}: FAILED\n{out['error']}")
+        return out
+    if "rate" in out:
+        w = out.get("window", {})
+        log(f"{label}: {out['rate']:.0f}/s, p99 {out.get('p99_ms', float('nan')):.1f} ms, "
+            f"server {w.get('server_cores')} client {w.get('client_cores')} other {w.get('other_cores')} cores"
+            f"{'' if out.get('verified', {}).get('ok') else ', CHECKS FAILED'}")
+    return out
+
+
+def summarize(reps: list[dict]) -> dict:
+    good = [r for r in reps if "error" not in r and r.get("verified", {}).get("ok")]
+    windows = [r["window"] for r in reps if "window" in r]
+    summary = {
+        "ok": len(good) == len(reps) and bool(reps),
+        "reps": len(reps),
+        "median": statistics.median(r["rate"] for r in good) if good else None,
+        "rates": [r.get("rate") for r in reps],
+        "p50_median_ms": statistics.median(r["p50_ms"] for r in good) if good else None,
+        "p99_median_ms": statistics.median(r["p99_ms"] for r in good) if good else None,
+        "max_other_cores": max((w["other_cores"] for w in windows), default=None),
+        "busy": any(w["busy"] for w in windows),
+    }
+    for key in ("client_cores", "server_cores"):
+        vals = [w[key] for w in windows if w.get(key) is not None]
+        summary[f"{key}_median"] = statistics.median(vals) if vals else None
+    rss = [r["rss_after"]["total_mib"] for r in good if "rss_after" in r]
+    if rss:
+        summary["rss_after_max_mib"] = max(rss)
+        summary["rss_after_processes"] = max(len(r["rss_after"]["processes"]) for r in good if "rss_after" in r)
+    return summary
+
+
+def run(quick: bool = False, **overrides) -> dict:
+    sizes = dict(SIZES_QUICK if quick else SIZES_FULL)
+    sizes.update({k: v for k, v in overrides.items() if v is not None})
+    t0 = time.perf_counter()
+    results: dict = {"machine": machine(), "quick": quick, "sizes": sizes, "loadavg_start": os.getloadavg(),
+                     "thresholds": {"gate_cores": GATE_CORES, "busy_cores": BUSY_CORES,
+                                    "gate_max_s": sizes["gate_max_s"]},
+                     "gates": [], "figures": {}}
+    tmp_root = tempfile.mkdtemp(prefix="sb-cmp-")
+    try:
+        log(f"set-up: templates through the CLI, {sizes['cycles']} todos pushed; "
+            f"{sizes['footprint']} deliveries signed")
+        templates = make_templates(tmp_root, sizes["cycles"])
+        deliveries = build_deliveries(max(sizes["footprint"], sizes["deliveries"]))
+        ingest_set = deliveries[:sizes["deliveries"]]
+        results["body_bytes"] = statistics.fmean(len(raw) for raw, _ in deliveries)
+        results["setup_s"] = round(time.perf_counter() - t0, 1)
+
+        # (1) + (2): interleaved rounds.
+        ingest = {k: [] for k in ("switchboard_plain", "minimal_one", "switchboard_fleet", "minimal_group")}
+        for rep in range(sizes["reps"]):
+            results["gates"].append(load_gate(f"ingest rep {rep + 1}", sizes["gate_max_s"]))
+            ingest["switchboard_plain"].append(_attempt(
+                f"ingest rep {rep + 1}: switchboard, no rules", rep_switchboard_ingest, templates["plain"],
+                ingest_set, False))
+            ingest["minimal_one"].append(_attempt(
+                f"ingest rep {rep + 1}: minimal app, one commit per request", rep_minimal_ingest, ingest_set, False))
+            ingest["switchboard_fleet"].append(_attempt(
+                f"ingest rep {rep + 1}: switchboard, fleet pack", rep_switchboard_ingest, templates["fleet"],
+                ingest_set, True))
+            ingest["minimal_group"].append(_attempt(
+                f"ingest rep {rep + 1}: minimal app, group commit", rep_minimal_ingest, ingest_set, True))
+        results["figures"]["ingest"] = {k: {"summary": summarize(v), "reps": v} for k, v in ingest.items()}
+
+        # (3)
+        claim = {k: [] for k in ("switchboard", "minimal_one", "minimal_group")}
+        for rep in range(sizes["reps"]):
+            results["gates"].append(load_gate(f"claim rep {rep + 1}", sizes["gate_max_s"]))
+            claim["switchboard"].append(_attempt(f"claim+complete rep {rep + 1}: switchboard", rep_switchboard_claim,
+                                                 templates["claim"], sizes["cycles"]))
+            claim["minimal_one"].append(_attempt(f"claim+complete rep {rep + 1}: minimal app, one commit",
+                                                 rep_minimal_claim, templates["minimal_claim"], sizes["cycles"], False))
+            claim["minimal_group"].append(_attempt(f"claim+complete rep {rep + 1}: minimal app, group commit",
+                                                   rep_minimal_claim, templates["minimal_claim"], sizes["cycles"],
+                                                   True))
+        results["figures"]["claim"] = {k: {"summary": summarize(v), "reps": v} for k, v in claim.items()}
+
+        # (4)
+        inproc = {k: [] for k in INPROC}
+        for rep in range(sizes["reps"]):
+            results["gates"].append(load_gate(f"in-process rep {rep + 1}", sizes["gate_max_s"]))
+            log(f"in-process rep {rep + 1}: {', '.join(INPROC)} ({sizes['inproc_cycles']} cycles each)")
+            for name, out in inproc_round(rep, sizes["inproc_cycles"]).items():
+                inproc[name].append(out)
+                if "error" in out:
+                    log(f"in-process {name}: FAILED\n{out['error']}")
+        results["figures"]["inproc"] = {k: {"summary": summarize(v), "reps": v} for k, v in inproc.items()}
+        log("in-process cycles/s: " + ", ".join(f"{k} {results['figures']['inproc'][k]['summary']['median']}"
+                                                for k in INPROC))
+
+        # (5) (6) (7)
+        foot = {}
+        for system in ("switchboard", "minimal"):
+            results["gates"].append(load_gate(f"footprint {system}", sizes["gate_max_s"]))
+            template = templates["plain"] if system == "switchboard" else None
+            foot[system] = _attempt(f"footprint {system}: {sizes['footprint']} deliveries, then "
+                                    f"{sizes['idle_s']:.0f} s idle", footprint, system, template,
+                                    deliveries[:sizes["footprint"]], sizes["idle_s"], sizes["settle_s"])
+            if "error" not in foot[system]:
+                f_ = foot[system]
+                log(f"footprint {system}: ingest {f_['ingest']['rate']:.0f}/s, idle {f_['idle']['server_cores']} "
+                    f"cores, RSS {f_['rss']['total_mib']:.1f} MiB, size x{f_['size']['growth_ratio']} of bytes "
+                    f"received{'' if f_['verified']['ok'] else ', CHECKS FAILED'}")
+        results["figures"]["footprint"] = foot
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+    results["loadavg_end"] = os.getloadavg()
+    results["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    if source_fingerprint() != results["machine"]["source"]:
+        results["warning"] = "switchboard.py or schema.sql changed on disk during the run"
+    results["goals"] = goals(results)
+    results["failures"] = failures(results)
+    return results
+
+
+def machine() -> dict:
+    facts = machine_facts()
+    try:
+        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal:"))
+        facts["memory"] = f"{kib / (1 << 20):.1f} GiB"
+    except (OSError, StopIteration, ValueError):
+        facts["memory"] = "?"
+    os_name = platform.system()
+    try:
+        release = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line)
+        os_name = release.get("PRETTY_NAME", os_name).strip('"')
+    except OSError:
+        pass
+    facts["os"] = f"{os_name}, kernel {platform.release()}"
+    return facts
+
+
+# ----------------------------------------------------------------------------------------------------
+# goals and report
+# ----------------------------------------------------------------------------------------------------
+
+def _ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def goals(results: dict) -> list[dict]:
+    """One entry per table row: value, reference, ratio, goal, met (True/False, 'busy', 'failed', None = info)."""
+    fig = results["figures"]
+    rows: list[dict] = []
+
+    def add(key, figure, unit, sb_sum, ref_sum, ref_label, goal, test, value=None, reference=None, ratio="auto",
+            info=False, note="", load_sensitive=True):
+        ok = sb_sum is not None and sb_sum["ok"] and (ref_sum is None or ref_sum["ok"])
+        value = sb_sum["median"] if value is None and sb_sum else value
+        if reference is None and ref_sum is not None:
+            reference = ref_sum["median"]
+        if ratio == "auto":
+            ratio = _ratio(value, reference)
+        # Sizes and RSS do not depend on how busy the machine was; times and rates do.
+        busy = load_sensitive and (bool(sb_sum and sb_sum.get("busy")) or bool(ref_sum and ref_sum.get("busy")))
+        if not ok:
+            met = "failed"
+        elif info:
+            met = None
+        elif busy:
+            met = "busy"
+        else:
+            met = bool(test(value, ratio))
+        other = max([s["max_other_cores"] for s in (sb_sum, ref_sum) if s and s.get("max_other_cores") is not None],
+                    default=None)
+        rows.append({"key": key, "figure": figure, "unit": unit, "value": value, "reference": reference,
+                     "reference_label": ref_label, "ratio": ratio, "goal": goal, "met": met, "busy": busy,
+                     "max_other_cores": other, "note": note})
+
+    ing = fig.get("ingest", {})
+    s = {k: v["summary"] for k, v in ing.items()}
+    if s:
+        add("ingest_plain", "(1) signed deliveries/s, no rules, 16 senders", "/s", s["switchboard_plain"],
+            s["minimal_one"], "minimal app, one commit per request", "≥ 0.8×", lambda v, r: r >= 0.8)
+        add("ingest_p99", "(1) p99 ack, no rules, 16 senders", "ms", s["switchboard_plain"], s["minimal_one"],
+            "minimal app, one commit per request", "< 50 ms", lambda v, r: v < 50,
+            value=s["switchboard_plain"]["p99_median_ms"], reference=s["minimal_one"]["p99_median_ms"])
+        add("ingest_plain_vs_group", "(1) info: vs the minimal app with group commit", "/s", s["switchboard_plain"],
+            s["minimal_group"], "minimal app, group commit", "info", None, info=True)
+        add("ingest_fleet", "(2) signed deliveries/s, fleet pack, 16 senders", "/s", s["switchboard_fleet"],
+            s["minimal_one"], "minimal app, one commit per request", "≥ 0.6×", lambda v, r: r >= 0.6)
+        add("ingest_fleet_p99", "(2) info: p99 ack, fleet pack", "ms", s["switchboard_fleet"], s["minimal_one"],
+            "minimal app, one commit per request", "info", None, info=True,
+            value=s["switchboard_fleet"]["p99_median_ms"], reference=s["minimal_one"]["p99_median_ms"])
+    cl = {k: v["summary"] for k, v in fig.get("claim", {}).items()}
+    if cl:
+        add("claim", "(3) claim+complete cycles/s, 8 workers, REST", "/s", cl["switchboard"], cl["minimal_one"],
+            "minimal app, one commit per request", "≥ 0.8×", lambda v, r: r >= 0.8)
+        add("claim_vs_group", "(3) info: vs the minimal app with group commit", "/s", cl["switchboard"],
+            cl["minimal_group"], "minimal app, group commit", "info", None, info=True)
+    ip = {k: v["summary"] for k, v in fig.get("inproc", {}).items()}
+    if ip:
+        add("inproc", "(4) in-process claim+ack cycles/s, single thread", "/s", ip["switchboard"], ip["litequeue"],
+            "litequeue", "≥ 1.0×", lambda v, r: r >= 1.0)
+        for peer in ("persist-queue", "huey"):
+            add(f"inproc_{peer}", f"(4) info: vs {peer}", "/s", ip["switchboard"], ip[peer], peer, "info", None,
+                info=True)
+    foot = fig.get("footprint", {})
+    if foot:
+        sbf, mf = foot.get("switchboard", {}), foot.get("minimal", {})
+
+        def fsum(f: dict, value) -> dict:
+            ok = "error" not in f and f.get("verified", {}).get("ok", False)
+            w = f.get("idle", {}).get("window", {}) if ok else {}
+            return {"ok": ok, "median": value if ok else None, "busy": bool(w.get("busy")),
+                    "max_other_cores": w.get("other_cores")}
+
+        def get(f, *path):
+            try:
+                for p in path:
+                    f = f[p]
+                return f
+            except (KeyError, TypeError):
+                return None
+
+        n = results["sizes"]["footprint"]
+        add("idle", f"(5) idle CPU, {n:,} pending todos after {n:,} deliveries", "cores",
+            fsum(sbf, get(sbf, "idle", "server_cores")), fsum(mf, get(mf, "idle", "server_cores")),
+            "minimal app idle", "< 0.5% of a core", lambda v, r: v < 0.005)
+        add("db_size", f"(6) database growth after {n:,} deliveries (checkpointed), × bytes of bodies received", "x",
+            fsum(sbf, get(sbf, "size", "growth_ratio")), fsum(mf, get(mf, "size", "growth_ratio")),
+            "minimal app", "≤ 1.3×", lambda v, r: v <= 1.3, load_sensitive=False)
+        add("db_size_serving", "(6) info: db + -wal while serving, × bytes received", "x",
+            fsum(sbf, get(sbf, "size", "serving_ratio")), fsum(mf, get(mf, "size", "serving_ratio")),
+            "minimal app", "info", None, info=True, load_sensitive=False)
+        add("rss", f"(7) RSS, server + children, after {n:,} deliveries", "MiB",
+            fsum(sbf, get(sbf, "rss", "total_mib")), fsum(mf, get(mf, "rss", "total_mib")),
+            "minimal app", "< 80 MiB", lambda v, r: v < 80, load_sensitive=False)
+    if s and s["switchboard_fleet"].get("rss_after_max_mib") is not None:
+        fl, mo = s["switchboard_fleet"], s["minimal_one"]
+        children = fl["rss_after_processes"] - 1
+        add("rss_fleet", f"(7) info: RSS after a fleet-pack run ({results['sizes']['deliveries']:,} deliveries), "
+            f"server + {children} evaluator child{'' if children == 1 else 'ren'}", "MiB", fl, mo, "minimal app",
+            "info", None,
+            value=fl["rss_after_max_mib"], reference=mo.get("rss_after_max_mib"), info=True, load_sensitive=False)
+    return rows
+
+
+def failures(results: dict) -> list[str]:
+    bad = []
+    for name, fig in results["figures"].items():
+        if name == "footprint":
+            for system, out in fig.items():
+                if "error" in out:
+                    bad.append(f"footprint {system}: {out['error'].strip().splitlines()[-1]}")
+                elif not out["verified"]["ok"]:
+                    bad.append(f"footprint {system}: checks failed: {json.dumps(out['verified'])[:500]}")
+            continue
+        for system, data in fig.items():
+            for i, rep in enumerate(data["reps"]):
+                if "error" in rep:
+                    bad.append(f"{name} {system} rep {i + 1}: {rep['error'].strip().splitlines()[-1]}")
+                elif not rep.get("verified", {}).get("ok"):
+                    bad.append(f"{name} {system} rep {i + 1}: checks failed: {json.dumps(rep['verified'])[:500]}")
+    return bad
+
+
+def _num(x, unit: str) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "?"
+    if unit == "/s":
+        return f"{x:,.0f}/s"
+    if unit == "ms":
+        return f"{x:.1f} ms"
+    if unit == "cores":
+        return f"{x * 100:.2f}% of a core"
+    if unit == "x":
+        return f"{x:.2f}× bytes"
+    if unit == "MiB":
+        return f"{x:.1f} MiB"
+    return f"{x}"
+
+
+def _met(row: dict) -> str:
+    if row["met"] is None:
+        return "info"
+    if row["met"] == "failed":
+        return "FAILED (checks; see results-compare.json)"
+    if row["met"] == "busy":
+        return f"busy (other processes {row['max_other_cores']:.2f} cores): not a result"
+    return "**yes**" if row["met"] else "**no**"
+
+
+def table(results: dict) -> list[str]:
+    lines = ["| figure | Switchboard | reference point | ratio | goal | met |", "|---|---:|---|---:|---|---|"]
+    for row in results["goals"]:
+        value = "—" if row["met"] == "failed" else _num(row["value"], row["unit"])
+        if row["busy"] and row["met"] != "failed":
+            value += " (busy)"
+        ref = f"{_num(row['reference'], row['unit'])} ({row['reference_label']})"
+        ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}×"
+        lines.append(f"| {row['figure']} | {value} | {ref} | {ratio} | {row['goal']} | {_met(row)} |")
+    return lines
+
+
+def _cores(x) -> str:
+    return "?" if x is None else f"{x:.2f}"
+
+
+def _conditions(data: dict) -> str:
+    """The load average and other processes' CPU over a figure's measured windows."""
+    windows = [rep["window"] for d in data.values() for rep in d["reps"] if "window" in rep]
+    if not windows:
+        return ""
+    loads = [w["loadavg1"] for w in windows]
+    return (f" Load average (1 min) {min(loads):.2f}–{max(loads):.2f}; other processes at most "
+            f"{max(w['other_cores'] for w in windows):.2f} cores.")
+
+
+def client_bound(summary: dict) -> bool:
+    """The one-process client, not the server, set the pace: it used more CPU than the server and at least 0.9
+    cores (a Python process's threads get about one core between them)."""
+    c, s = summary.get("client_cores_median"), summary.get("server_cores_median")
+    return c is not None and s is not None and c > s and c >= 0.9
+
+
+def details(results: dict) -> list[str]:
+    fig, sz = results["figures"], results["sizes"]
+    out = []
+    ing = fig.get("ingest")
+    if ing:
+        parts = []
+        for key, label in (("switchboard_plain", "Switchboard no rules"), ("switchboard_fleet", "Switchboard fleet"),
+                           ("minimal_one", "minimal one-commit"), ("minimal_group", "minimal group commit")):
+            s = ing[key]["summary"]
+            parts.append(f"{label} {', '.join('?' if r is None else f'{r:,.0f}' for r in s['rates'])}/s "
+                         f"(p50 {_num(s['p50_median_ms'], 'ms')}; CPU cores server {_cores(s['server_cores_median'])},"
+                         f" client {_cores(s['client_cores_median'])})")
+        bound = [label for key, label in (("minimal_one", "one-commit"), ("minimal_group", "group-commit"))
+                 if client_bound(ing[key]["summary"])]
+        out.append(f"- Ingest, {sz['deliveries']:,} deliveries of {results['body_bytes'] / 1000:.1f} KB per "
+                   "repetition: "
+                   + "; ".join(parts) + "." + _conditions(ing)
+                   + (f" The client, not the minimal app ({' and '.join(bound)}), set that pace: the ceiling is "
+                      "higher than measured, so the ratios flatter Switchboard." if bound else ""))
+    cl = fig.get("claim")
+    if cl:
+        parts = []
+        for key, label in (("switchboard", "Switchboard"), ("minimal_one", "minimal one-commit"),
+                           ("minimal_group", "minimal group commit")):
+            s = cl[key]["summary"]
+            parts.append(f"{label} {', '.join('?' if r is None else f'{r:,.0f}' for r in s['rates'])}/s "
+                         f"(cycle p50/p99 {_num(s['p50_median_ms'], 'ms')}/{_num(s['p99_median_ms'], 'ms')}; CPU "
+                         f"cores server {_cores(s['server_cores_median'])}, client {_cores(s['client_cores_median'])})")
+        bound = [label for key, label in (("minimal_one", "one-commit"), ("minimal_group", "group-commit"))
+                 if client_bound(cl[key]["summary"])]
+        out.append(f"- claim+complete, {sz['cycles']:,} todos per repetition, each done exactly once: "
+                   + "; ".join(parts) + "." + _conditions(cl)
+                   + (f" The client, not the minimal app ({' and '.join(bound)}), set that pace: the ceiling is "
+                      "higher than measured, so the ratios flatter Switchboard." if bound else ""))
+    ip = fig.get("inproc")
+    if ip:
+        out.append(f"- In-process, {sz['inproc_cycles']:,} cycles per repetition, two commits per cycle, FULL: "
+                   + "; ".join(f"{k} {', '.join('?' if r is None else f'{r:,.0f}' for r in v['summary']['rates'])}"
+                               f"/s (p50 {_num(v['summary']['p50_median_ms'], 'ms')})" for k, v in ip.items()) + "."
+                   + _conditions(ip))
+    foot = fig.get("footprint")
+    if foot:
+        for system, f in foot.items():
+            if "error" in f:
+                out.append(f"- Footprint, {system}: FAILED.")
+                continue
+            size = f["size"]
+            procs = ", ".join(f"{p['name']} {p['rss_kib'] / 1024:.1f}" for p in f["rss"]["processes"])
+            procs = f"{len(f['rss']['processes'])} process{'es' if len(f['rss']['processes']) > 1 else ''}: {procs}"
+            out.append(
+                f"- Footprint, {system}: {f['deliveries']:,} deliveries ({f['bytes_received'] / 1e6:.1f} MB of bodies) "
+                f"at {f['ingest']['rate']:,.0f}/s (p99 {f['ingest']['p99_ms']:.1f} ms); idle "
+                f"{f['idle']['server_cores'] * 100:.2f}% of a core over {f['idle']['seconds']:.0f} s; RSS "
+                f"{f['rss']['total_mib']:.1f} MiB ({procs}; {f['rss_start']['total_mib']:.1f} MiB before the "
+                f"deliveries); size: db+wal {size['serving']['db_plus_wal'] / 1e6:.1f} MB serving, "
+                f"{size['stopped']['db_plus_wal'] / 1e6:.1f} MB stopped, "
+                f"{size['after_checkpoint']['db_plus_wal'] / 1e6:.1f} MB after the checkpoint "
+                f"({size['before']['db_plus_wal'] / 1e3:.0f} KB before). Load average (1 min) "
+                f"{f['idle']['window']['loadavg1']:.2f}; other processes {f['ingest']['window']['other_cores']:.2f} "
+                f"cores while sending, {f['idle']['window']['other_cores']:.2f} idle.")
+    return out
+
+
+HOW = (
+    "**How measured.** `python tests/bench/bench_compare.py` on the machine above; client and servers share its "
+    "cores over loopback, and the client is one Python process (16 sender threads or 8 worker threads with one "
+    "keep-alive httpx client each), so its CPU, reported above, is part of every HTTP figure. Servers are child "
+    "processes on fresh copies of a database set up through the CLI (`--json`), stopped by their pid; all at "
+    "synchronous=FULL. The reference, tests/bench/minimal_app.py, is Starlette + uvicorn (uvloop, httptools) "
+    "verifying the HMAC, parsing the JSON and inserting one row per delivery from one writer thread on one WAL "
+    "connection; one commit per request unless noted as group commit. Both systems get byte-identical signed "
+    "`issues.labeled` deliveries (one fixed secret). Throughput: median of the repetitions, systems interleaved; "
+    "ratio = Switchboard's median / the reference's. In-process: bench_store part B's loops plus huey (dequeue, "
+    "then execute storing the result), each on a fresh file, order rotated. Idle: server + children CPU from "
+    "/proc over the idle window after the deliveries (and a settle pause). Database growth: db + -wal after "
+    "`PRAGMA wal_checkpoint(TRUNCATE)` from a separate connection once the server stopped, minus the size "
+    "before the deliveries, over the bytes of bodies received. RSS: VmRSS summed over the server and all its "
+    "descendants. Other processes' CPU is the machine's user + system time from /proc/stat less this run's "
+    "process tree and the kernel threads (which flush its fsyncs); interrupts are left out. Load gate: each round "
+    f"waits for other processes to use < {GATE_CORES} cores over 1 s (up to {GATE_MAX_S:.0f} s, 10 s with "
+    f"--quick); a figure with a measured window where other processes used > {BUSY_CORES} cores is marked busy, "
+    "not reported as met or missed (sizes and RSS, which do not depend on load, never are).")
+
+
+def markdown(results: dict, header: bool = True) -> str:
+    """The table, details and method. `header=False` leaves out the date and machine lines (run_all.py writes its
+    own) but keeps this run's load figures."""
+    m = results["machine"]
+    src = m["source"]
+    gates = results.get("gates", [])
+    windows = [w for w in _all_windows(results)]
+    conditions = (
+        f"Load average (1/5/15 min) {_load(results['loadavg_start'])} at the start of `bench_compare.py`, "
+        f"{_load(results['loadavg_end'])} at its end (its own servers and client count in it). Other processes "
+        f"used at most {max((w['other_cores'] for w in windows), default=0):.2f} cores during a measured window (mean "
+        f"{statistics.fmean([w['other_cores'] for w in windows]) if windows else 0:.2f}); the load gate waited "
+        f"{sum(g['waited_s'] for g in gates):.0f} s in all"
+        f"{'' if all(g['quiet'] for g in gates) else ' and gave up waiting at least once'}; "
+        f"`bench_compare.py` took {results['elapsed_s']:.0f} s.")
+    if not header:
+        lines = [conditions, "", *table(results), "", *details(results), "", HOW]
+        if results.get("failures"):
+            lines += ["", "Failures in bench_compare: " + "; ".join(x.replace("|", "/") for x in results["failures"])]
+        return "\n".join(lines)
+    lines = [
+        f"Measured {m['date'].replace('+00:00', '').replace('T', ' ')} UTC"
+        f"{' (QUICK RUN: small sizes, one repetition, not representative)' if results['quick'] else ''}, "
+        f"switchboard {m['switchboard']} at `{src['git_head']}`{' + uncommitted changes' if src['dirty'] else ''} "
+        f"(source hash {src['sha256_switchboard_and_schema']}).",
+        "",
+        f"Machine: {m['nproc']} CPUs ({m['cpu_model'] or 'model unknown'}), {m.get('memory', '?')} memory, "
+        f"Python {m['python']}, SQLite {m['sqlite']}, {m.get('os', m['platform'])}. {conditions}",
+        "",
+        *table(results),
+        "",
+        *details(results),
+        "",
+        HOW,
+    ]
+    if results.get("warning"):
+        lines += ["", f"Warning: {results['warning']}."]
+    if results.get("failures"):
+        lines += ["", "Failures in this run: " + "; ".join(x.replace("|", "/") for x in results["failures"])]
+    return "\n".join(lines)
+
+
+def _load(triple) -> str:
+    return "/".join(f"{x:.2f}" for x in triple)
+
+
+def _all_windows(results: dict):
+    for name, fig in results["figures"].items():
+        if name == "footprint":
+            for f in fig.values():
+                if "error" not in f:
+                    yield f["ingest"]["window"]
+                    yield f["idle"]["window"]
+            continue
+        for data in fig.values():
+            for rep in data["reps"]:
+                if "window" in rep:
+                    yield rep["window"]
+
+
+def print_goals(results: dict) -> None:
+    for row in results["goals"]:
+        if row["met"] is None:
+            continue
+        verdict = {True: "PASS", False: "FAIL", "busy": "BUSY", "failed": "FAILED"}[row["met"]]
+        ratio = "" if row["ratio"] is None else f" ({row['ratio']:.2f}x {row['reference_label']})"
+        print(f"{verdict:6} {row['figure']}: {_num(row['value'], row['unit'])}{ratio}; goal {row['goal']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes and one repetition (about a minute)")
+    parser.add_argument("--reps", type=int)
+    parser.add_argument("--deliveries", type=int, help="deliveries per ingest repetition")
+    parser.add_argument("--cycles", type=int, help="claim+complete todos per repetition")
+    parser.add_argument("--inproc-cycles", type=int)
+    parser.add_argument("--footprint", type=int, help="deliveries before the idle/RSS/size measurements")
+    parser.add_argument("--idle-seconds", type=float, dest="idle_s")
+    parser.add_argument("--out", default=str(RESULTS_PATH))
+    args = parser.parse_args(argv)
+    results = run(args.quick, reps=args.reps, deliveries=args.deliveries, cycles=args.cycles,
+                  inproc_cycles=args.inproc_cycles, footprint=args.footprint, idle_s=args.idle_s)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(markdown(results))
+    print()
+    print_goals(results)
+    print(f"\n(wrote {args.out}; {results['elapsed_s']:.0f} s)", file=sys.stderr)
+    for problem in results["failures"]:
+        print(f"FAILURE: {problem}", file=sys.stderr)
+    if results.get("warning"):
+        print(f"WARNING: {results['warning']}", file=sys.stderr)
+    return 1 if results["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
