@@ -4,6 +4,7 @@ nothing, and the scripts-off flows: every form is a POST answered 303, through t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import sqlite3
@@ -408,7 +409,7 @@ def test_serve_takes_trust_proxy_from_its_flag_or_the_environment(monkeypatch, d
         raise SystemExit(0)
 
     monkeypatch.setattr(sb, "create_app", fake_app)
-    monkeypatch.setattr(sb, "configure_logging", lambda log_format: None)
+    monkeypatch.setattr(sb, "configure_logging", lambda log_format: contextlib.nullcontext())
 
     def trust_proxy(*flags: str) -> bool:
         seen.clear()
