@@ -384,6 +384,9 @@ class Database:
         self.counts: collections.Counter = collections.Counter()
         self.counts_lock = threading.Lock()
         writer = connect(path, synchronous)
+        # No checkpoint inside a commit: copying the WAL back stalled every delivery queued behind it. The server's
+        # background loop checkpoints from a connection of its own (PASSIVE: the writer never waits on it).
+        writer.execute("PRAGMA wal_autocheckpoint=0")
         if migrate:
             apply_schema(writer)
         self._writer = writer
@@ -4708,8 +4711,9 @@ class Flows:
     async def background(self) -> None:
         """Every second, look; run a tick (leases, deferrals, rings) only when another connection committed
         (PRAGMA data_version moved: a request, the CLI), when what the last tick saw falls due, or at least every
-        SCHEDULER_IDLE_SECONDS. Idle, that costs one pragma a second, not a scan. Every minute a WAL checkpoint;
-        hourly and at start, retention. One bad round is logged and the loop goes on."""
+        SCHEDULER_IDLE_SECONDS. Idle, that costs one pragma a second, not a scan. After a change, a PASSIVE
+        checkpoint from this loop's own connection, beside the writer; every minute a TRUNCATE one on the writer,
+        which empties the WAL; hourly and at start, retention. One bad round is logged and the loop goes on."""
         last_checkpoint = last_prune = last_tick = -math.inf
         seen, due_ms = None, None
         probe = connect(self.db.path, self.db.synchronous)
@@ -4725,6 +4729,8 @@ class Flows:
                         last_checkpoint = now
                         await anyio.to_thread.run_sync(self.db.checkpoint)
                     version = probe.execute("PRAGMA data_version").fetchone()[0]
+                    if version != seen:
+                        await anyio.to_thread.run_sync(probe.execute, "PRAGMA wal_checkpoint(PASSIVE)")
                     if (version != seen or now - last_tick >= SCHEDULER_IDLE_SECONDS
                             or (due_ms is not None and self.db.clock.now_ms() >= due_ms)):
                         seen, last_tick = version, now
