@@ -131,6 +131,8 @@ SCHEDULER_TICK_SECONDS = 1.0
 # With nothing committed and nothing due, the scheduler still runs a full tick this often.
 SCHEDULER_IDLE_SECONDS = 10.0
 CHECKPOINT_EVERY_SECONDS = 60.0
+CHECKPOINTS_PER_SECOND = 10
+WRITER_CHECKPOINT_BYTES = 16 << 20
 PRUNE_EVERY_SECONDS = 3600.0
 WRITER_BATCH = 64
 WAL_LIMIT_BYTES = 64 << 20
@@ -384,9 +386,12 @@ class Database:
         self.counts: collections.Counter = collections.Counter()
         self.counts_lock = threading.Lock()
         writer = connect(path, synchronous)
-        # No checkpoint inside a commit: copying the WAL back stalled every delivery queued behind it. The server's
-        # background loop checkpoints from a connection of its own (PASSIVE: the writer never waits on it).
-        writer.execute("PRAGMA wal_autocheckpoint=0")
+        # The checkpointer thread copies the WAL back beside the writer, so the checkpoint a commit runs once the
+        # WAL passes WRITER_CHECKPOINT_BYTES finds most of it copied already (SQLite's default, every 4 MiB and all
+        # of it inside the commit, stalled every delivery queued behind that commit). Under steady writes the
+        # checkpointer seldom catches up at the moment a transaction starts, so this one starts the WAL over.
+        page_size = writer.execute("PRAGMA page_size").fetchone()[0]
+        writer.execute(f"PRAGMA wal_autocheckpoint={WRITER_CHECKPOINT_BYTES // page_size}")
         if migrate:
             apply_schema(writer)
         self._writer = writer
@@ -399,6 +404,11 @@ class Database:
         self._readers_lock = threading.Lock()
         self._thread = threading.Thread(target=self._write_loop, name="switchboard-writer", daemon=True)
         self._thread.start()
+        self._committed = threading.Event()
+        self._closing = threading.Event()
+        self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="switchboard-checkpointer",
+                                              daemon=True)
+        self._checkpointer.start()
 
     # -- writing ---------------------------------------------------------------------------------
     def write_sync(self, fn: Callable, *args) -> Any:
@@ -467,6 +477,34 @@ class Database:
                 batch.append(job)
         return batch
 
+    def _checkpoint_loop(self) -> None:
+        """After commits, PASSIVE checkpoints from a connection of its own: they copy the WAL back while the writer
+        goes on (never waiting on it or making it wait), and once one has caught up, the writer's next transaction
+        starts the WAL over. A failed round is logged (the writer's own checkpoint is the backstop); if the loop
+        itself breaks, `failure` says why and `on_fatal` is told, as for the writer."""
+        try:
+            conn = connect(self.path, self.synchronous)
+            try:
+                while True:
+                    self._committed.wait()
+                    if self._closing.is_set():
+                        break
+                    self._committed.clear()
+                    try:
+                        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                    except sqlite3.Error as exc:
+                        log.warning("checkpoint failed: %s", exc)
+                    # At most CHECKPOINTS_PER_SECOND: each one syncs the database file, which commits that come
+                    # one at a time would otherwise pay for twice.
+                    self._closing.wait(1 / CHECKPOINTS_PER_SECOND)
+            finally:
+                conn.close()
+        except BaseException as exc:  # noqa: BLE001 - a dead checkpointer must be reported, never silent
+            self.failure = f"the checkpointer stopped: {type(exc).__name__}: {exc}"
+            log.critical(self.failure)
+            if self.on_fatal:
+                self.on_fatal(self.failure)
+
     def _run_checkpoint(self, future: concurrent.futures.Future) -> None:
         try:
             future.set_result(self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone())
@@ -497,6 +535,7 @@ class Database:
                     conn.execute("RELEASE job")
                     outcomes.append((True, result, txn))
             conn.execute("COMMIT")
+            self._committed.set()
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
@@ -540,11 +579,14 @@ class Database:
         return await anyio.to_thread.run_sync(self.read_sync, fn, *args)
 
     def alive(self) -> bool:
-        return self.failure is None and self._thread.is_alive()
+        return self.failure is None and self._thread.is_alive() and self._checkpointer.is_alive()
 
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join()
+        self._closing.set()
+        self._committed.set()
+        self._checkpointer.join()
         with self._readers_lock:
             for conn in self._readers:
                 with contextlib.suppress(sqlite3.Error):
@@ -4711,9 +4753,9 @@ class Flows:
     async def background(self) -> None:
         """Every second, look; run a tick (leases, deferrals, rings) only when another connection committed
         (PRAGMA data_version moved: a request, the CLI), when what the last tick saw falls due, or at least every
-        SCHEDULER_IDLE_SECONDS. Idle, that costs one pragma a second, not a scan. After a change, a PASSIVE
-        checkpoint from this loop's own connection, beside the writer; every minute a TRUNCATE one on the writer,
-        which empties the WAL; hourly and at start, retention. One bad round is logged and the loop goes on."""
+        SCHEDULER_IDLE_SECONDS. Idle, that costs one pragma a second, not a scan. Every minute a TRUNCATE
+        checkpoint on the writer, which empties the WAL; hourly and at start, retention. One bad round is logged
+        and the loop goes on."""
         last_checkpoint = last_prune = last_tick = -math.inf
         seen, due_ms = None, None
         probe = connect(self.db.path, self.db.synchronous)
@@ -4729,8 +4771,6 @@ class Flows:
                         last_checkpoint = now
                         await anyio.to_thread.run_sync(self.db.checkpoint)
                     version = probe.execute("PRAGMA data_version").fetchone()[0]
-                    if version != seen:
-                        await anyio.to_thread.run_sync(probe.execute, "PRAGMA wal_checkpoint(PASSIVE)")
                     if (version != seen or now - last_tick >= SCHEDULER_IDLE_SECONDS
                             or (due_ms is not None and self.db.clock.now_ms() >= due_ms)):
                         seen, last_tick = version, now
