@@ -98,8 +98,6 @@ CREATE TABLE IF NOT EXISTS events (
     delivery_key  TEXT,
     body_hash     TEXT,
     headers       TEXT NOT NULL DEFAULT '{}' CHECK (json_valid(headers)),
-    -- The body as received, the only copy: a delivery's payload (in its envelope and its todos) is read from it.
-    body          BLOB,
     -- The envelope without `.payload` and `.headers` (read from body and headers when the envelope is shown).
     envelope      TEXT CHECK (envelope IS NULL OR json_valid(envelope)),
     -- ping: a producer's hello (GitHub's `ping`), recorded and answered, never work.
@@ -112,6 +110,14 @@ CREATE UNIQUE INDEX IF NOT EXISTS events_delivery ON events(webhook_id, delivery
 CREATE INDEX IF NOT EXISTS events_body ON events(webhook_id, body_hash) WHERE webhook_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS events_received ON events(received_at);
 CREATE INDEX IF NOT EXISTS events_by_webhook ON events(webhook_id, received_at) WHERE webhook_id IS NOT NULL;
+
+-- A delivery's body as received, the only copy: its payload (in its envelope and its todos) is read from it. It
+-- lives apart from the event's row so that reading events never reads bodies: a row longer than a page keeps its
+-- later columns in overflow pages, and packing a 2 KB event beside a 12 KB body wasted most of a page per row.
+CREATE TABLE IF NOT EXISTS event_bodies (
+    event_id  TEXT PRIMARY KEY REFERENCES events(id) ON DELETE CASCADE,
+    body      BLOB NOT NULL
+);
 
 -- Once-only routing claims. event_id is deliberately not a foreign key: retention may prune the event,
 -- and the claim must outlive it. Never pruned.
@@ -173,9 +179,9 @@ CREATE TABLE IF NOT EXISTS todos (
 );
 -- Todos as they are shown: each with the body and content type of its event, from which its payload is read.
 CREATE VIEW IF NOT EXISTS todo_rows AS
-    SELECT t.*, t.rowid AS todo_rowid, e.body AS event_body,
+    SELECT t.*, t.rowid AS todo_rowid, b.body AS event_body,
            json_extract(e.envelope, '$.content_type') AS event_content_type
-    FROM todos t LEFT JOIN events e ON e.id = t.event_id;
+    FROM todos t LEFT JOIN events e ON e.id = t.event_id LEFT JOIN event_bodies b ON b.event_id = t.event_id;
 CREATE INDEX IF NOT EXISTS todos_claimable ON todos(endpoint_id, queue, priority DESC, created_at)
     WHERE state = 'pending';
 CREATE INDEX IF NOT EXISTS todos_lapsed ON todos(lease_expires_at) WHERE state = 'claimed';

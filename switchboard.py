@@ -92,12 +92,13 @@ class Migration:
     """Upgrades a database from user_version v to v + 1. SQLite cannot change a CHECK in place, so a table whose
     constraints changed is rebuilt from its definition in schema.sql, copying the columns both versions have;
     `fill` gives SQL expressions (over the old row) for new columns that need a value. Then schema.sql runs
-    again (every statement is idempotent), which adds new tables and indexes. `sql` runs between the two, for
-    changes to the data itself."""
+    again (every statement is idempotent), which adds new tables and indexes. `before` runs first, on the old
+    tables, and `after` last, for changes to the data itself."""
     summary: str
     rebuild: tuple[str, ...] = ()
     fill: dict[str, dict[str, str]] = field(default_factory=dict)
-    sql: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
 
 
 # Explicit, ordered migrations: MIGRATIONS[v] upgrades a database from user_version v to v + 1.
@@ -110,12 +111,21 @@ MIGRATIONS: dict[int, Migration] = {
         fill={"webhooks": {"trusted_actors": "CASE WHEN provider IN ('github', 'gitea', 'cairn')"
                                              " THEN '{\"allow_all\": true}' END"}}),
     2: Migration(
-        "release 3: each delivery's body is stored once: envelopes lose their copies of the payload and headers and"
-        " todos theirs of the payload (read from the event's body and headers; a todo whose event was already"
-        " pruned keeps its payload)",
-        sql=("UPDATE events SET envelope = json_remove(envelope, '$.payload', '$.headers') WHERE envelope IS NOT NULL",
-             "UPDATE todos SET payload = NULL WHERE payload IS NOT NULL"
-             " AND event_id IN (SELECT id FROM events WHERE body IS NOT NULL)")),
+        "release 3: each delivery's body is stored once, in event_bodies: envelopes lose their copies of the"
+        " payload and headers and todos theirs of the payload (read from the body and the event's headers; a todo"
+        " whose event was already pruned keeps its payload)",
+        rebuild=("events",),
+        before=("UPDATE events SET envelope = json_remove(envelope, '$.payload', '$.headers') WHERE envelope IS NOT NULL",),
+        after=("UPDATE todos SET payload = NULL WHERE payload IS NOT NULL"
+               " AND event_id IN (SELECT event_id FROM event_bodies)",)),
+}
+
+# Columns that moved to a table of their own: (table, column) -> (new table, the copy). Whichever migration first
+# rebuilds the table without the column (release 1's files meet it in their first step) makes the new table from
+# schema.sql and copies the column into it before the old table goes.
+MOVED_COLUMNS: dict[tuple[str, str], tuple[str, str]] = {
+    ("events", "body"): ("event_bodies",
+                         "INSERT INTO event_bodies (event_id, body) SELECT id, body FROM events WHERE body IS NOT NULL"),
 }
 
 DEFAULT_LEASE_SECONDS = 300
@@ -311,19 +321,25 @@ def _migrate(conn: sqlite3.Connection, migration: Migration, statements: list[st
     # Views come back with schema.sql at the end of the step; a table rebuilt under one could not be renamed.
     for (view,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'view'").fetchall():
         conn.execute(f"DROP VIEW {view}")
+    for statement in migration.before:
+        conn.execute(statement)
     for table in migration.rebuild:
         old_columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
         conn.execute(tables[table].replace(f"CREATE TABLE IF NOT EXISTS {table} ", f"CREATE TABLE {table}__new ", 1))
         new_columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table}__new)")]
+        for column in (c for c in old_columns if c not in new_columns and (table, c) in MOVED_COLUMNS):
+            target, copy = MOVED_COLUMNS[(table, column)]
+            conn.execute(tables[target])
+            conn.execute(copy)
         fill = migration.fill.get(table, {})
         columns = [c for c in new_columns if c in old_columns or c in fill]
         values = [fill.get(c, c) for c in columns]
         conn.execute(f"INSERT INTO {table}__new ({', '.join(columns)}) SELECT {', '.join(values)} FROM {table}")
         conn.execute(f"DROP TABLE {table}")
         conn.execute(f"ALTER TABLE {table}__new RENAME TO {table}")
-    for statement in migration.sql:
-        conn.execute(statement)
     for statement in statements:
+        conn.execute(statement)
+    for statement in migration.after:
         conn.execute(statement)
 
 
@@ -2389,10 +2405,12 @@ def record_event(txn: Txn, event_id: str, *, human_id: str, source: str, kind: s
                  envelope: str | None = None, outcome: str | None = None) -> None:
     """The one place an event (a delivery, or an operator-authored todo's provenance) is written."""
     txn.execute("INSERT INTO events (id, webhook_id, human_id, source, kind, trust_mode, verified, delivery_key,"
-                " body_hash, headers, body, envelope, disposition, trace, outcome, received_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " body_hash, headers, envelope, disposition, trace, outcome, received_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (event_id, webhook_id, human_id, source, kind, trust_mode, int(verified), delivery_key, body_hash,
-                 headers, body, envelope, disposition, trace, outcome, txn.now))
+                 headers, envelope, disposition, trace, outcome, txn.now))
+    if body is not None:
+        txn.execute("INSERT INTO event_bodies (event_id, body) VALUES (?, ?)", (event_id, body))
 
 
 def claim_once(txn: Txn, webhook_id: str, key: str, event_id: str, queue: str) -> None:
@@ -3128,7 +3146,12 @@ def webhook_targets(txn: Txn, webhook: sqlite3.Row) -> list[sqlite3.Row]:
 
 # -- events -----------------------------------------------------------------------------------------
 
+# An event with its body, for the reads that show or evaluate its envelope.
+EVENT_WITH_BODY = "SELECT e.*, b.body FROM events e LEFT JOIN event_bodies b ON b.event_id = e.id"
+
+
 def event_view(row: sqlite3.Row, full: bool = False) -> dict:
+    """An event as the API shows it; `full` (from a row of EVENT_WITH_BODY) adds its envelope and headers."""
     view = {"id": row["id"], "webhook_id": row["webhook_id"], "source": row["source"], "kind": row["kind"],
             "trust_mode": row["trust_mode"], "verified": bool(row["verified"]), "delivery_key": row["delivery_key"],
             "disposition": row["disposition"], "received_at": iso(row["received_at"]),
@@ -3160,7 +3183,7 @@ def list_events(txn: Txn, principal: Principal, webhook_id: str, query: EventLis
 def get_event(txn: Txn, principal: Principal, event_id: str) -> dict:
     if principal.kind == "endpoint":
         principal.require_verb("get_webhook_event")
-    row = txn.one("SELECT * FROM events WHERE id = ?", (event_id,))
+    row = txn.one(f"{EVENT_WITH_BODY} WHERE id = ?", (event_id,))
     visible = row is not None and (
         principal.kind == "operator"
         or (principal.kind == "human" and row["human_id"] == principal.human_id)
@@ -3431,7 +3454,7 @@ def get_rules(txn: Txn, principal: Principal, webhook_id: str) -> dict:
 
 
 def latest_envelopes(txn: Txn, webhook_id: str) -> list[tuple[str, bytes]]:
-    rows = txn.all("SELECT id, envelope, headers, body FROM events WHERE webhook_id = ? AND envelope IS NOT NULL"
+    rows = txn.all(f"{EVENT_WITH_BODY} WHERE webhook_id = ? AND envelope IS NOT NULL"
                    " ORDER BY received_at DESC, id DESC LIMIT ?", (webhook_id, DRY_RUN_EVENTS))
     return [(r["id"], json.dumps(stored_envelope(r["envelope"], r["headers"], r["body"])).encode()) for r in rows]
 
@@ -3550,7 +3573,7 @@ def _test_subject(txn: Txn, principal: Principal, webhook_id: str, event_id: str
     webhook = _visible_webhook(txn, principal, webhook_id, "test_webhook_rules")
     if event_id is None:
         return webhook, None
-    row = txn.one("SELECT envelope, headers, body FROM events WHERE id = ? AND webhook_id = ?", (event_id, webhook_id))
+    row = txn.one(f"{EVENT_WITH_BODY} WHERE id = ? AND webhook_id = ?", (event_id, webhook_id))
     if row is None or row["envelope"] is None:
         raise ApiError("not_found", f"no event {event_id} on this webhook")
     return webhook, with_current_actor(stored_envelope(row["envelope"], row["headers"], row["body"]), webhook)
@@ -3624,7 +3647,7 @@ def _trusting(todo: sqlite3.Row, webhook: sqlite3.Row, envelope: dict) -> dict:
 
 def _held_subject(txn: Txn, principal: Principal, todo_id: str) -> tuple[sqlite3.Row, sqlite3.Row | None, dict]:
     todo = _human_todo(txn, principal, "release", todo_id, ("quarantined",))
-    event = txn.one("SELECT envelope, headers, body, webhook_id FROM events WHERE id = ?", (todo["event_id"],))
+    event = txn.one(f"{EVENT_WITH_BODY} WHERE id = ?", (todo["event_id"],))
     if event is None or event["envelope"] is None:
         raise ApiError("conflict", "the held delivery was pruned; discard it")
     webhook = txn.one("SELECT * FROM webhooks WHERE id = ?", (event["webhook_id"],))
@@ -3681,7 +3704,7 @@ def apply_quarantine_release(txn: Txn, principal: Principal, release: Quarantine
 def replay_subject(txn: Txn, principal: Principal, event_id: str) -> tuple[sqlite3.Row, sqlite3.Row, dict]:
     """A delivery the human's webhook received, its webhook, and its envelope with `.actor` as trusted now."""
     principal.require_human("replaying deliveries")
-    event = txn.one("SELECT * FROM events WHERE id = ? AND (human_id = ? OR ?) AND webhook_id IS NOT NULL",
+    event = txn.one(f"{EVENT_WITH_BODY} WHERE id = ? AND (human_id = ? OR ?) AND webhook_id IS NOT NULL",
                     (event_id, principal.human_id, principal.kind == "operator"))
     if event is None:
         raise ApiError("not_found", f"no event {event_id}")

@@ -29,6 +29,7 @@ from conftest import ROOT, LiveServer, cli, free_port
 import switchboard as sb
 
 RELEASE1 = ROOT / "tests" / "fixtures" / "release1"
+RELEASE2 = ROOT / "tests" / "fixtures" / "release2"
 
 
 def run(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -405,6 +406,48 @@ def test_a_release1_database_migrates_and_serves(tmp_path, monkeypatch):
         generic = httpx.post(server.url + hook_path(facts["generic"]["url"]), content=b'{"n": 1}',
                              headers={"X-Delivery-Id": "after-upgrade"})
         assert generic.status_code == 202 and generic.json()["disposition"] == "routed", generic.text
+    finally:
+        server.stop()
+
+
+def test_a_release2_database_moves_each_body_into_event_bodies_and_reads_back_the_same(tmp_path, monkeypatch):
+    """Release 2 kept each body three times (the event's body, the envelope's payload, the todo's payload).
+    Migrating keeps it once, in event_bodies, and the API shows every payload and envelope as release 2 did."""
+    facts = json.loads((RELEASE2 / "release2.json").read_text())
+    path = tmp_path / "switchboard.db"
+    shutil.copy2(RELEASE2 / "release2.db", path)
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    payloads_before = {i: p and json.loads(p) for i, p in conn.execute("SELECT id, payload FROM todos")}
+    envelopes_before = {i: json.loads(e) for i, e in conn.execute("SELECT id, envelope FROM events")
+                        if e is not None}
+    bodies_before = dict(conn.execute("SELECT id, body FROM events WHERE body IS NOT NULL"))
+    conn.close()
+    assert len(payloads_before) == 3 and len(envelopes_before) == 2 and len(bodies_before) == 3
+
+    code, applied = cli(str(path), "migrate")
+    assert code == 0 and applied["applied"] is True and applied["from"] == 2, applied
+    conn = sqlite3.connect(path)
+    assert "body" not in [row[1] for row in conn.execute("PRAGMA table_info(events)")]
+    assert dict(conn.execute("SELECT event_id, body FROM event_bodies")) == bodies_before
+    assert conn.execute("SELECT count(*) FROM todos WHERE payload IS NOT NULL").fetchone()[0] == 0
+    assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    conn.close()
+
+    monkeypatch.setenv("SWITCHBOARD_SECRET_KEY", facts["secret_key_hex"])
+    server = LiveServer(str(path))
+    try:
+        auth = {"Authorization": f"Bearer {facts['human_token']}"}
+        todos = httpx.get(server.url + "/api/v1/todos", headers=auth).json()["todos"]
+        assert {t["id"]: t["payload"] for t in todos} == payloads_before
+        for event_id, envelope in envelopes_before.items():
+            shown = httpx.get(f"{server.url}/api/v1/events/{event_id}", headers=auth).json()
+            assert shown["envelope"] == envelope and shown["size"] == len(bodies_before[event_id])
+        raw, headers = producers.github("issues.opened", facts["webhook"]["secret"], {"issue": {"number": 9}})
+        r = httpx.post(server.url + hook_path(facts["webhook"]["url"]), content=raw, headers=headers)
+        assert r.status_code == 202 and r.json()["disposition"] == "routed", r.text
+        fresh = httpx.get(f"{server.url}/api/v1/todos/{r.json()['todos'][0]['id']}", headers=auth).json()
+        assert fresh["payload"] == json.loads(raw)
     finally:
         server.stop()
 

@@ -25,7 +25,8 @@ def test_a_delivery_body_is_stored_once_and_read_back_whole(world, alice, db_pat
     answer = world.deliver(hook, raw, headers).json()
     assert answer["disposition"] == "routed", answer
     conn = sqlite3.connect(db_path)
-    body, envelope, stored_headers = conn.execute("SELECT body, envelope, headers FROM events").fetchone()
+    body, envelope, stored_headers = conn.execute(
+        "SELECT b.body, e.envelope, e.headers FROM events e JOIN event_bodies b ON b.event_id = e.id").fetchone()
     todo_payload, = conn.execute("SELECT payload FROM todos").fetchone()
     conn.close()
     assert body == raw, "the raw body, byte for byte"
