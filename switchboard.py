@@ -7098,15 +7098,16 @@ def _raise_file_limit() -> None:
 
 
 def _serve_as_imported_module() -> None:
-    """`python switchboard.py serve` becomes the same process (same pid, arguments and environment) running
-    this file as an imported module. CPython keeps the parse tree of a script it runs directly until the script
-    returns, and serve never returns: for this file that is 14 MiB held for nothing. An imported module's parse
-    tree is freed as soon as it is compiled."""
+    """`python switchboard.py serve` becomes the same process (same pid, interpreter options, arguments and
+    environment) running this file as an imported module. CPython keeps the parse tree of a script it runs
+    directly until the script returns, and serve never returns: for this file that is 14 MiB held for nothing.
+    An imported module's parse tree is freed as soon as it is compiled."""
     if __name__ != "__main__" or os.name != "posix":
         return
+    interpreter_options = sys.orig_argv[1:len(sys.orig_argv) - len(sys.argv)]
     boot = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import switchboard;"
             f" sys.exit(switchboard.main())")
-    os.execv(sys.executable, [sys.executable, "-c", boot, *sys.argv[1:]])
+    os.execv(sys.executable, [sys.executable, *interpreter_options, "-c", boot, *sys.argv[1:]])
 
 
 def _cli_serve(args: argparse.Namespace) -> int:

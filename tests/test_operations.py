@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import producers
-from conftest import LiveServer, cli, cli_inproc
+from conftest import ROOT, LiveServer, cli, cli_inproc
 from starlette.testclient import TestClient
 
 import switchboard as sb
@@ -222,11 +222,11 @@ def test_an_idle_scheduler_looks_every_second_but_only_works_when_something_chan
 def test_serve_run_as_a_script_keeps_its_pid_and_drops_the_scripts_parse_tree(db_path):
     """`python switchboard.py serve` execs itself as an imported module (CPython keeps a running script's parse
     tree, 14 MiB for this file): the pid a supervisor started is the one serving, and it stops on SIGTERM."""
-    server = LiveServer(db_path)
+    server = LiveServer(db_path, program=("-X", "utf8", str(ROOT / "switchboard.py")))
     try:
         cmdline = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().split(b"\0")
-        assert cmdline[1] == b"-c" and b"import switchboard" in cmdline[2], cmdline
-        assert cmdline[3:7] == [b"serve", b"--db", db_path.encode(), b"--port"]
+        assert cmdline[1:4] == [b"-X", b"utf8", b"-c"] and b"import switchboard" in cmdline[4], cmdline
+        assert cmdline[5:9] == [b"serve", b"--db", db_path.encode(), b"--port"]
         assert httpx.get(f"{server.url}/healthz").text.startswith("ok ")
     finally:
         server.stop()
