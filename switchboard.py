@@ -1653,9 +1653,9 @@ def payload_text(payload: Any, body: bytes) -> str:
     return json.dumps(payload)
 
 
-# A delivery's body is stored once, as its event's body. The envelope is stored without `.payload` and
-# `.headers` (its record; the event keeps the headers in a column of their own), and the payload is parsed from the
-# body again wherever a whole envelope or a todo's payload is read.
+# A delivery's body is stored once, in event_bodies. The envelope is stored without `.payload` and `.headers` (its
+# record; the event keeps the headers in a column of their own), and the payload is parsed from the body again
+# wherever a whole envelope or a todo's payload is read.
 
 def envelope_record(envelope: dict) -> str:
     """The envelope as its event stores it: every field but `.payload` and `.headers`."""
