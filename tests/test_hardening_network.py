@@ -875,6 +875,20 @@ def test_a_dead_writer_makes_healthz_503(world, app):
     assert r.status_code == 503 and "the writer stopped" in r.text, r.text
 
 
+def test_a_dead_checkpointer_makes_healthz_503(world, app):
+    class BreaksOnLook(threading.Event):
+        def is_set(self) -> bool:
+            raise Halt("the checkpointer broke")
+
+    app.state.db._closing = BreaksOnLook()  # looked at once a commit wakes the checkpointer
+    world.human("wakes-it")
+    app.state.db._checkpointer.join(10)
+    assert not app.state.db.alive()
+    r = world.client.get("/healthz")
+    assert r.status_code == 503 and "the checkpointer stopped" in r.text, r.text
+    assert world.human("still-written").name == "still-written", "the writer lives on"
+
+
 def test_the_served_process_exits_1_when_the_scheduler_dies(patched_server, tmp_path):
     trigger = tmp_path / "break-the-scheduler"
     server = patched_server("import os\n"
