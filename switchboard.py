@@ -140,7 +140,6 @@ BACKOFF_CAP_SECONDS = 15 * 60
 SCHEDULER_TICK_SECONDS = 1.0
 # With nothing committed and nothing due, the scheduler still runs a full tick this often.
 SCHEDULER_IDLE_SECONDS = 10.0
-CHECKPOINT_EVERY_SECONDS = 60.0
 CHECKPOINTS_PER_SECOND = 10
 WRITER_CHECKPOINT_BYTES = 16 << 20
 PRUNE_EVERY_SECONDS = 3600.0
@@ -405,7 +404,8 @@ class Database:
         # The checkpointer thread copies the WAL back beside the writer, so the checkpoint a commit runs once the
         # WAL passes WRITER_CHECKPOINT_BYTES finds most of it copied already (SQLite's default, every 4 MiB and all
         # of it inside the commit, stalled every delivery queued behind that commit). Under steady writes the
-        # checkpointer seldom catches up at the moment a transaction starts, so this one starts the WAL over.
+        # checkpointer seldom catches up at the moment a transaction starts, so this one starts the WAL over; the
+        # file keeps its size, and later commits reuse it (one that grows the file costs about twice as much).
         page_size = writer.execute("PRAGMA page_size").fetchone()[0]
         writer.execute(f"PRAGMA wal_autocheckpoint={WRITER_CHECKPOINT_BYTES // page_size}")
         if migrate:
@@ -445,7 +445,7 @@ class Database:
         return result
 
     def checkpoint(self) -> tuple:
-        """PRAGMA wal_checkpoint(TRUNCATE) on the writer, outside any transaction: the WAL stays bounded."""
+        """PRAGMA wal_checkpoint(TRUNCATE) on the writer, outside any transaction: the WAL file emptied (`prune`)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._jobs.put((_CHECKPOINT, (), future))
         return tuple(future.result())
@@ -4776,10 +4776,10 @@ class Flows:
     async def background(self) -> None:
         """Every second, look; run a tick (leases, deferrals, rings) only when another connection committed
         (PRAGMA data_version moved: a request, the CLI), when what the last tick saw falls due, or at least every
-        SCHEDULER_IDLE_SECONDS. Idle, that costs one pragma a second, not a scan. Every minute a TRUNCATE
-        checkpoint on the writer, which empties the WAL; hourly and at start, retention. One bad round is logged
-        and the loop goes on."""
-        last_checkpoint = last_prune = last_tick = -math.inf
+        SCHEDULER_IDLE_SECONDS. Idle, that costs one pragma a second, not a scan. Hourly and at start, retention.
+        One bad round is logged and the loop goes on. (Checkpoints are the checkpointer thread's and the writer's:
+        the WAL file keeps its size, because a commit that grows the file costs about twice one that reuses it.)"""
+        last_prune = last_tick = -math.inf
         seen, due_ms = None, None
         probe = connect(self.db.path, self.db.synchronous)
         try:
@@ -4790,9 +4790,6 @@ class Flows:
                         last_prune = now
                         pruned = await anyio.to_thread.run_sync(prune, self.db)
                         log.info("retention: pruned %d todos and %d events", pruned["todos"], pruned["events"])
-                    if now - last_checkpoint >= CHECKPOINT_EVERY_SECONDS:
-                        last_checkpoint = now
-                        await anyio.to_thread.run_sync(self.db.checkpoint)
                     version = probe.execute("PRAGMA data_version").fetchone()[0]
                     if (version != seen or now - last_tick >= SCHEDULER_IDLE_SECONDS
                             or (due_ms is not None and self.db.clock.now_ms() >= due_ms)):
