@@ -98,7 +98,7 @@ CREATE TABLE IF NOT EXISTS events (
     delivery_key  TEXT,
     body_hash     TEXT,
     headers       TEXT NOT NULL DEFAULT '{}' CHECK (json_valid(headers)),
-    -- The envelope without `.payload` and `.headers` (read from body and headers when the envelope is shown).
+    -- The envelope without `.payload` and `.headers` (read from event_bodies and headers when it is shown).
     envelope      TEXT CHECK (envelope IS NULL OR json_valid(envelope)),
     -- ping: a producer's hello (GitHub's `ping`), recorded and answered, never work.
     disposition   TEXT NOT NULL CHECK (disposition IN ('routed', 'dropped', 'repeat', 'quarantined', 'ping')),
@@ -141,8 +141,8 @@ CREATE TABLE IF NOT EXISTS todos (
     source           TEXT NOT NULL,
     kind             TEXT,
     subject_key      TEXT,
-    -- NULL: the payload is the event's body (see todo_rows). Set only on a todo from a release-2 database whose
-    -- event retention had already pruned (since release 3 an event outlives every todo that points at it).
+    -- NULL: the payload is the event's body (see todo_rows). Set only on a todo from an earlier release's database
+    -- whose event retention had already pruned (since release 3 an event outlives every todo that points at it).
     payload          TEXT CHECK (payload IS NULL OR json_valid(payload)),
     work_order       TEXT CHECK (work_order IS NULL OR json_valid(work_order)),
     work_item        TEXT CHECK (work_item IS NULL OR json_valid(work_item)),
