@@ -47,15 +47,11 @@ import concurrent.futures
 import json
 import math
 import os
-import platform
 import shutil
-import signal
 import sqlite3
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import uuid
@@ -68,9 +64,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # tests/, for producers
 import minimal_app  # noqa: E402
 import producers  # noqa: E402
+import bench_ingest  # noqa: E402
 from bench_ingest import SIZES, fleet_topology, labeled_delivery  # noqa: E402
-from bench_store import (SYNC_CODE, Server, cli, free_port, inproc_litequeue, inproc_persistqueue,  # noqa: E402
-                         inproc_switchboard, machine_facts, percentile, source_fingerprint)
+from bench_store import (SYNC_CODE, ChildServer, Server, cli, inproc_litequeue, inproc_persistqueue,  # noqa: E402
+                         inproc_switchboard, machine_facts, percentile, run_timed, source_fingerprint)
 
 RESULTS_PATH = HERE / "results-compare.json"
 MINIMAL_APP = HERE / "minimal_app.py"
@@ -217,38 +214,12 @@ class Window:
 # systems under test
 # ----------------------------------------------------------------------------------------------------
 
-class MinimalServer:
-    """tests/bench/minimal_app.py as a child process, stopped by its own pid (the same shape as bench_store.Server)."""
+class MinimalServer(ChildServer):
+    """tests/bench/minimal_app.py as a child process (bench_store.ChildServer starts and stops it)."""
 
-    def __init__(self, db_path: str, group_commit: bool = False):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(db_path).with_suffix(".log")
-        self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(MINIMAL_APP), "--db", db_path, "--port", str(self.port), "--secret", SECRET,
-             *(["--group-commit"] if group_commit else [])],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=str(Path(db_path).parent))
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"minimal app did not start; log:\n{self.log_path.read_text(errors='replace')[-2000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        if not self.log.closed:
-            self.log.close()
+    def command(self, db_path: str, group_commit: bool = False) -> list[str]:
+        return [str(MINIMAL_APP), "--db", db_path, "--port", str(self.port), "--secret", SECRET,
+                *(["--group-commit"] if group_commit else [])]
 
     def log_problems(self) -> list[str]:
         return [line for line in self.log_path.read_text(errors="replace").splitlines()
@@ -381,71 +352,21 @@ def build_deliveries(n: int) -> list[tuple[bytes, dict]]:
 # the HTTP client: 16 senders, 8 workers
 # ----------------------------------------------------------------------------------------------------
 
-def send_deliveries(base_url: str, path: str, deliveries: list[tuple[bytes, dict]], server_pid: int,
-                    n_senders: int = SENDERS) -> dict:
-    n = len(deliveries)
-    lock = threading.Lock()
-    next_index = [0]
-    ack_ms: list[float] = []
-    answers: list[dict | None] = [None] * n
-    errors: list[str] = []
-    start = threading.Barrier(n_senders + 1)
-    finished_at = [0.0] * n_senders
-    url = base_url + path
-
-    def sender(s: int) -> None:
-        with httpx.Client(timeout=60) as client:
-            client.get(f"{base_url}/healthz")  # open the keep-alive connection before the clock starts
-            start.wait()
-            while True:
-                with lock:
-                    i = next_index[0]
-                    next_index[0] += 1
-                if i >= n:
-                    break
-                raw, headers = deliveries[i]
-                t0 = time.perf_counter()
-                try:
-                    r = client.post(url, content=raw, headers=headers)
-                except httpx.HTTPError as exc:
-                    errors.append(f"delivery {i}: {type(exc).__name__}: {exc}")
-                    continue
-                took = (time.perf_counter() - t0) * 1e3
-                if r.status_code != 202:
-                    errors.append(f"delivery {i}: {r.status_code} {r.text[:300]}")
-                    continue
-                answers[i] = r.json()
-                with lock:
-                    ack_ms.append(took)
-        finished_at[s] = time.perf_counter()
-
-    threads = [threading.Thread(target=sender, args=(s,), name=f"sender-{s}") for s in range(n_senders)]
-    for t in threads:
-        t.start()
-    window = Window(server_pid)
-    start.wait()
-    t_start = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = max(finished_at) - t_start
-    return {"deliveries": n, "wall_s": round(wall, 3), "rate": len(ack_ms) / wall,
-            "p50_ms": percentile(ack_ms, 50), "p99_ms": percentile(ack_ms, 99),
-            "max_ms": max(ack_ms) if ack_ms else float("nan"),
-            "window": window.close(), "answers": answers, "errors": errors}
+def send_deliveries(base_url: str, path: str, deliveries: list[tuple[bytes, dict]], server_pid: int) -> dict:
+    """bench_ingest's 16 senders, with this run's measured window around them."""
+    return bench_ingest.send_deliveries(base_url, path, deliveries, SENDERS, lambda: Window(server_pid).close)
 
 
 def claim_complete(base_url: str, headers: dict, claim, complete, server_pid: int, n_workers: int = WORKERS) -> dict:
     """Each worker claims and completes until the queue is empty; a cycle is one claim plus one complete."""
-    start = threading.Barrier(n_workers + 1)
     completed: list[list] = [[] for _ in range(n_workers)]
     cycle_ms: list[list[float]] = [[] for _ in range(n_workers)]
     errors: list[str] = []
-    finished_at = [0.0] * n_workers
 
-    def worker(w: int) -> None:
+    def worker(w: int, ready) -> None:
         with httpx.Client(base_url=base_url, headers=headers, timeout=30) as client:
             client.get("/healthz")
-            start.wait()
+            ready()
             strikes = 0
             while strikes < 5:
                 c0 = time.perf_counter()
@@ -460,21 +381,12 @@ def claim_complete(base_url: str, headers: dict, claim, complete, server_pid: in
                     continue
                 cycle_ms[w].append((time.perf_counter() - c0) * 1e3)
                 completed[w].append(got[0])
-        finished_at[w] = time.perf_counter()
 
-    threads = [threading.Thread(target=worker, args=(w,), name=f"worker-{w}") for w in range(n_workers)]
-    for t in threads:
-        t.start()
-    window = Window(server_pid)
-    start.wait()
-    t_start = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = max(finished_at) - t_start
+    wall, window = run_timed(n_workers, worker, "worker", lambda: Window(server_pid).close)
     cycles = [x for per in cycle_ms for x in per]
     done = [x for per in completed for x in per]
     return {"wall_s": round(wall, 3), "rate": len(cycles) / wall, "p50_ms": percentile(cycles, 50),
-            "p99_ms": percentile(cycles, 99), "window": window.close(), "completed": done, "errors": errors[:20]}
+            "p99_ms": percentile(cycles, 99), "window": window, "completed": done, "errors": errors[:20]}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -839,7 +751,7 @@ def run(quick: bool = False, **overrides) -> dict:
     sizes = dict(SIZES_QUICK if quick else SIZES_FULL)
     sizes.update({k: v for k, v in overrides.items() if v is not None})
     t0 = time.perf_counter()
-    results: dict = {"machine": machine(), "quick": quick, "sizes": sizes, "loadavg_start": os.getloadavg(),
+    results: dict = {"machine": machine_facts(), "quick": quick, "sizes": sizes, "loadavg_start": os.getloadavg(),
                      "thresholds": {"gate_cores": GATE_CORES, "busy_cores": BUSY_CORES,
                                     "gate_max_s": sizes["gate_max_s"]},
                      "gates": [], "figures": {}}
@@ -918,24 +830,6 @@ def run(quick: bool = False, **overrides) -> dict:
     results["goals"] = goals(results)
     results["failures"] = failures(results)
     return results
-
-
-def machine() -> dict:
-    facts = machine_facts()
-    try:
-        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                   if line.startswith("MemTotal:"))
-        facts["memory"] = f"{kib / (1 << 20):.1f} GiB"
-    except (OSError, StopIteration, ValueError):
-        facts["memory"] = "?"
-    os_name = platform.system()
-    try:
-        release = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line)
-        os_name = release.get("PRETTY_NAME", os_name).strip('"')
-    except OSError:
-        pass
-    facts["os"] = f"{os_name}, kernel {platform.release()}"
-    return facts
 
 
 # ----------------------------------------------------------------------------------------------------

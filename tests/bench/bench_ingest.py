@@ -28,7 +28,9 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -36,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # tests/, for producers
 import producers  # noqa: E402
-from bench_store import ROOT, Server, cli, percentile  # noqa: E402
+from bench_store import ROOT, Server, cli, percentile, run_timed  # noqa: E402
 
 PACK = ROOT / "packs" / "fleet.json"
 LANES = ("lane-s", "lane-m", "lane-l", "lane-vision", "triage")
@@ -78,6 +80,67 @@ def labeled_delivery(secret: str, number: int, size: str) -> tuple[bytes, dict]:
     return producers.github("issues.labeled", secret, patch, delivery=str(uuid.uuid4()))
 
 
+def send_deliveries(base_url: str, path: str, deliveries: list[tuple[bytes, dict]], n_senders: int = 16,
+                    measure: Callable[[], Callable[[], Any]] | None = None) -> dict:
+    """POST every delivery from `n_senders` threads, each with its own keep-alive client, taking the next one
+    from a shared counter; the ack time runs from just before the POST to the parsed 202. `window` is what
+    `measure` said (see run_timed)."""
+    n = len(deliveries)
+    lock = threading.Lock()
+    next_index = [0]
+    ack_ms: list[float] = []
+    answers: list[dict | None] = [None] * n
+    errors: list[str] = []
+    url = base_url + path
+
+    def sender(_: int, ready: Callable[[], None]) -> None:
+        with httpx.Client(timeout=60) as client:
+            client.get(f"{base_url}/healthz")  # open the keep-alive connection before the clock starts
+            ready()
+            while True:
+                with lock:
+                    i = next_index[0]
+                    next_index[0] += 1
+                if i >= n:
+                    break
+                raw, headers = deliveries[i]
+                t0 = time.perf_counter()
+                try:
+                    r = client.post(url, content=raw, headers=headers)
+                except httpx.HTTPError as exc:
+                    errors.append(f"delivery {i}: {type(exc).__name__}: {exc}")
+                    continue
+                took = (time.perf_counter() - t0) * 1e3
+                if r.status_code != 202:
+                    errors.append(f"delivery {i}: {r.status_code} {r.text[:300]}")
+                    continue
+                answers[i] = r.json()
+                with lock:
+                    ack_ms.append(took)
+
+    wall, window = run_timed(n_senders, sender, "sender", measure)
+    return {"deliveries": n, "wall_s": round(wall, 3), "rate": len(ack_ms) / wall,
+            "p50_ms": percentile(ack_ms, 50), "p99_ms": percentile(ack_ms, 99),
+            "max_ms": max(ack_ms) if ack_ms else float("nan"),
+            "window": window, "answers": answers, "errors": errors}
+
+
+def ingest_cpu(server: Server) -> Callable[[], Callable[[], dict]]:
+    """A `measure` for send_deliveries: cores used by the server, its evaluator children and this client."""
+    def start() -> Callable[[], dict]:
+        server0, client0, t0 = server.cpu_seconds(), time.process_time(), time.perf_counter()
+        children0 = evaluator_children_cpu(server.proc.pid) or 0.0
+
+        def stop() -> dict:
+            wall = time.perf_counter() - t0
+            server1, children1 = server.cpu_seconds(), evaluator_children_cpu(server.proc.pid)
+            return {"server_cores": None if server0 is None or server1 is None else (server1 - server0) / wall,
+                    "client_cores": (time.process_time() - client0) / wall,
+                    "evaluator_children_cores": None if children1 is None else (children1 - children0) / wall}
+        return stop
+    return start
+
+
 def bench_ingest(synchronous: str, n_deliveries: int, n_senders: int = 16) -> dict:
     tmp = tempfile.mkdtemp(prefix="sb-bench-ingest-")
     db_path = os.path.join(tmp, "switchboard.db")
@@ -88,55 +151,8 @@ def bench_ingest(synchronous: str, n_deliveries: int, n_senders: int = 16) -> di
         deliveries = [labeled_delivery(secret, 10_000 + i, SIZES[i % len(SIZES)]) for i in range(n_deliveries)]
         body_bytes = statistics.fmean(len(raw) for raw, _ in deliveries)
         server = Server(db_path, synchronous, "--ingest-rate", "0")
-        url = server.url + topo["hook_path"]
-
-        lock = threading.Lock()
-        next_index = [0]
-        ack_ms: list[float] = []
-        answers: list[dict | None] = [None] * n_deliveries
-        errors: list[str] = []
-        start = threading.Barrier(n_senders + 1)
-        finished_at = [0.0] * n_senders
-
-        def sender(s: int) -> None:
-            with httpx.Client(timeout=60) as client:
-                client.get(f"{server.url}/healthz")  # open the keep-alive connection before the clock starts
-                start.wait()
-                while True:
-                    with lock:
-                        i = next_index[0]
-                        next_index[0] += 1
-                    if i >= n_deliveries:
-                        break
-                    raw, headers = deliveries[i]
-                    t0 = time.perf_counter()
-                    r = client.post(url, content=raw, headers=headers)
-                    took = (time.perf_counter() - t0) * 1e3
-                    if r.status_code != 202:
-                        errors.append(f"delivery {i}: {r.status_code} {r.text[:300]}")
-                        continue
-                    answers[i] = r.json()
-                    with lock:
-                        ack_ms.append(took)
-            finished_at[s] = time.perf_counter()
-
-        threads = [threading.Thread(target=sender, args=(s,), name=f"bench-sender-{s}") for s in range(n_senders)]
-        for t in threads:
-            t.start()
-        server_cpu0, client_cpu0 = server.cpu_seconds(), time.process_time()
-        children_cpu0 = evaluator_children_cpu(server.proc.pid) or 0.0
-        start.wait()
-        t_start = time.perf_counter()
-        for t in threads:
-            t.join()
-        wall = max(finished_at) - t_start
-        server_cpu1, client_cpu1 = server.cpu_seconds(), time.process_time()
-        children_cpu1 = evaluator_children_cpu(server.proc.pid)
-        cpu = {"server_cores": None if server_cpu0 is None or server_cpu1 is None
-               else (server_cpu1 - server_cpu0) / wall,
-               "client_cores": (client_cpu1 - client_cpu0) / wall,
-               "evaluator_children_cores": None if children_cpu1 is None
-               else (children_cpu1 - children_cpu0) / wall}
+        sent = send_deliveries(server.url, topo["hook_path"], deliveries, n_senders, ingest_cpu(server))
+        answers, errors, wall, cpu = sent["answers"], sent["errors"], sent["wall_s"], sent["window"]
         server.stop()
         log_problems = server.log_problems()
         tracebacks = server.log_tracebacks()
@@ -171,10 +187,10 @@ def bench_ingest(synchronous: str, n_deliveries: int, n_senders: int = 16) -> di
             "senders": n_senders,
             "body_bytes_mean": body_bytes,
             "wall_s": wall,
-            "deliveries_per_s": len(ack_ms) / wall,
-            "ack_p50_ms": percentile(ack_ms, 50),
-            "ack_p99_ms": percentile(ack_ms, 99),
-            "ack_max_ms": max(ack_ms) if ack_ms else float("nan"),
+            "deliveries_per_s": sent["rate"],
+            "ack_p50_ms": sent["p50_ms"],
+            "ack_p99_ms": sent["p99_ms"],
+            "ack_max_ms": sent["max_ms"],
             "dispositions": dict(dispositions),
             "routed_share": routed / n_deliveries,
             "cpu_during_ingest": cpu,

@@ -35,7 +35,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -60,6 +62,29 @@ def percentile(values: list[float], pct: float) -> float:
     return ordered[min(rank, len(ordered)) - 1]
 
 
+def run_timed(n_threads: int, body: Callable[[int, Callable[[], None]], None], name: str,
+              measure: Callable[[], Callable[[], Any]] | None = None) -> tuple[float, Any]:
+    """Run `body(i, ready)` on n threads, each calling `ready()` once it is set up (its connection open); the
+    clock starts when all have. Returns the wall time until the last one finished and what `measure` (called as
+    the clock starts, its answer called as the threads are done) said."""
+    start = threading.Barrier(n_threads + 1)
+    finished_at = [0.0] * n_threads
+
+    def run(i: int) -> None:
+        body(i, start.wait)
+        finished_at[i] = time.perf_counter()
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}") for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    stop = measure() if measure else None
+    start.wait()
+    t_start = time.perf_counter()
+    for t in threads:
+        t.join()
+    return max(finished_at) - t_start, stop() if stop else None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,6 +101,7 @@ def cli(db_path: str, *args: str) -> dict:
 
 
 def machine_facts() -> dict:
+    """The machine a figure was taken on, and which source was measured."""
     model = ""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
@@ -91,7 +117,28 @@ def machine_facts() -> dict:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "switchboard": sb.VERSION,
         "source": source_fingerprint(),
+        "memory": _memory(),
+        "os": _os_name(),
     }
+
+
+def _memory() -> str:
+    try:
+        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return "?"
+    return f"{kib / (1 << 20):.1f} GiB"
+
+
+def _os_name() -> str:
+    os_name = platform.system()
+    try:
+        release = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line)
+        os_name = release.get("PRETTY_NAME", os_name).strip('"')
+    except OSError:
+        pass
+    return f"{os_name}, kernel {platform.release()}"
 
 
 def source_fingerprint() -> dict:
@@ -103,29 +150,30 @@ def source_fingerprint() -> dict:
     return {"git_head": head, "dirty": bool(dirty), "sha256_switchboard_and_schema": digest[:16]}
 
 
-class Server:
-    """`python switchboard.py serve` as a child process, stopped by its own pid."""
+class ChildServer:
+    """A server as a child process on a free 127.0.0.1 port, logging to a file beside its database, answering
+    `/healthz` before this returns, and stopped by its own pid. `command` says what to run."""
 
-    def __init__(self, db_path: str, synchronous: str, *extra_args: str):
+    def __init__(self, db_path: str, *args):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(db_path).with_suffix(".log")
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "switchboard.py"), "serve", "--db", db_path, "--port", str(self.port),
-             "--synchronous", synchronous, *extra_args],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=str(Path(db_path).parent))
+        self.proc = subprocess.Popen([sys.executable, *self.command(db_path, *args)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=str(Path(db_path).parent))
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"server did not start; log:\n{self.log_path.read_text(errors='replace')[-2000:]}")
+        raise RuntimeError(f"{type(self).__name__} did not start; log:\n"
+                           f"{self.log_path.read_text(errors='replace')[-2000:]}")
+
+    def command(self, db_path: str, *args) -> list[str]:
+        raise NotImplementedError
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -137,6 +185,15 @@ class Server:
                 self.proc.wait()
         if not self.log.closed:
             self.log.close()
+
+
+
+class Server(ChildServer):
+    """`python switchboard.py serve` at `--synchronous synchronous`, with extra serve arguments."""
+
+    def command(self, db_path: str, synchronous: str, *extra_args: str) -> list[str]:
+        return [str(ROOT / "switchboard.py"), "serve", "--db", db_path, "--port", str(self.port),
+                "--synchronous", synchronous, *extra_args]
 
     def cpu_seconds(self) -> float | None:
         """user+system CPU the server process has used so far (Linux /proc), to show who is the bottleneck."""

@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 import traceback
@@ -47,28 +46,6 @@ SIZES = {  # full, quick (bench_compare has its own, see bench_compare.SIZES_FUL
     "doorbell_rings": (200, 40),
     "rules_runs": (2000, 300),
 }
-
-
-# ----------------------------------------------------------------------------------------------------
-# machine
-# ----------------------------------------------------------------------------------------------------
-
-def machine() -> dict:
-    facts = bench_store.machine_facts()
-    try:
-        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                   if line.startswith("MemTotal:"))
-        facts["memory"] = f"{kib / (1 << 20):.1f} GiB"
-    except (OSError, StopIteration, ValueError):
-        facts["memory"] = "?"
-    os_name = platform.system()
-    try:
-        release = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line)
-        os_name = release.get("PRETTY_NAME", os_name).strip('"')
-    except OSError:
-        pass
-    facts["os"] = f"{os_name}, kernel {platform.release()}"
-    return facts
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -130,7 +107,7 @@ def wait_until_quiet(max_seconds: float, threshold: float = 0.25, window: float 
 
 
 def run_all(quick: bool) -> dict:
-    results: dict = {"machine": machine(), "quick": quick, "sizes": {k: size(k, quick) for k in SIZES},
+    results: dict = {"machine": bench_store.machine_facts(), "quick": quick, "sizes": {k: size(k, quick) for k in SIZES},
                      "steps": {}, "loadavg_at_start": os.getloadavg()}
     t0 = time.perf_counter()
     cpu0 = cpu_snapshot()
