@@ -460,12 +460,16 @@ class Database:
                 else:
                     self._run_batch(self._writer, batch)
         except BaseException as exc:  # noqa: BLE001 - a dead writer must be reported, never silent
-            self.failure = f"the writer stopped: {type(exc).__name__}: {exc}"
-            log.critical(self.failure)
-            if self.on_fatal:
-                self.on_fatal(self.failure)
+            self._stopped("writer", exc)
         finally:
             self._writer.close()
+
+    def _stopped(self, part: str, exc: BaseException) -> None:
+        """A long-lived part of the database died: `failure` says why, and `on_fatal` is told."""
+        self.failure = f"the {part} stopped: {type(exc).__name__}: {exc}"
+        log.critical(self.failure)
+        if self.on_fatal:
+            self.on_fatal(self.failure)
 
     def _next_batch(self) -> list | None:
         """The next job, plus (for transaction bodies) what else is already waiting, up to WRITER_BATCH. A job
@@ -516,10 +520,7 @@ class Database:
             finally:
                 conn.close()
         except BaseException as exc:  # noqa: BLE001 - a dead checkpointer must be reported, never silent
-            self.failure = f"the checkpointer stopped: {type(exc).__name__}: {exc}"
-            log.critical(self.failure)
-            if self.on_fatal:
-                self.on_fatal(self.failure)
+            self._stopped("checkpointer", exc)
 
     def _run_checkpoint(self, future: concurrent.futures.Future) -> None:
         try:
@@ -2311,9 +2312,10 @@ def _scope_clause(principal: Principal) -> tuple[str, tuple]:
     return "1 = 1", ()
 
 
-def _load_todo(txn: Txn, principal: Principal, todo_id: str) -> sqlite3.Row:
+def _load_todo(txn: Txn, principal: Principal, todo_id: str, source: str = "todos") -> sqlite3.Row:
+    """A todo the principal may see; from `todo_rows` when it is to be shown (todo_view), else the bare row."""
     clause, params = _scope_clause(principal)
-    row = txn.one(f"SELECT * FROM todos WHERE id = ? AND {clause}", (todo_id, *params))
+    row = txn.one(f"SELECT * FROM {source} WHERE id = ? AND {clause}", (todo_id, *params))
     if row is None:
         raise ApiError("not_found", f"no todo {todo_id}")
     return row
@@ -2341,8 +2343,7 @@ def list_todos(txn: Txn, principal: Principal, query: TodoListQuery) -> dict:
 def get_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
     if principal.kind == "endpoint":
         principal.require_verb("get_todo")
-    _load_todo(txn, principal, todo_id)
-    view = todo_view(_reload(txn, todo_id))
+    view = todo_view(_load_todo(txn, principal, todo_id, "todo_rows"))
     view["attempts"] = [attempt_view(a) for a in txn.all(
         "SELECT * FROM attempts WHERE todo_id = ? ORDER BY seq", (todo_id,))]
     view["history"] = [
