@@ -402,17 +402,21 @@ def _strip(out: dict) -> dict:
     return out
 
 
+def _send_and_stop(server: ChildServer, path: str, deliveries: list) -> tuple[dict, list[str]]:
+    """One measured ingest run on a started server: the figures, its RSS after them, then the log's problems."""
+    out = send_deliveries(server.url, path, deliveries, server.proc.pid)
+    out["rss_after"] = tree_rss(server.proc.pid)
+    server.stop()
+    return out, server.log_problems()
+
+
 def rep_switchboard_ingest(template: dict, deliveries: list, fleet: bool) -> dict:
     tmp = copy_dir(template["dir"], "sb-cmp-ingest-")
     db = os.path.join(tmp, "switchboard.db")
     server = None
     try:
         server = Server(db, "full", "--ingest-rate", "0")
-        out = send_deliveries(server.url, template["hook_path"], deliveries, server.proc.pid)
-        out["rss_after"] = tree_rss(server.proc.pid)
-        server.stop()
-        problems = server.log_problems()
-        server = None
+        out, problems = _send_and_stop(server, template["hook_path"], deliveries)
         n = len(deliveries)
         answers = out["answers"]
         dispositions = collections.Counter("duplicate" if a.get("duplicate") else a.get("disposition")
@@ -452,11 +456,7 @@ def rep_minimal_ingest(deliveries: list, group_commit: bool) -> dict:
     server = None
     try:
         server = MinimalServer(db, group_commit)
-        out = send_deliveries(server.url, MINIMAL_HOOK, deliveries, server.proc.pid)
-        out["rss_after"] = tree_rss(server.proc.pid)
-        server.stop()
-        problems = server.log_problems()
-        server = None
+        out, problems = _send_and_stop(server, MINIMAL_HOOK, deliveries)
         n = len(deliveries)
         duplicates = sum(1 for a in out["answers"] if a is not None and a["duplicate"])
         ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
