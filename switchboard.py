@@ -625,8 +625,20 @@ class Database:
 # 3. Crypto: tokens and sealed secrets
 # ======================================================================================================
 
+_last_id = 0
+_last_id_lock = threading.Lock()
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(10)}"
+    """`prefix_` and 20 hex digits: the creation millisecond (48 bits), then 32 random bits, and in this process
+    always greater than the id before it. Ids are names, never credentials (tokens are). Made in time order, a new
+    row's key lands beside the last one's in every index keyed by an id, so a commit of many deliveries dirties a
+    few pages at the right edge of each index, not one random page per row (fewer pages to write and sync)."""
+    global _last_id
+    value = (time.time_ns() // 1_000_000) << 32 | secrets.randbits(32)
+    with _last_id_lock:
+        value = _last_id = max(value, _last_id + 1)
+    return f"{prefix}_{value:020x}"
 
 
 def new_token(prefix: str) -> str:
