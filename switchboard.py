@@ -536,23 +536,31 @@ class Database:
             for _, _, waiting in batch:
                 waiting.set_exception(ApiError("unavailable", f"database is busy: {exc}"))
             return
+        # A job alone in its batch needs no savepoint: the transaction is its own (two calls fewer into SQLite).
+        alone = len(batch) == 1
         try:
             for fn, args, _ in batch:
                 txn = Txn(conn, self.clock.now_ms(), self.inline_rings)
-                conn.execute("SAVEPOINT job")
+                if not alone:
+                    conn.execute("SAVEPOINT job")
                 try:
                     result = fn(txn, *args)
                 except BaseException as exc:  # noqa: BLE001 - every failure must roll back its own savepoint
                     # A disk-full or I/O error may already have rolled the whole transaction back; then
                     # there is no savepoint left and the batch as a whole fails below.
-                    conn.execute("ROLLBACK TO job")
-                    conn.execute("RELEASE job")
+                    if not alone:
+                        conn.execute("ROLLBACK TO job")
+                        conn.execute("RELEASE job")
                     outcomes.append((False, exc, None))
                 else:
-                    conn.execute("RELEASE job")
+                    if not alone:
+                        conn.execute("RELEASE job")
                     outcomes.append((True, result, txn))
-            conn.execute("COMMIT")
-            self._committed.set()
+            if alone and not outcomes[0][0]:
+                conn.execute("ROLLBACK")
+            else:
+                conn.execute("COMMIT")
+                self._committed.set()
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
@@ -591,6 +599,12 @@ class Database:
             return fn(Txn(conn, self.clock.now_ms(), False), *args)
         finally:
             conn.execute("COMMIT")
+
+    def read_statement(self, fn: Callable, *args) -> Any:
+        """read_sync for a body that runs one statement, which SQLite makes its own read transaction. It saves the
+        BEGIN and COMMIT: on the event loop each call into SQLite lets the writer take the GIL, and waits to get it
+        back."""
+        return fn(Txn(self._reader(), self.clock.now_ms(), False), *args)
 
     async def read(self, fn: Callable, *args) -> Any:
         return await anyio.to_thread.run_sync(self.read_sync, fn, *args)
@@ -2386,8 +2400,8 @@ _CLAIMABLE = (f"{_UNBLOCKED} AND NOT EXISTS (SELECT 1 FROM absorptions a JOIN to
 TODO_DEFAULTS = {"state": "pending", "subject_key": None, "work_order": None, "work_item": None,
                  "idempotency_key": None, "priority": 0, "gated": 0, "state_reason": None, "silent": 0}
 _INSERT_TODO = (f"INSERT INTO todos (id, endpoint_id, queue, title, source, kind, trace, event_id,"
-                f" {', '.join(TODO_DEFAULTS)}, available_at, created_at, updated_at)"
-                f" VALUES ({', '.join('?' * (8 + len(TODO_DEFAULTS) + 3))})")
+                f" {', '.join(TODO_DEFAULTS)}, ring_count, last_ring_at, available_at, created_at, updated_at)"
+                f" VALUES ({', '.join('?' * (8 + len(TODO_DEFAULTS) + 5))})")
 
 
 def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: str, title: str, source: str,
@@ -2397,8 +2411,11 @@ def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: 
     history entry, the count, and a ring when it is claimable now. `optional` overrides TODO_DEFAULTS. Its payload
     is its event's body."""
     values = {**TODO_DEFAULTS, **optional}
+    # Born pending with nothing to wait for, and allowed to ring, a todo is claimable this moment (nothing can
+    # have absorbed an id just made): it is written rung already, instead of read back and updated.
+    rung = txn.inline_rings and values["state"] == "pending" and not depends_on and not values["silent"]
     txn.execute(_INSERT_TODO, (todo_id, endpoint_id, queue, title, source, kind, trace, event_id,
-                               *values.values(), txn.now, txn.now, txn.now))
+                               *values.values(), int(rung), txn.now if rung else None, txn.now, txn.now, txn.now))
     for dependency in depends_on:
         txn.execute("INSERT INTO todo_deps (todo_id, depends_on_id) VALUES (?, ?)", (todo_id, dependency))
     txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence)"
@@ -2408,7 +2425,10 @@ def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: 
     txn.counts["created"] += 1
     if values["state"] == "quarantined" or queue == HOLD_QUEUE:
         notify_todo(txn, todo_id, "held")
-    if values["state"] == "pending":
+    if rung:
+        _queue_ring(txn, {"id": todo_id, "endpoint_id": endpoint_id, "queue": queue, "kind": kind, "source": source,
+                          "title": title})
+    elif values["state"] == "pending":
         _became_pending(txn, todo_id)
 
 
@@ -2479,10 +2499,15 @@ def _became_pending(txn: Txn, todo_id: str) -> None:
 
 
 def _mark_rung(txn: Txn, row: sqlite3.Row) -> dict:
-    """Count a ring on the todo and queue it for the doorbell, which rings after COMMIT."""
+    """Count a ring on the todo and queue it for the doorbell."""
     txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ?", (txn.now, row["id"]))
-    ring = {"todo_id": row["id"], "endpoint_id": row["endpoint_id"], "queue": row["queue"], "kind": row["kind"],
-            "source": row["source"], "title": row["title"]}
+    return _queue_ring(txn, row)
+
+
+def _queue_ring(txn: Txn, todo: sqlite3.Row | dict) -> dict:
+    """The ring the doorbell sends after COMMIT."""
+    ring = {"todo_id": todo["id"], "endpoint_id": todo["endpoint_id"], "queue": todo["queue"], "kind": todo["kind"],
+            "source": todo["source"], "title": todo["title"]}
     txn.rings.append(ring)
     return ring
 
@@ -2591,7 +2616,8 @@ def _claim_row(txn: Txn, principal: Principal, todo: sqlite3.Row, lease_seconds:
     lease_token = secrets.token_urlsafe(16)
     # `attempt` counts against the retry budget (a release refunds it, a human retry resets it);
     # `seq` numbers attempt rows for the todo's whole life.
-    seq = txn.one("SELECT COALESCE(MAX(seq), 0) + 1 FROM attempts WHERE todo_id = ?", (todo["id"],))[0]
+    prior = txn.all("SELECT * FROM attempts WHERE todo_id = ? ORDER BY seq DESC LIMIT 5", (todo["id"],))[::-1]
+    seq = prior[-1]["seq"] + 1 if prior else 1
     expires = txn.now + lease * 1000
     who = claimant or principal.actor
     _transition(txn, todo, "claimed", principal.actor, {"attempt": todo["attempt"] + 1, "seq": seq, "claimant": who},
@@ -2599,8 +2625,6 @@ def _claim_row(txn: Txn, principal: Principal, todo: sqlite3.Row, lease_seconds:
                 ring_acked_at=txn.now if todo["ring_count"] else None)
     txn.execute("INSERT INTO attempts (todo_id, seq, endpoint_id, claimant, claimed_at, lease_expires_at, lease_seconds)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)", (todo["id"], seq, principal.id, who, txn.now, expires, lease))
-    prior = txn.all("SELECT * FROM (SELECT * FROM attempts WHERE todo_id = ? AND seq < ? ORDER BY seq DESC LIMIT 5)"
-                    " ORDER BY seq", (todo["id"], seq))
     return {"todo": todo_view(_reload(txn, todo["id"])), "lease_token": lease_token,
             "prior_attempts": [attempt_view(a) for a in prior]}
 
@@ -3231,11 +3255,10 @@ def find_webhook(txn: Txn, token: str) -> sqlite3.Row | None:
 
 def duplicate_of(txn: Txn, webhook: sqlite3.Row, key: str, body_hash: str) -> dict | None:
     """The first delivery's outcome if this one was seen: by delivery id, or (signed webhooks) by body, which
-    catches a replayed body under a fresh delivery id."""
-    row = txn.one("SELECT outcome FROM events WHERE webhook_id = ? AND delivery_key = ?", (webhook["id"], key))
-    if row is None and webhook["trust_mode"] == "signed":
-        row = txn.one("SELECT outcome FROM events WHERE webhook_id = ? AND body_hash = ? LIMIT 1",
-                      (webhook["id"], body_hash))
+    catches a replayed body under a fresh delivery id. One statement (the arms run in order, each by its index)."""
+    row = txn.one("SELECT outcome FROM events WHERE webhook_id = ? AND delivery_key = ?"
+                  " UNION ALL SELECT * FROM (SELECT outcome FROM events WHERE ? AND webhook_id = ? AND body_hash = ?"
+                  " LIMIT 1) LIMIT 1", (webhook["id"], key, webhook["trust_mode"] == "signed", webhook["id"], body_hash))
     if row is None:
         return None
     first = json.loads(row["outcome"])
@@ -4642,7 +4665,7 @@ class Flows:
         """The webhook behind an ingest URL, ready to take a delivery from `source`, before any body is read.
         Looked up on the event loop: one indexed row under WAL (which never waits on the writer) costs less than
         the hop to a thread and back."""
-        webhook = self.db.read_sync(find_webhook, token)
+        webhook = self.db.read_statement(find_webhook, token)
         if webhook is None:
             raise ApiError("not_found", "no such webhook")
         if webhook["owner_revoked_at"] is not None:
@@ -4705,7 +4728,7 @@ class Flows:
         key, body_hash = delivery_key(provider, headers, payload, body), hashlib.sha256(body).hexdigest()
         # With rules, dedup comes before evaluation: a redelivery answers its first outcome even when the sandbox
         # is down. The write transaction checks again (and alone, without rules), so racing redeliveries mint once.
-        seen = self.db.read_sync(duplicate_of, webhook, key, body_hash) if webhook["rules"] else None
+        seen = self.db.read_statement(duplicate_of, webhook, key, body_hash) if webhook["rules"] else None
         if seen is not None:
             self.metrics.deliveries.labels(provider, "duplicate").inc()
             return 202, seen
@@ -5114,7 +5137,7 @@ class Api:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise ApiError("unauthenticated", "send Authorization: Bearer <token>")
-        principal = self.db.read_sync(authenticate, token.strip())  # on the loop, as open_webhook: one indexed row
+        principal = self.db.read_statement(authenticate, token.strip())  # on the loop, as open_webhook: one indexed row
         if principal is None:
             raise ApiError("unauthenticated", "unknown or revoked token")
         return principal
