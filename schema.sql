@@ -184,7 +184,8 @@ CREATE VIEW IF NOT EXISTS todo_rows AS
     FROM todos t LEFT JOIN events e ON e.id = t.event_id LEFT JOIN event_bodies b ON b.event_id = t.event_id;
 CREATE INDEX IF NOT EXISTS todos_claimable ON todos(endpoint_id, queue, priority DESC, created_at)
     WHERE state = 'pending';
-CREATE INDEX IF NOT EXISTS todos_lapsed ON todos(lease_expires_at) WHERE state = 'claimed';
+-- Leases, by endpoint (a claim reaps its own endpoint's lapsed leases first). It also serves the reaper and the
+-- next-due time across endpoints: it holds only claimed todos, which are few, so a scan of it is short.
 CREATE INDEX IF NOT EXISTS todos_lapsed_by_endpoint ON todos(endpoint_id, lease_expires_at) WHERE state = 'claimed';
 CREATE INDEX IF NOT EXISTS todos_unrung ON todos(available_at) WHERE state = 'pending' AND ring_count = 0;
 CREATE INDEX IF NOT EXISTS todos_rerung ON todos(ring_count, last_ring_at) WHERE state = 'pending' AND ring_count > 0;

@@ -432,6 +432,11 @@ def test_a_release2_database_moves_each_body_into_event_bodies_and_reads_back_th
     assert dict(conn.execute("SELECT event_id, body FROM event_bodies")) == bodies_before
     assert conn.execute("SELECT count(*) FROM todos WHERE payload IS NOT NULL").fetchone()[0] == 0
     assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    indexes = "SELECT name FROM sqlite_master WHERE type = 'index' ORDER BY name"
+    fresh = tmp_path / "fresh.db"
+    assert cli(str(fresh), "init")[0] == 0
+    assert conn.execute(indexes).fetchall() == sqlite3.connect(fresh).execute(indexes).fetchall(), \
+        "the migrated file has the indexes a fresh one has (the global lease index is gone)"
     conn.close()
 
     monkeypatch.setenv("SWITCHBOARD_SECRET_KEY", facts["secret_key_hex"])
