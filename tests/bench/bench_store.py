@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import datetime as dt
 import hashlib
+import io
 import json
 import math
 import os
@@ -92,12 +94,14 @@ def free_port() -> int:
 
 
 def cli(db_path: str, *args: str) -> dict:
-    """Run the real CLI with --json and parse its one JSON object; fail loudly on a non-zero exit."""
-    done = subprocess.run([sys.executable, str(ROOT / "switchboard.py"), *args, "--db", db_path, "--json"],
-                          capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise RuntimeError(f"CLI {' '.join(args)} exited {done.returncode}: {done.stdout} {done.stderr}")
-    return json.loads(done.stdout)
+    """Run the real CLI (`switchboard.main`, in this process: an interpreter start per call cost 1.5 s on a slow
+    machine, half a minute of set-up) with --json and parse its one JSON object; fail loudly on a non-zero exit."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = sb.main([*args, "--db", db_path, "--json"])
+    if code != 0:
+        raise RuntimeError(f"CLI {' '.join(args)} exited {code}: {out.getvalue()} {err.getvalue()}")
+    return json.loads(out.getvalue())
 
 
 def machine_facts() -> dict:
