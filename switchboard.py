@@ -3257,15 +3257,25 @@ def find_webhook(txn: Txn, token: str) -> sqlite3.Row | None:
                    " JOIN endpoints e ON e.id = w.endpoint_id WHERE w.token_hash = ?", (token_hash(token),))
 
 
+# The first outcome of a delivery seen before on webhook `w`: by delivery id, or (signed webhooks) by body, which
+# catches a replayed body under a fresh delivery id. The arms run in order, each by its index; the `?`s are the
+# delivery key and the body hash.
+_FIRST_OUTCOME = ("SELECT outcome FROM events WHERE webhook_id = w.id AND delivery_key = ? UNION ALL SELECT * FROM"
+                  " (SELECT outcome FROM events WHERE w.trust_mode = 'signed' AND webhook_id = w.id AND body_hash = ?"
+                  " LIMIT 1) LIMIT 1")
+
+
 def duplicate_of(txn: Txn, webhook: sqlite3.Row, key: str, body_hash: str) -> dict | None:
-    """The first delivery's outcome if this one was seen: by delivery id, or (signed webhooks) by body, which
-    catches a replayed body under a fresh delivery id. One statement (the arms run in order, each by its index)."""
-    row = txn.one("SELECT outcome FROM events WHERE webhook_id = ? AND delivery_key = ?"
-                  " UNION ALL SELECT * FROM (SELECT outcome FROM events WHERE ? AND webhook_id = ? AND body_hash = ?"
-                  " LIMIT 1) LIMIT 1", (webhook["id"], key, webhook["trust_mode"] == "signed", webhook["id"], body_hash))
-    if row is None:
+    """The answer to a delivery seen before on this webhook, or None."""
+    row = txn.one(f"SELECT ({_FIRST_OUTCOME}) AS outcome FROM webhooks w WHERE w.id = ?",
+                  (key, body_hash, webhook["id"]))
+    return _as_duplicate(row["outcome"]) if row is not None else None
+
+
+def _as_duplicate(first_outcome: str | None) -> dict | None:
+    if first_outcome is None:
         return None
-    first = json.loads(row["outcome"])
+    first = json.loads(first_outcome)
     return {**first, "todos": [{**t, "created": False} for t in first["todos"]], "created": 0, "duplicate": True}
 
 
@@ -3375,11 +3385,13 @@ def _create_planned_todo(txn: Txn, todo_id: str, target: tuple[str, str, str], e
 def record_delivery(txn: Txn, delivery: Delivery) -> dict:
     """One transaction: dedup, the once claim, the event row, and one todo per chosen target (or a held
     one), all or nothing."""
-    webhook = txn.one("SELECT w.*, e.human_id FROM webhooks w JOIN endpoints e ON e.id = w.endpoint_id"
-                      " WHERE w.id = ? AND w.token_hash = ?", (delivery.webhook_id, delivery.token_hash))
+    # The webhook as it is now, and in the same statement whether this delivery was seen before.
+    webhook = txn.one(f"SELECT w.*, e.human_id, ({_FIRST_OUTCOME}) AS first_outcome FROM webhooks w"
+                      " JOIN endpoints e ON e.id = w.endpoint_id WHERE w.id = ? AND w.token_hash = ?",
+                      (delivery.delivery_key, delivery.body_hash, delivery.webhook_id, delivery.token_hash))
     if webhook is None:
         raise ApiError("not_found", "no such webhook")
-    duplicate = duplicate_of(txn, webhook, delivery.delivery_key, delivery.body_hash)
+    duplicate = _as_duplicate(webhook["first_outcome"])
     if duplicate is not None:
         txn.logs.append(f"delivery {duplicate['event_id']} redelivered to {webhook['id']}: duplicate")
         return duplicate
