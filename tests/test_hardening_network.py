@@ -807,6 +807,59 @@ def test_the_writer_skips_cancelled_jobs_and_survives_base_exceptions(tmp_path):
         db.close()
 
 
+def test_a_failing_job_loses_only_its_own_writes_and_its_batch_mates_commit(tmp_path):
+    """Jobs that share a transaction each run in a savepoint: one failing after it wrote loses only its own writes.
+    Its batch-mates commit what they wrote (a later one sees an earlier one's row), and each caller gets its own
+    answer; a failing job alone in its batch rolls the whole transaction back."""
+    db = sb.Database(str(tmp_path / "writer.db"))
+    gate, running = threading.Event(), threading.Event()
+
+    def blocker(txn):
+        running.set()
+        assert gate.wait(10)
+
+    def write_then_fail(txn):
+        sb.add_human(txn, "doomed")
+        raise sb.ApiError("conflict", "this job fails after writing")
+
+    def queued(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while db._jobs.qsize() < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert db._jobs.qsize() == n
+
+    try:
+        blocked = in_thread(db.write_sync, blocker)
+        assert running.wait(10)
+        first = in_thread(db.write_sync, sb.add_human, "first")
+        queued(1)
+        failing = in_thread(db.write_sync, write_then_fail)
+        queued(2)
+        same_name = in_thread(db.write_sync, sb.add_human, "first")
+        queued(3)
+        last = in_thread(db.write_sync, sb.add_human, "last")
+        queued(4)
+        gate.set()
+        assert blocked.result(10) is None
+        assert first.result(10)["name"] == "first"
+        with pytest.raises(sb.ApiError) as failed:
+            failing.result(10)
+        assert failed.value.code == "conflict" and "fails after writing" in failed.value.message
+        with pytest.raises(sb.ApiError) as taken:
+            same_name.result(10)
+        assert taken.value.code == "conflict", "a batch-mate sees the row an earlier job of its batch wrote"
+        assert last.result(10)["name"] == "last"
+        assert [h["name"] for h in db.read_sync(sb.list_humans)["humans"]] == ["first", "last"]
+
+        with pytest.raises(sb.ApiError):
+            db.write_sync(write_then_fail)  # alone in its batch: the whole transaction rolls back
+        assert [h["name"] for h in db.read_sync(sb.list_humans)["humans"]] == ["first", "last"]
+        assert db.alive()
+    finally:
+        gate.set()
+        db.close()
+
+
 def test_a_writer_that_stops_says_why(tmp_path):
     db = sb.Database(str(tmp_path / "writer.db"))
     told: list[str] = []
