@@ -1742,6 +1742,7 @@ EVAL_BUDGET_SECONDS = 0.25
 EVAL_KILL_SECONDS = 2.0
 EVAL_MEMORY_BYTES = 256 << 20
 EVAL_POOL_SIZE = 2
+EVAL_PROGRAMS_PER_CHILD = 128  # compiled rule sets a child keeps (and the pool the same count of keys)
 # Deliveries of one owner waiting for the evaluator beyond this are refused (503) rather than queued.
 EVAL_QUEUE_PER_TENANT = 256
 EVAL_THREADS = 16
@@ -1782,21 +1783,21 @@ for header in read:
                 except ValueError as exc:
                     errors.append({"index": index, "detail": str(exc)[:500]})
             answer({"errors": errors})
+        elif request["op"] == "load":
+            if len(programs) >= PROGRAMS:
+                programs.clear()
+            programs[request["key"]] = jq.compile(request["program"], args={"params": request["params"]})
+            answer({"loaded": True})
         else:
-            program = programs.get(request["key"])
-            if program is None:
-                if len(programs) >= 128:
-                    programs.clear()
-                program = programs[request["key"]] = jq.compile(request["program"],
-                                                                 args={"params": request["params"]})
-            answer({"result": program.input_text(doc).first()})
+            answer({"result": programs[request["key"]].input_text(doc).first()})
     except MemoryError:
         answer({"fault": "budget_exhausted", "detail": "memory cap reached"})
     except Exception as exc:
         answer({"fault": "error", "detail": str(exc)[:500]})
     finally:
         signal.alarm(0)
-'''.replace("MEMORY", str(EVAL_MEMORY_BYTES)).replace("DEADLINE", str(int(EVAL_KILL_SECONDS) + 1))
+'''.replace("MEMORY", str(EVAL_MEMORY_BYTES)).replace("DEADLINE", str(int(EVAL_KILL_SECONDS) + 1)).replace(
+    "PROGRAMS", str(EVAL_PROGRAMS_PER_CHILD))
 
 FORBIDDEN_IDENTIFIERS = frozenset({
     "env", "$ENV", "input", "inputs", "input_filename", "input_line_number", "debug", "stderr", "halt",
@@ -1911,6 +1912,10 @@ class _Child:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise EvaluatorDied("the evaluator is gone") from None
+
+    def ask(self, header: dict, doc: bytes, timeout: float) -> dict | None:
+        self.send(header, doc)
+        return self.read(timeout)
 
     def read(self, timeout: float) -> dict | None:
         """The next reply, None when `timeout` passes first; EvaluatorUnavailable when the child died."""
@@ -2042,8 +2047,10 @@ class Evaluator:
             child.kill()
         self._exit(tenant)
 
-    def _call(self, header: dict, doc: bytes, compile_only: bool = False, tenant: str | None = None) -> dict | None:
-        """The child's reply; None when it overran (and has left the pool, still counting for its tenant)."""
+    def _call(self, header: dict, doc: bytes, compile_only: bool = False, tenant: str | None = None,
+              program: str | None = None) -> dict | None:
+        """The child's reply; None when it overran (and has left the pool, still counting for its tenant). An
+        evaluation names its compiled `program` by the header's key; a child that lacks it loads it first."""
         self._enter(tenant)
         try:
             child = self._acquire()
@@ -2052,10 +2059,20 @@ class Evaluator:
             raise
         started = time.monotonic()
         try:
-            if not compile_only and header["key"] not in child.known:
-                header = {**header, "program": header["program_text"]}
-            child.send({k: v for k, v in header.items() if k != "program_text"}, doc)
-            reply = child.read(self.kill_after if compile_only else self.budget)
+            if compile_only or header["key"] in child.known:
+                reply = child.ask(header, doc, self.kill_after if compile_only else self.budget)
+            else:
+                # Compiling gets a round trip of its own, once per child and rule set: the budget is for evaluating,
+                # and compiling a large rule set on a busy machine can take a good part of it. The child forgets its
+                # programs all at once when it holds EVAL_PROGRAMS_PER_CHILD, and so does `known`.
+                if len(child.known) >= EVAL_PROGRAMS_PER_CHILD:
+                    child.known.clear()
+                reply = child.ask({"op": "load", "key": header["key"], "program": program, "params": header["params"]},
+                                  b"", self.kill_after)
+                if reply is not None and reply.get("loaded") is True:
+                    child.known.add(header["key"])
+                    started = time.monotonic()
+                    reply = child.ask(header, doc, self.budget)
         except EvaluatorUnavailable:
             self._leave(child)
             self._exit(tenant)
@@ -2067,8 +2084,6 @@ class Evaluator:
                 self._changed.notify_all()
             threading.Thread(target=self._overrun, args=(child, started, tenant), daemon=True).start()
             return None
-        if not compile_only:
-            child.known.add(header["key"])
         self._release(child)
         self._exit(tenant)
         return reply
@@ -2092,8 +2107,7 @@ class Evaluator:
         program = combined_program(tuple(exprs))
         key = hashlib.sha256(program.encode() + b"\x00" + json.dumps(params, sort_keys=True).encode()).hexdigest()
         try:
-            reply = self._call({"op": "eval", "key": key, "program_text": program, "params": params}, doc,
-                                tenant=tenant)
+            reply = self._call({"op": "eval", "key": key, "params": params}, doc, tenant=tenant, program=program)
         except EvaluatorDied:
             # It started and then died mid-evaluation: the memory cap, or a crash in jq. A fault, not an outage.
             return {"fault": "budget_exhausted", "rule_index": None,

@@ -3,6 +3,7 @@ once-only work orders, and the quarantine a human releases."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 
@@ -372,3 +373,32 @@ def test_reroute_of_a_delivery_chooses_among_the_webhooks_targets(world, alice, 
     moved = world.act(alice, todo_id, "reroute", queue="lane-m").json()
     assert moved["endpoint_id"] == lane_m.id, "a webhook target, not the human's older endpoint"
     assert bystander.id != lane_m.id
+
+
+def test_compiling_a_rule_set_is_not_charged_to_the_evaluation_budget():
+    """A child's first use of a rule set compiles it in a round trip of its own: a large set that takes longer to
+    compile than the budget allows an evaluation (here 20 rules of 4,000 definitions: 50-150 ms against 30 ms)
+    still evaluates, and is not held as a timeout. Evaluating keeps its budget."""
+    evaluator = sb.Evaluator(size=1, budget=0.03)
+    slow_to_compile = [" ".join(f"def f{i}: {i};" for i in range(4000)) + f" .n == {n}" for n in range(20)]
+    document = json.dumps({"n": 7}).encode()
+    try:
+        assert evaluator.run(slow_to_compile, {}, document) == {"match": 7}
+        assert evaluator.run(slow_to_compile, {}, document) == {"match": 7}, "and again, compiled already"
+        assert evaluator.run(["(.n | until(false; .))"], {}, document)["fault"] == "timeout"
+    finally:
+        evaluator.close()
+
+
+def test_a_child_that_forgot_its_programs_loads_a_rule_set_again():
+    """A child keeps EVAL_PROGRAMS_PER_CHILD compiled rule sets, then forgets them all at once; the pool forgets its
+    list of them at the same moment, so a rule set from before is compiled again, never asked for by key alone."""
+    evaluator = sb.Evaluator(size=1)
+    document = json.dumps({"n": 7}).encode()
+    try:
+        for n in range(sb.EVAL_PROGRAMS_PER_CHILD + 3):
+            assert evaluator.run([f".n == {n}"], {}, document) == ({"match": 0} if n == 7 else {"none": True}), n
+        for n in (7, 8, 0):
+            assert evaluator.run([f".n == {n}"], {}, document) == ({"match": 0} if n == 7 else {"none": True}), n
+    finally:
+        evaluator.close()
