@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import json
 import math
 import os
@@ -55,6 +56,7 @@ import tempfile
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -67,7 +69,8 @@ import producers  # noqa: E402
 import bench_ingest  # noqa: E402
 from bench_ingest import SIZES, fleet_topology, labeled_delivery  # noqa: E402
 from bench_store import (SYNC_CODE, ChildServer, Server, cli, inproc_litequeue, inproc_persistqueue,  # noqa: E402
-                         inproc_switchboard, machine_facts, percentile, run_timed, source_fingerprint)
+                         inproc_switchboard, machine_facts, percentile, read_only, report_notes, run_timed,
+                         source_fingerprint)
 
 RESULTS_PATH = HERE / "results-compare.json"
 MINIMAL_APP = HERE / "minimal_app.py"
@@ -244,6 +247,15 @@ def checkpoint_truncate(db_path: str) -> list:
         conn.close()
 
 
+@contextlib.contextmanager
+def scratch(path: str) -> Iterator[str]:
+    """A repetition's own directory, removed when it ends (however it ends)."""
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def copy_dir(src: str, prefix: str) -> str:
     """A fresh working copy of a template directory (database and key; never logs or a stale -shm)."""
     dst = tempfile.mkdtemp(prefix=prefix)
@@ -414,21 +426,16 @@ def _send_and_stop(server: ChildServer, path: str, deliveries: list) -> tuple[di
 def rep_switchboard_ingest(template: dict, deliveries: list, fleet: bool) -> dict:
     tmp = copy_dir(template["dir"], "sb-cmp-ingest-")
     db = os.path.join(tmp, "switchboard.db")
-    server = None
-    try:
-        server = Server(db, "full", "--ingest-rate", "0")
+    with scratch(tmp), Server(db, "full", "--ingest-rate", "0") as server:
         out, problems = _send_and_stop(server, template["hook_path"], deliveries)
         n = len(deliveries)
         answers = out["answers"]
         dispositions = collections.Counter("duplicate" if a.get("duplicate") else a.get("disposition")
                                            for a in answers if a is not None)
-        ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        try:
+        with read_only(db) as ro:
             db_dispositions = dict(ro.execute("SELECT disposition, count(*) FROM events GROUP BY disposition"))
             db_queues = dict(ro.execute("SELECT queue, count(*) FROM todos GROUP BY queue"))
             db_states = dict(ro.execute("SELECT state, count(*) FROM todos GROUP BY state"))
-        finally:
-            ro.close()
         if fleet:
             wrong_lane = sum(1 for i, a in enumerate(answers) if a is not None and a.get("disposition") == "routed"
                              and [t["queue"] for t in a["todos"]] != [f"lane-{SIZES[i % len(SIZES)].lower()}"])
@@ -445,42 +452,28 @@ def rep_switchboard_ingest(template: dict, deliveries: list, fleet: bool) -> dic
                           and wrong_lane == 0)
         out["verified"] = verified
         return _strip(out)
-    finally:
-        if server is not None:
-            server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def rep_minimal_ingest(deliveries: list, group_commit: bool) -> dict:
     tmp = tempfile.mkdtemp(prefix="sb-cmp-minimal-")
     db = os.path.join(tmp, "minimal.db")
-    server = None
-    try:
-        server = MinimalServer(db, group_commit)
+    with scratch(tmp), MinimalServer(db, group_commit) as server:
         out, problems = _send_and_stop(server, MINIMAL_HOOK, deliveries)
         n = len(deliveries)
         duplicates = sum(1 for a in out["answers"] if a is not None and a["duplicate"])
-        ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        try:
+        with read_only(db) as ro:
             rows, distinct, pending = ro.execute("SELECT count(*), count(DISTINCT delivery), "
                                                  "sum(state = 'pending') FROM deliveries").fetchone()
-        finally:
-            ro.close()
         out["verified"] = {"http_errors": out["errors"][:10], "server_log_problems": problems[:10],
                            "duplicates": duplicates, "db_rows": rows, "db_distinct": distinct, "db_pending": pending,
                            "ok": not out["errors"] and not problems and duplicates == 0 and rows == n
                            and distinct == n and pending == n}
         return _strip(out)
-    finally:
-        if server is not None:
-            server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def rep_switchboard_claim(template: dict, n: int) -> dict:
     tmp = copy_dir(template["dir"], "sb-cmp-claim-")
     db = os.path.join(tmp, "switchboard.db")
-    server = None
 
     def claim(client: httpx.Client):
         r = client.post("/api/v1/todos/claim", json={"queue": CLAIM_QUEUE})
@@ -494,22 +487,17 @@ def rep_switchboard_claim(template: dict, n: int) -> dict:
         if r.status_code != 200 or r.json().get("state") != "done":
             raise RuntimeError(f"complete {got[0]}: {r.status_code} {r.text[:200]}")
 
-    try:
-        server = Server(db, "full")
+    with scratch(tmp), Server(db, "full") as server:
         out = claim_complete(server.url, {"Authorization": f"Bearer {template['endpoint']['token']}"},
                              claim, complete, server.proc.pid)
         server.stop()
         problems = server.log_problems()
-        server = None
         dupes = [k for k, c in collections.Counter(out["completed"]).items() if c > 1]
-        ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        try:
+        with read_only(db) as ro:
             states = dict(ro.execute("SELECT state, count(*) FROM todos GROUP BY state"))
             completed_attempts = ro.execute("SELECT count(*) FROM attempts WHERE outcome = 'completed'").fetchone()[0]
             attempts_not_1 = ro.execute("SELECT count(*) FROM (SELECT todo_id FROM attempts GROUP BY todo_id "
                                         "HAVING count(*) <> 1)").fetchone()[0]
-        finally:
-            ro.close()
         out["cycles"] = len(out["completed"])
         out["verified"] = {"http_errors": out["errors"], "server_log_problems": problems[:10], "duplicates": dupes[:10],
                            "db_states": states, "db_completed_attempts": completed_attempts,
@@ -517,16 +505,11 @@ def rep_switchboard_claim(template: dict, n: int) -> dict:
                            "ok": not out["errors"] and not problems and not dupes and len(out["completed"]) == n
                            and states == {"done": n} and completed_attempts == n and attempts_not_1 == 0}
         return _strip(out)
-    finally:
-        if server is not None:
-            server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def rep_minimal_claim(template: dict, n: int, group_commit: bool) -> dict:
     tmp = copy_dir(template["dir"], "sb-cmp-minimal-claim-")
     db = os.path.join(tmp, "minimal.db")
-    server = None
 
     def claim(client: httpx.Client):
         r = client.post("/claim")
@@ -540,28 +523,19 @@ def rep_minimal_claim(template: dict, n: int, group_commit: bool) -> dict:
         if r.status_code != 200 or r.json().get("state") != "done":
             raise RuntimeError(f"complete {got[0]}: {r.status_code} {r.text[:200]}")
 
-    try:
-        server = MinimalServer(db, group_commit)
+    with scratch(tmp), MinimalServer(db, group_commit) as server:
         out = claim_complete(server.url, {}, claim, complete, server.proc.pid)
         server.stop()
         problems = server.log_problems()
-        server = None
         dupes = [k for k, c in collections.Counter(out["completed"]).items() if c > 1]
-        ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        try:
+        with read_only(db) as ro:
             states = dict(ro.execute("SELECT state, count(*) FROM deliveries GROUP BY state"))
-        finally:
-            ro.close()
         out["cycles"] = len(out["completed"])
         out["verified"] = {"http_errors": out["errors"], "server_log_problems": problems[:10], "duplicates": dupes[:10],
                            "db_states": states,
                            "ok": not out["errors"] and not problems and not dupes and len(out["completed"]) == n
                            and states == {"done": n}}
         return _strip(out)
-    finally:
-        if server is not None:
-            server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -646,14 +620,14 @@ def footprint(system: str, template: dict | None, deliveries: list, idle_s: floa
         tmp = copy_dir(template["dir"], "sb-cmp-footprint-")
         db = os.path.join(tmp, "switchboard.db")
         path = template["hook_path"]
+        server_type, server_args = Server, ("full", "--ingest-rate", "0")
     else:
         tmp = tempfile.mkdtemp(prefix="sb-cmp-minimal-footprint-")
         db = os.path.join(tmp, "minimal.db")
         path = MINIMAL_HOOK
-    server = None
-    try:
-        before = db_files(db)
-        server = Server(db, "full", "--ingest-rate", "0") if system == "switchboard" else MinimalServer(db)
+        server_type, server_args = MinimalServer, ()
+    before = db_files(db)
+    with scratch(tmp), server_type(db, *server_args) as server:
         if system != "switchboard":
             before = db_files(db)  # the minimal app makes its (empty) schema at start
         pid = server.proc.pid
@@ -667,21 +641,17 @@ def footprint(system: str, template: dict | None, deliveries: list, idle_s: floa
         serving = db_files(db)
         server.stop()
         problems = server.log_problems()
-        server = None
         stopped = db_files(db)
         checkpoint = checkpoint_truncate(db)
         truncated = db_files(db)
         n = len(deliveries)
         received = sum(len(raw) for raw, _ in deliveries)
-        ro = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        try:
+        with read_only(db) as ro:
             if system == "switchboard":
                 events = ro.execute("SELECT count(*) FROM events").fetchone()[0]
                 pending = ro.execute("SELECT count(*) FROM todos WHERE state = 'pending'").fetchone()[0]
             else:
                 events = pending = ro.execute("SELECT count(*) FROM deliveries WHERE state = 'pending'").fetchone()[0]
-        finally:
-            ro.close()
         acked = sum(1 for a in sent["answers"] if a is not None)
         verified = {"http_errors": sent["errors"][:10], "server_log_problems": problems[:10], "acked": acked,
                     "db_events": events, "db_pending": pending,
@@ -699,10 +669,6 @@ def footprint(system: str, template: dict | None, deliveries: list, idle_s: floa
                      "growth_ratio": round(growth / received, 3)},
             "verified": verified,
         }
-    finally:
-        if server is not None:
-            server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1118,9 +1084,7 @@ def markdown(results: dict, header: bool = True) -> str:
         f"`bench_compare.py` took {results['elapsed_s']:.0f} s.")
     if not header:
         lines = [conditions, "", *table(results), "", *details(results), "", HOW]
-        if results.get("failures"):
-            lines += ["", "Failures in bench_compare: " + "; ".join(x.replace("|", "/") for x in results["failures"])]
-        return "\n".join(lines)
+        return "\n".join(lines + report_notes({"failures": results.get("failures")}, "bench_compare"))
     lines = [
         f"Measured {m['date'].replace('+00:00', '').replace('T', ' ')} UTC"
         f"{' (QUICK RUN: small sizes, one repetition, not representative)' if results['quick'] else ''}, "
@@ -1136,11 +1100,7 @@ def markdown(results: dict, header: bool = True) -> str:
         "",
         HOW,
     ]
-    if results.get("warning"):
-        lines += ["", f"Warning: {results['warning']}."]
-    if results.get("failures"):
-        lines += ["", "Failures in this run: " + "; ".join(x.replace("|", "/") for x in results["failures"])]
-    return "\n".join(lines)
+    return "\n".join(lines + report_notes(results))
 
 
 def _load(triple) -> str:

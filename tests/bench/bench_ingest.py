@@ -21,7 +21,6 @@ import collections
 import json
 import os
 import shutil
-import sqlite3
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # tests/, for producers
 import producers  # noqa: E402
-from bench_store import ROOT, Server, cli, percentile, run_timed  # noqa: E402
+from bench_store import ROOT, Server, cli, percentile, read_only, run_timed  # noqa: E402
 
 PACK = ROOT / "packs" / "fleet.json"
 LANES = ("lane-s", "lane-m", "lane-l", "lane-vision", "triage")
@@ -164,13 +163,10 @@ def bench_ingest(synchronous: str, n_deliveries: int, n_senders: int = 16) -> di
         expected_lane = {f"lane-{s.lower()}" for s in SIZES}
         wrong_lane = [a for i, a in enumerate(answers) if a is not None and a["disposition"] == "routed"
                       and [t["queue"] for t in a["todos"]] != [f"lane-{SIZES[i % len(SIZES)].lower()}"]]
-        ro = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
-        try:
+        with read_only(db_path) as ro:
             db_dispositions = dict(ro.execute("SELECT disposition, count(*) FROM events GROUP BY disposition"))
             db_queues = dict(ro.execute("SELECT queue, count(*) FROM todos GROUP BY queue"))
             lane_owner = dict(ro.execute("SELECT t.queue, count(DISTINCT t.endpoint_id) FROM todos t GROUP BY t.queue"))
-        finally:
-            ro.close()
         routed = dispositions.get("routed", 0)
         verified = {
             "http_errors": errors[:20], "server_log_problems": log_problems[:20], "server_tracebacks": tracebacks,

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,24 @@ def source_fingerprint() -> dict:
     return {"git_head": head, "dirty": bool(dirty), "sha256_switchboard_and_schema": digest[:16]}
 
 
+@contextlib.contextmanager
+def read_only(db_path: str) -> Iterator[sqlite3.Connection]:
+    """The database file opened read-only, to check what a run left in it."""
+    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def report_notes(results: dict, whose: str = "this run") -> list[str]:
+    """The lines a Markdown report ends with: a warning, and the failures (a `|` would end a table cell)."""
+    lines = ["", f"Warning: {results['warning']}."] if results.get("warning") else []
+    if results.get("failures"):
+        lines += ["", f"Failures in {whose}: " + "; ".join(x.replace("|", "/") for x in results["failures"])]
+    return lines
+
+
 class ChildServer:
     """A server as a child process on a free 127.0.0.1 port, logging to a file beside its database, answering
     `/healthz` before this returns, and stopped by its own pid. `command` says what to run."""
@@ -175,6 +193,12 @@ class ChildServer:
         self.stop()
         raise RuntimeError(f"{type(self).__name__} did not start; log:\n"
                            f"{self.log_path.read_text(errors='replace')[-2000:]}")
+
+    def __enter__(self) -> ChildServer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
 
     def command(self, db_path: str, *args) -> list[str]:
         raise NotImplementedError
@@ -339,16 +363,13 @@ def bench_rest(synchronous: str, n_todos: int, n_workers: int, push_threads: int
         all_completed = [tid for per in completed for tid in per]
         dupes = [tid for tid, n in collections.Counter(all_completed).items() if n > 1]
         missing = sorted(set(pushed) - set(all_completed))
-        ro = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
-        try:
+        with read_only(db_path) as ro:
             states = dict(ro.execute("SELECT state, count(*) FROM todos GROUP BY state").fetchall())
             multi_attempts = ro.execute("SELECT count(*) FROM (SELECT todo_id FROM attempts GROUP BY todo_id"
                                         " HAVING count(*) <> 1)").fetchone()[0]
             completed_attempts = ro.execute("SELECT count(*) FROM attempts WHERE outcome = 'completed'").fetchone()[0]
             done_transitions = ro.execute("SELECT count(*) FROM (SELECT todo_id FROM todo_history"
                                           " WHERE to_state = 'done' GROUP BY todo_id HAVING count(*) <> 1)").fetchone()[0]
-        finally:
-            ro.close()
         verified = {
             "client_completed": len(all_completed),
             "client_duplicates": dupes[:10],

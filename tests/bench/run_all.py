@@ -248,11 +248,7 @@ def markdown(results: dict) -> str:
         "",
         HOW_MEASURED,
     ]
-    if results.get("warning"):
-        lines += ["", f"Warning: {results['warning']}."]
-    if results["failures"]:
-        lines += ["", "Failures in this run: " + "; ".join(x.replace("|", "/") for x in results["failures"])]
-    return "\n".join(lines)
+    return "\n".join(lines + bench_store.report_notes(results))
 
 
 def rewrite_readme(block: str, path: Path = README) -> None:
