@@ -5347,12 +5347,18 @@ PATH_SCHEMAS = {
 LEASED_VERBS = frozenset({"heartbeat", "complete", "fail", "release", "needs_input", "block", "absorb"})
 
 
+@functools.cache
+def _body_schema_text(body: type[BaseModel] | None) -> str:
+    """A body model's JSON Schema, as text: generating it costs more than the rest of an app's start-up, and a
+    model never changes while the process runs."""
+    schema = body.model_json_schema() if body else {"type": "object", "properties": {}, "additionalProperties": False}
+    return json.dumps(schema)
+
+
 def tool_schema(spec: ToolSpec) -> dict:
     """The tool's input schema: the REST body model's JSON Schema plus the path parameters. Over MCP the
     lease token may be left out when this session made the claim."""
-    schema = spec.body.model_json_schema() if spec.body else {"type": "object", "properties": {},
-                                                                "additionalProperties": False}
-    schema = json.loads(json.dumps(schema))
+    schema = json.loads(_body_schema_text(spec.body))
     schema.setdefault("properties", {})
     for name in spec.path:
         schema["properties"][name] = PATH_SCHEMAS[name]
