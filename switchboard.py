@@ -3,6 +3,7 @@
 One process (Starlette under uvicorn) and one SQLite file. The reference is docs/ and README.md.
 
 Contents, in dependency order (each section uses only those above it):
+  0. Start-up        `python switchboard.py serve` re-executed as the imported module, before the heavy imports
   1. Configuration   constants, limits, the clock, errors
   2. Storage         schema application and migrations, connections, the single writer, readers
   3. Crypto          tokens and their hashes, sealed webhook secrets
@@ -54,6 +55,37 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
+
+# ======================================================================================================
+# 0. Start-up (the standard library is all it needs; the third-party imports follow it)
+# ======================================================================================================
+
+def _command_word(argv: list[str]) -> str | None:
+    """The command in a command line: its first word that is not a global option (--db VALUE, --db=VALUE, --json)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--db":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def _serve_as_imported_module() -> None:
+    """`python switchboard.py serve` becomes the same process (same pid, interpreter options, arguments and
+    environment) running this file as an imported module. CPython keeps the parse tree of a script it runs
+    directly until the script returns, and serve never returns: for this file that is 14 MiB held for nothing.
+    An imported module's parse tree is freed as soon as it is compiled. This runs before the third-party imports
+    below, so the first process loads nothing it would throw away (about a second of start-up on a slow box)."""
+    if __name__ != "__main__" or os.name != "posix" or _command_word(sys.argv[1:]) != "serve":
+        return
+    interpreter_options = sys.orig_argv[1:len(sys.orig_argv) - len(sys.argv)]
+    boot = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import switchboard;"
+            f" sys.exit(switchboard.main())")
+    os.execv(sys.executable, [sys.executable, *interpreter_options, "-c", boot, *sys.argv[1:]])
+
+
+_serve_as_imported_module()
 
 import anyio.to_thread
 import httpx
@@ -7166,25 +7198,11 @@ def _raise_file_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
-def _serve_as_imported_module() -> None:
-    """`python switchboard.py serve` becomes the same process (same pid, interpreter options, arguments and
-    environment) running this file as an imported module. CPython keeps the parse tree of a script it runs
-    directly until the script returns, and serve never returns: for this file that is 14 MiB held for nothing.
-    An imported module's parse tree is freed as soon as it is compiled."""
-    if __name__ != "__main__" or os.name != "posix":
-        return
-    interpreter_options = sys.orig_argv[1:len(sys.orig_argv) - len(sys.argv)]
-    boot = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import switchboard;"
-            f" sys.exit(switchboard.main())")
-    os.execv(sys.executable, [sys.executable, *interpreter_options, "-c", boot, *sys.argv[1:]])
-
-
 def _cli_serve(args: argparse.Namespace) -> int:
     for name, allowed in (("synchronous", ("full", "normal")), ("log_format", ("plain", "json"))):
         if getattr(args, name) not in allowed:
             raise ApiError("invalid_argument", f"{name.replace('_', '-')} must be one of {', '.join(allowed)}"
                                                f" (from SWITCHBOARD_{name.upper()})")
-    _serve_as_imported_module()
     with configure_logging(args.log_format):
         return _serve(args)
 

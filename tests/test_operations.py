@@ -231,3 +231,12 @@ def test_serve_run_as_a_script_keeps_its_pid_and_drops_the_scripts_parse_tree(db
     finally:
         server.stop()
     assert server.proc.returncode == 0
+
+
+def test_serve_is_recognised_behind_the_global_options():
+    """The re-exec happens before the command line is parsed, so it finds the command past --db and --json itself;
+    a word after the command (a human named serve) is not the command."""
+    assert sb._command_word(["--db", "serve.db", "--json", "serve", "--port", "1"]) == "serve"
+    assert sb._command_word(["--db=x.db", "serve"]) == "serve"
+    assert sb._command_word(["human", "add", "serve"]) == "human"
+    assert sb._command_word(["--json"]) is None
