@@ -4376,6 +4376,12 @@ def shape_request(kind: str, url: str, token: str | None, message: Composed,
     return url, headers, payload
 
 
+def _notify_client() -> httpx.AsyncClient:
+    """The HTTP client notifications go out on: no redirects (a channel URL is the one the human set), and no proxy
+    or credentials from the environment."""
+    return httpx.AsyncClient(timeout=NOTIFY_TIMEOUT_SECONDS, follow_redirects=False, trust_env=False)
+
+
 class Notifier:
     """The sender loop. `wake()` may be called from any thread (the writer calls it after a commit that wrote
     to the outbox); the loop also wakes when the next held-back message falls due."""
@@ -4401,13 +4407,17 @@ class Notifier:
         """Send what is due, then sleep until the next message falls due or a commit wakes the loop. One bad
         round is logged and the loop goes on."""
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
-        async with httpx.AsyncClient(timeout=NOTIFY_TIMEOUT_SECONDS, follow_redirects=False, trust_env=False) as client:
+        # Made when the first message falls due: a client loads the TLS trust store (0.2 s on a slow box), which a
+        # server that has nothing to send should not spend on the event loop as it starts.
+        client: httpx.AsyncClient | None = None
+        try:
             while True:
                 self._wake.clear()
                 try:
                     due, next_due = await self.db.write(due_messages, int(NOTIFY_RATE_SECONDS * 1000),
                                                         frozenset(self.busy))
                     for message in due:
+                        client = client or _notify_client()
                         self._start(client, message)
                 except Exception:  # noqa: BLE001 - the loop must outlive one bad round; the cause is logged
                     log.exception("notifier round failed")
@@ -4415,6 +4425,9 @@ class Notifier:
                 wait = 60.0 if next_due is None else max(0.05, (next_due - self.db.clock.now_ms()) / 1000)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait)
+        finally:
+            if client is not None:
+                await client.aclose()
 
     def _start(self, client: httpx.AsyncClient, message: Outgoing) -> None:
         channel_id = message.channel["id"]
@@ -4465,7 +4478,7 @@ class Notifier:
 
     async def send_now(self, message: Outgoing) -> dict:
         """Send one message at once, outside the loop and its rate limit (a channel test), and say how it went."""
-        async with httpx.AsyncClient(timeout=NOTIFY_TIMEOUT_SECONDS, follow_redirects=False, trust_env=False) as client:
+        async with _notify_client() as client:
             error = await self.deliver(client, message)
         return {"id": message.id, "channel_id": message.channel["id"], "sent": error is None, "error": error}
 
@@ -5170,7 +5183,8 @@ def _operation(route: ApiRoute, schemas: dict) -> dict:
 @functools.cache
 def openapi_document() -> dict:
     """OpenAPI 3.1, generated from the route tables and the very models the handlers validate with (once per
-    process: the tables never change)."""
+    process, when first asked for: the tables never change, and generating it takes longer than the rest of a
+    server's start-up)."""
     schemas: dict = {}
     paths: dict = {}
     for route in REST_ROUTES + MCP_ROUTES:
@@ -5193,7 +5207,6 @@ class Api:
         self.base_url = base_url
         self.allowed_origins = allowed_origins
         self.ingest_buffer = BodyBudget(INGEST_BUFFER_BYTES)
-        self.openapi_document = openapi_document()
 
     async def principal(self, request: Request) -> Principal:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -5322,7 +5335,7 @@ class Api:
         return JsonResponse(await self.db.write(add_channel, principal, self.flows.box, body), status_code=201)
 
     async def openapi(self, request: Request) -> Response:
-        return JsonResponse(self.openapi_document)
+        return JsonResponse(openapi_document())
 
 
 # -- doorbell streams: Server-Sent Events and MCP -------------------------------------------------------
