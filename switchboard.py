@@ -32,6 +32,7 @@ import difflib
 import functools
 import hashlib
 import hmac
+import importlib.util
 import ipaddress
 import json
 import logging
@@ -1766,8 +1767,8 @@ def envelope_title(envelope: dict) -> str:
 # ======================================================================================================
 # 7. Evaluator: jq rules in a sandboxed child process
 # ======================================================================================================
-# Rules never run in the server process. Each child is `python -I` with an empty environment, a 256 MiB
-# address-space cap, and only json and jq imported. The whole rule set is one jq program evaluated in one
+# Rules never run in the server process. Each child is `python -I -S` (no site hooks; jq's directory is the one
+# path it is given) with an empty environment, a 256 MiB address-space cap, and only json and jq imported. The whole rule set is one jq program evaluated in one
 # pass over one parsed copy of the envelope; first truthy output wins, the first error stops evaluation.
 
 EVAL_BUDGET_SECONDS = 0.25
@@ -1786,6 +1787,7 @@ DRY_RUN_EVENTS = 50
 # The child's whole program. Frames: a JSON header line, then `doc_bytes` bytes of envelope JSON.
 EVALUATOR_CHILD = r'''
 import json, os, resource, signal, sys
+sys.path.append(sys.argv[1])
 import jq
 
 resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
@@ -1921,11 +1923,20 @@ class EvaluatorDied(EvaluatorUnavailable):
     """A running child went away mid-request (its memory cap, or a crash): for a delivery, a rule fault."""
 
 
+@functools.cache
+def _jq_directory() -> str:
+    """Where the jq module is installed: the one path an evaluator child is given."""
+    spec = importlib.util.find_spec("jq")
+    return os.path.dirname(spec.origin) if spec and spec.origin else ""
+
+
 class _Child:
     def __init__(self) -> None:
         try:
-            self.proc = subprocess.Popen([sys.executable, "-I", "-c", EVALUATOR_CHILD], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={}, close_fds=True)
+            # -S: no site hooks run in the sandbox (the .pth files of site-packages, a third of a child's start).
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", EVALUATOR_CHILD, _jq_directory()],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         env={}, close_fds=True)
         except OSError as exc:
             raise EvaluatorUnavailable(f"cannot start the evaluator: {exc}") from None
         self.known: set[str] = set()

@@ -402,3 +402,20 @@ def test_a_child_that_forgot_its_programs_loads_a_rule_set_again():
             assert evaluator.run([f".n == {n}"], {}, document) == ({"match": 0} if n == 7 else {"none": True}), n
     finally:
         evaluator.close()
+
+
+def test_an_evaluator_child_is_isolated_capped_and_runs_no_site_hooks():
+    """What the docs promise of the sandbox, read from the running child: `python -I -S`, an empty environment,
+    the address-space cap; and it still evaluates, with jq found through the one path it is given."""
+    evaluator = sb.Evaluator(size=1)
+    try:
+        assert evaluator.run(['.n == 7'], {}, b'{"n": 7}') == {"match": 0}
+        (child,) = evaluator._idle
+        pid = child.proc.pid
+        arguments = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        assert arguments[1:4] == [b"-I", b"-S", b"-c"]
+        assert open(f"/proc/{pid}/environ", "rb").read() == b""
+        (address_space,) = [line.split()[3:5] for line in open(f"/proc/{pid}/limits") if line.startswith("Max address")]
+        assert address_space == [str(sb.EVAL_MEMORY_BYTES)] * 2
+    finally:
+        evaluator.close()
