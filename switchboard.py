@@ -1774,7 +1774,9 @@ def envelope_title(envelope: dict) -> str:
 EVAL_BUDGET_SECONDS = 0.25
 EVAL_KILL_SECONDS = 2.0
 EVAL_MEMORY_BYTES = 256 << 20
-EVAL_POOL_SIZE = 2
+# Three children: one owner (a homelab's usual case) evaluates two deliveries at once, and another owner always
+# finds the third free.
+EVAL_POOL_SIZE = 3
 EVAL_PROGRAMS_PER_CHILD = 128  # compiled rule sets a child keeps (and the pool the same count of keys)
 # Deliveries of one owner waiting for the evaluator beyond this are refused (503) rather than queued.
 EVAL_QUEUE_PER_TENANT = 256
