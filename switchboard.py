@@ -1902,6 +1902,19 @@ class JqText:
         return sorted({name for name in self.identifiers if name in FORBIDDEN_IDENTIFIERS})
 
 
+@functools.lru_cache(maxsize=1024)
+def read_rule(expr: str) -> JqText:
+    """A rule's text read once: every save, dry run and replay checks a rule set's texts again, and reading one
+    character by character costs more than evaluating it."""
+    return JqText(expr)
+
+
+@functools.lru_cache(maxsize=64)
+def forbidden_in_program(program: str) -> tuple[str, ...]:
+    """The forbidden identifiers of a combined program (read as a whole, as jq will read it), once per program."""
+    return tuple(JqText(program).forbidden())
+
+
 @functools.lru_cache(maxsize=256)
 def combined_program(exprs: tuple[str, ...]) -> str:
     """One jq program for a whole rule set: rule i is tried only when rules 0..i-1 neither matched nor
@@ -1910,7 +1923,7 @@ def combined_program(exprs: tuple[str, ...]) -> str:
     Cached: reading the rules costs more than evaluating them, and a webhook's rule set rarely changes."""
     program = '{"none": true}'
     for index, expr in reversed(list(enumerate(exprs))):
-        program = (f'(try ([limit(1; ({JqText(expr).code}\n))] | if length > 0 and (.[0] | . != false and . != null)'
+        program = (f'(try ([limit(1; ({read_rule(expr).code}\n))] | if length > 0 and (.[0] | . != false and . != null)'
                    f' then 1 else 0 end) catch {{"error": .}}) as $__r{index}'
                    f' | if $__r{index} == 1 then {{"match": {index}}} elif $__r{index} == 0 then {program}'
                    f' else {{"fault": {index}, "detail": $__r{index}.error}} end')
@@ -2016,6 +2029,8 @@ class Evaluator:
         self._tenant_load: collections.Counter = collections.Counter()
         self._closed = False
         self._failed_starts = 0
+        # Program lists that compiled cleanly, by text and params (insertion-ordered, oldest dropped first).
+        self._compiled_clean: dict[str, None] = {}
         self.on_death: Callable[[str], None] | None = None
 
     def _wait(self, ready: Callable[[], bool], why: str) -> None:
@@ -2134,6 +2149,12 @@ class Evaluator:
         return reply
 
     def compile_errors(self, programs: list[str], params: dict, tenant: str | None = None) -> list[dict]:
+        """Each program's compile error. A list that compiled cleanly is remembered, so saving, dry-running or
+        replaying an unchanged rule set does not compile every rule again (jq takes milliseconds per rule)."""
+        key = hashlib.sha256(json.dumps([programs, params], sort_keys=True).encode()).hexdigest()
+        with self._changed:
+            if key in self._compiled_clean:
+                return []
         reply = self._call({"op": "compile", "programs": programs, "params": params}, b"", compile_only=True,
                             tenant=tenant)
         if reply is None:
@@ -2143,6 +2164,11 @@ class Evaluator:
                 isinstance(e, dict) and isinstance(e.get("index"), int) and 0 <= e["index"] < len(programs)
                 for e in errors):
             raise EvaluatorUnavailable("the evaluator answered nonsense")
+        if not errors:
+            with self._changed:
+                self._compiled_clean[key] = None
+                if len(self._compiled_clean) > EVAL_PROGRAMS_PER_CHILD:
+                    del self._compiled_clean[next(iter(self._compiled_clean))]
         return errors
 
     def run(self, exprs: list[str], params: dict, doc: bytes, tenant: str | None = None) -> dict:
@@ -3510,7 +3536,7 @@ def check_rules_statically(rules: list[Rule], params: dict) -> None:
             raise ApiError("invalid_argument", f"{label}: expr must be 1..{MAX_EXPR_BYTES} bytes")
         if "\x00" in rule.expr:
             raise ApiError("invalid_argument", f"{label}: expr holds a NUL byte")
-        text = JqText(rule.expr)
+        text = read_rule(rule.expr)
         if text.continued_comment:
             raise ApiError("invalid_argument", f"{label}: a comment may not end with a backslash")
         forbidden = text.forbidden()
@@ -3645,7 +3671,7 @@ def validate_rule_set(evaluator: Evaluator, rules: list[Rule], params: dict, ten
                                            f"{_fault_detail(error['detail'])}")
     program = combined_program(tuple(exprs))
     # What runs is the combined program: its identifiers are checked as jq will read them.
-    forbidden = JqText(program).forbidden()
+    forbidden = forbidden_in_program(program)
     if forbidden:
         raise ApiError("invalid_argument", f"rules: {forbidden[0]} is not allowed in rules")
     if exprs and evaluator.compile_errors([program], params, tenant):

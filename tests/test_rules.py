@@ -419,3 +419,33 @@ def test_an_evaluator_child_is_isolated_capped_and_runs_no_site_hooks():
         assert address_space == [str(sb.EVAL_MEMORY_BYTES)] * 2
     finally:
         evaluator.close()
+
+
+def test_a_rule_set_that_compiled_cleanly_is_not_compiled_again():
+    """Saves, dry runs and replays validate the same rule set over and over: a program list that compiled cleanly is
+    remembered by its text and params, while a changed list, other params, or a list with an error go to the child
+    every time."""
+    evaluator = sb.Evaluator(size=1)
+    compiles = []
+    call = evaluator._call
+
+    def counting(header, *args, **kwargs):
+        if header["op"] == "compile":
+            compiles.append(header["programs"])
+        return call(header, *args, **kwargs)
+
+    evaluator._call = counting
+    try:
+        good, bad = [".n == 1", ".n == 2"], [".n == 1", ".n =="]
+        assert evaluator.compile_errors(good, {}) == []
+        assert evaluator.compile_errors(good, {}) == []
+        assert len(compiles) == 1
+        assert evaluator.compile_errors(good, {"x": 1}) == []
+        assert evaluator.compile_errors(good + [".n == 3"], {}) == []
+        assert len(compiles) == 3
+        for _ in range(2):
+            (error,) = evaluator.compile_errors(bad, {})
+            assert error["index"] == 1
+        assert len(compiles) == 5
+    finally:
+        evaluator.close()
