@@ -1942,7 +1942,9 @@ class EvaluatorDied(EvaluatorUnavailable):
 def _jq_directory() -> str:
     """Where the jq module is installed: the one path an evaluator child is given."""
     spec = importlib.util.find_spec("jq")
-    return os.path.dirname(spec.origin) if spec and spec.origin else ""
+    if spec is None or not spec.origin:
+        raise EvaluatorUnavailable("the jq module is not installed")
+    return os.path.dirname(spec.origin)
 
 
 class _Child:

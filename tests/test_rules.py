@@ -449,3 +449,17 @@ def test_a_rule_set_that_compiled_cleanly_is_not_compiled_again():
         assert len(compiles) == 5
     finally:
         evaluator.close()
+
+
+def test_without_jq_installed_no_child_starts_and_nothing_is_imported_from_the_working_directory(monkeypatch):
+    """The child's one added path is jq's directory; when jq cannot be found there is no child (never an empty
+    path, which would import from the working directory)."""
+    real_find_spec = sb.importlib.util.find_spec
+    monkeypatch.setattr(sb.importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "jq" else real_find_spec(name, *rest))
+    sb._jq_directory.cache_clear()
+    try:
+        with pytest.raises(sb.EvaluatorUnavailable, match="jq"):
+            sb._Child()
+    finally:
+        sb._jq_directory.cache_clear()
