@@ -1768,8 +1768,9 @@ def envelope_title(envelope: dict) -> str:
 # 7. Evaluator: jq rules in a sandboxed child process
 # ======================================================================================================
 # Rules never run in the server process. Each child is `python -I -S` (no site hooks; jq's directory is the one
-# path it is given) with an empty environment, a 256 MiB address-space cap, and only json and jq imported. The whole rule set is one jq program evaluated in one
-# pass over one parsed copy of the envelope; first truthy output wins, the first error stops evaluation.
+# path it is given) with an empty environment, a 256 MiB address-space cap, and only json and jq imported. The
+# whole rule set is one jq program evaluated in one pass over one parsed copy of the envelope; first truthy
+# output wins, the first error stops evaluation.
 
 EVAL_BUDGET_SECONDS = 0.25
 EVAL_KILL_SECONDS = 2.0
