@@ -120,7 +120,7 @@ def test_readme_restore_block_brings_back_a_working_webhook(live_server, db_path
     same ingest URL verifies."""
     import httpx
     import producers
-    server = live_server()
+    live_server()  # the block backs up while the server runs
     from conftest import cli_inproc
     _, human = cli_inproc(db_path, "human", "add", "alice")
     _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "triage")
