@@ -568,34 +568,25 @@ class Database:
             future.set_exception(exc)
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list) -> None:
-        outcomes: list[tuple[bool, Any, Txn | None]] = []
+        """The batch as one transaction. Its jobs first run straight, one after another. If one fails, its
+        writes so far are mixed with its batch-mates', so the batch runs again from the start with each job in a
+        savepoint of its own: the failing job loses only its own writes, and the others commit (a job is a
+        transaction body, so running it twice is safe). Failures are rare, and two calls into SQLite per job,
+        each handing the GIL over, had cost a tenth of ingest."""
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             for _, _, waiting in batch:
                 waiting.set_exception(ApiError("unavailable", f"database is busy: {exc}"))
             return
-        # A job alone in its batch needs no savepoint: the transaction is its own (two calls fewer into SQLite).
-        alone = len(batch) == 1
         try:
-            for fn, args, _ in batch:
-                txn = Txn(conn, self.clock.now_ms(), self.inline_rings)
-                if not alone:
-                    conn.execute("SAVEPOINT job")
-                try:
-                    result = fn(txn, *args)
-                except BaseException as exc:  # noqa: BLE001 - every failure must roll back its own savepoint
-                    # A disk-full or I/O error may already have rolled the whole transaction back; then
-                    # there is no savepoint left and the batch as a whole fails below.
-                    if not alone:
-                        conn.execute("ROLLBACK TO job")
-                        conn.execute("RELEASE job")
-                    outcomes.append((False, exc, None))
-                else:
-                    if not alone:
-                        conn.execute("RELEASE job")
-                    outcomes.append((True, result, txn))
-            if alone and not outcomes[0][0]:
+            outcomes = self._run_jobs(conn, batch, savepoints=False)
+            if len(outcomes) < len(batch):
+                if conn.in_transaction:  # a disk-full or I/O error may have rolled it back already
+                    conn.execute("ROLLBACK")
+                conn.execute("BEGIN IMMEDIATE")
+                outcomes = self._run_jobs(conn, batch, savepoints=True)
+            if len(batch) == 1 and not outcomes[0][0]:
                 conn.execute("ROLLBACK")
             else:
                 conn.execute("COMMIT")
@@ -621,7 +612,33 @@ class Database:
             else:
                 future.set_exception(value)
 
+    def _run_jobs(self, conn: sqlite3.Connection, batch: list, savepoints: bool) -> list[tuple[bool, Any, Txn | None]]:
+        """Each job's (ok, result or exception, txn). Without savepoints, the outcomes stop at the first failure of
+        a batch of several (the batch must run again); a job alone is its whole transaction and needs none."""
+        outcomes: list[tuple[bool, Any, Txn | None]] = []
+        for fn, args, _ in batch:
+            txn = Txn(conn, self.clock.now_ms(), self.inline_rings)
+            if savepoints:
+                conn.execute("SAVEPOINT job")
+            try:
+                result = fn(txn, *args)
+            except BaseException as exc:  # noqa: BLE001 - every failure must roll back its own writes
+                if savepoints:
+                    # A disk-full or I/O error may already have rolled the whole transaction back; then there
+                    # is no savepoint left and the batch as a whole fails.
+                    conn.execute("ROLLBACK TO job")
+                    conn.execute("RELEASE job")
+                elif len(batch) > 1:
+                    return outcomes
+                outcomes.append((False, exc, None))
+            else:
+                if savepoints:
+                    conn.execute("RELEASE job")
+                outcomes.append((True, result, txn))
+        return outcomes
+
     # -- reading ---------------------------------------------------------------------------------
+
     def _reader(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:

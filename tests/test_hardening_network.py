@@ -808,9 +808,10 @@ def test_the_writer_skips_cancelled_jobs_and_survives_base_exceptions(tmp_path):
 
 
 def test_a_failing_job_loses_only_its_own_writes_and_its_batch_mates_commit(tmp_path):
-    """Jobs that share a transaction each run in a savepoint: one failing after it wrote loses only its own writes.
-    Its batch-mates commit what they wrote (a later one sees an earlier one's row), and each caller gets its own
-    answer; a failing job alone in its batch rolls the whole transaction back."""
+    """Jobs that share a transaction: one failing after it wrote loses only its own writes (the batch runs again,
+    each job in a savepoint). Its batch-mates commit what they wrote (a later one sees an earlier one's row, and
+    never the failed one's), and each caller gets its own answer; a failing job alone in its batch rolls the
+    whole transaction back. A batch where nothing fails runs once, without savepoints."""
     db = sb.Database(str(tmp_path / "writer.db"))
     gate, running = threading.Event(), threading.Event()
 
@@ -837,8 +838,10 @@ def test_a_failing_job_loses_only_its_own_writes_and_its_batch_mates_commit(tmp_
         queued(2)
         same_name = in_thread(db.write_sync, sb.add_human, "first")
         queued(3)
-        last = in_thread(db.write_sync, sb.add_human, "last")
+        doomed_again = in_thread(db.write_sync, sb.add_human, "doomed")
         queued(4)
+        last = in_thread(db.write_sync, sb.add_human, "last")
+        queued(5)
         gate.set()
         assert blocked.result(10) is None
         assert first.result(10)["name"] == "first"
@@ -848,12 +851,25 @@ def test_a_failing_job_loses_only_its_own_writes_and_its_batch_mates_commit(tmp_
         with pytest.raises(sb.ApiError) as taken:
             same_name.result(10)
         assert taken.value.code == "conflict", "a batch-mate sees the row an earlier job of its batch wrote"
+        assert doomed_again.result(10)["name"] == "doomed", "no batch-mate sees the failed job's writes"
         assert last.result(10)["name"] == "last"
-        assert [h["name"] for h in db.read_sync(sb.list_humans)["humans"]] == ["first", "last"]
+        assert [h["name"] for h in db.read_sync(sb.list_humans)["humans"]] == ["first", "doomed", "last"]
 
         with pytest.raises(sb.ApiError):
             db.write_sync(write_then_fail)  # alone in its batch: the whole transaction rolls back
-        assert [h["name"] for h in db.read_sync(sb.list_humans)["humans"]] == ["first", "last"]
+        assert [h["name"] for h in db.read_sync(sb.list_humans)["humans"]] == ["first", "doomed", "last"]
+
+        statements: list[str] = []
+        db._writer.set_trace_callback(statements.append)
+        gate.clear()
+        running.clear()
+        blocked = in_thread(db.write_sync, blocker)
+        assert running.wait(10)
+        mates = [in_thread(db.write_sync, sb.add_human, name) for name in ("second", "third")]
+        queued(2)
+        gate.set()
+        assert [m.result(10)["name"] for m in mates] == ["second", "third"]
+        assert not [s for s in statements if s.startswith("SAVEPOINT")], "a batch where nothing fails"
         assert db.alive()
     finally:
         gate.set()
