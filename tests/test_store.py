@@ -49,6 +49,40 @@ def test_full_cycle_records_history_and_attempts(world, alice, worker):
     assert shown["result"] == {"ok": True}
 
 
+def test_claim_heartbeat_and_complete_answer_the_todo_as_stored(world, alice, worker, clock):
+    """The claim, heartbeat and complete answers (built from the row read before the write, plus what the write
+    changed) equal a fresh read of the todo, for a pushed todo with a payload, a rung one, a re-claim after a
+    lapsed lease, a claim by id and a gated completion."""
+
+    def stored(todo_id: str) -> dict:
+        shown = world.client.get(f"/api/v1/todos/{todo_id}", headers=worker.auth).json()
+        return {k: v for k, v in shown.items() if k not in ("attempts", "history", "depends_on", "receipt")}
+
+    plain = world.push(alice, worker, "build", "plain", payload={"n": 1, "deep": {"list": [1, "two"]}})
+    claim = world.claim(worker, queue="build", claimant="runner-1")
+    assert claim["todo"] == stored(plain["id"]) and claim["todo"]["payload"]["deep"] == {"list": [1, "two"]}
+    clock.advance(2)
+    beat = world.act(worker, plain["id"], "heartbeat", lease_token=claim["lease_token"], lease_seconds=600)
+    assert beat.status_code == 200 and beat.json() == stored(plain["id"])
+    clock.advance(2)
+    done = world.act(worker, plain["id"], "complete", lease_token=claim["lease_token"], result={"ok": True})
+    assert done.status_code == 200 and done.json() == stored(plain["id"]) and done.json()["state"] == "done"
+
+    lapsed = world.push(alice, worker, "docs", "lapsed")
+    first = world.claim(worker, lease_seconds=60)
+    clock.advance(61)
+    again = world.act(worker, lapsed["id"], "claim", lease_seconds=120)
+    assert again.status_code == 200, again.text
+    assert again.json()["todo"] == stored(lapsed["id"]) and again.json()["todo"]["attempt"] == 2
+    assert first["lease_token"] != again.json()["lease_token"]
+
+    gated = world.push(alice, worker, "build", "gated", work_item={
+        "schema": "switchboard.work_item.v1", "objective": "ship it", "approval_gates": ["review"]})
+    claim = world.claim(worker)
+    review = world.act(worker, gated["id"], "complete", lease_token=claim["lease_token"], summary="diff ready")
+    assert review.status_code == 200 and review.json() == stored(gated["id"]) and review.json()["state"] == "review"
+
+
 def test_claim_order_is_priority_then_oldest(world, alice, worker, clock):
     first = world.push(alice, worker, "build", "old")
     clock.advance(1)
