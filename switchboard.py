@@ -2723,20 +2723,35 @@ def _expire_lease(txn: Txn, todo: sqlite3.Row) -> None:
         _transition(txn, todo, "pending", "system", evidence, last_error="lease_expired")
 
 
-def _reap_endpoint(txn: Txn, endpoint_id: str) -> None:
-    for todo in txn.all("SELECT * FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at <= ?",
-                        (endpoint_id, txn.now)):
+def _reap_endpoint(txn: Txn, endpoint_id: str) -> int:
+    """Expire the endpoint's lapsed leases; how many there were."""
+    lapsed = txn.all("SELECT * FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at <= ?",
+                     (endpoint_id, txn.now))
+    for todo in lapsed:
         _expire_lease(txn, todo)
+    return len(lapsed)
 
 
-def _claim_row(txn: Txn, principal: Principal, todo: sqlite3.Row, lease_seconds: int | None,
+# A todo's last five attempts, oldest first, as one JSON array (what attempt_view reads), for the claim's answer and
+# its next `seq`; `t` is the todo.
+_PRIOR_ATTEMPTS = ("SELECT json_group_array(json_object('seq', seq, 'claimant', claimant, 'claimed_at', claimed_at,"
+                   " 'lease_expires_at', lease_expires_at, 'heartbeats', heartbeats, 'ended_at', ended_at,"
+                   " 'outcome', outcome, 'summary', summary, 'artifact', artifact)) FROM (SELECT * FROM attempts"
+                   " WHERE todo_id = t.id ORDER BY seq DESC LIMIT 5)")
+
+
+def _prior_attempts(text: str) -> list[dict]:
+    """_PRIOR_ATTEMPTS's array, oldest first."""
+    return sorted(json.loads(text), key=lambda attempt: attempt["seq"])
+
+
+def _claim_row(txn: Txn, principal: Principal, todo: sqlite3.Row, prior: list[dict], lease_seconds: int | None,
                claimant: str | None) -> dict:
-    """Claim `todo`, a row of todo_rows."""
+    """Claim `todo`, a row of todo_rows whose last attempts are `prior`."""
     lease = lease_seconds or principal.default_lease_seconds or DEFAULT_LEASE_SECONDS
     lease_token = secrets.token_urlsafe(16)
     # `attempt` counts against the retry budget (a release refunds it, a human retry resets it);
     # `seq` numbers attempt rows for the todo's whole life.
-    prior = txn.all("SELECT * FROM attempts WHERE todo_id = ? ORDER BY seq DESC LIMIT 5", (todo["id"],))[::-1]
     seq = prior[-1]["seq"] + 1 if prior else 1
     expires = txn.now + lease * 1000
     who = claimant or principal.actor
@@ -2761,17 +2776,24 @@ def _claim_queues(principal: Principal, wanted: list[str] | None) -> list[str]:
 
 
 def claim_next(txn: Txn, principal: Principal, body: ClaimNext) -> dict:
-    """Claim the best claimable todo of the caller's endpoint: highest priority, then oldest."""
+    """Claim the best claimable todo of the caller's endpoint: highest priority, then oldest. Lapsed leases of the
+    endpoint are expired first, so their todos count; one statement reads the best todo, its prior attempts and
+    whether any lease has lapsed (then the claim reaps and reads again)."""
     principal.require_verb("claim_next")
     queues = _claim_queues(principal, body.queue_filter())
-    _reap_endpoint(txn, principal.id)
     marks = ",".join("?" * len(queues))
-    row = txn.one(f"SELECT * FROM todo_rows WHERE id = (SELECT id FROM todos WHERE endpoint_id = ?"
-                  f" AND state = 'pending' AND queue IN ({marks}) AND available_at <= ? AND {_CLAIMABLE}"
-                  f" ORDER BY priority DESC, created_at, rowid LIMIT 1)", (principal.id, *queues, txn.now, txn.now))
+    best = (f"SELECT t.*, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at <= ?"
+            f" LIMIT 1) AS lapsed, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id = (SELECT id"
+            f" FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks}) AND available_at <= ?"
+            f" AND {_CLAIMABLE} ORDER BY priority DESC, created_at, rowid LIMIT 1)")
+    params = (principal.id, txn.now, principal.id, *queues, txn.now, txn.now)
+    row = txn.one(best, params)
+    if (row is None or row["lapsed"]) and _reap_endpoint(txn, principal.id):
+        row = txn.one(best, params)
     if row is None:
         return {"empty": True}
-    return _claim_row(txn, principal, row, body.lease_seconds, body.claimant)
+    return _claim_row(txn, principal, row, _prior_attempts(row["prior_attempts"]), body.lease_seconds,
+                      body.claimant)
 
 
 def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) -> dict:
@@ -2788,7 +2810,8 @@ def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) ->
         raise ApiError("conflict", f"todo is not available until {iso(todo['available_at'])}")
     if txn.one(f"SELECT 1 FROM todos WHERE id = ? AND NOT ({_CLAIMABLE})", (todo_id, txn.now)):
         raise ApiError("conflict", "todo waits for its dependencies or is held by a run that absorbed it")
-    return _claim_row(txn, principal, todo, body.lease_seconds, body.claimant)
+    prior = _prior_attempts(txn.one(f"SELECT ({_PRIOR_ATTEMPTS}) FROM todos t WHERE t.id = ?", (todo_id,))[0])
+    return _claim_row(txn, principal, todo, prior, body.lease_seconds, body.claimant)
 
 
 def _fenced(txn: Txn, principal: Principal, verb: str, todo_id: str, lease_token: str,

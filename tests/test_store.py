@@ -130,6 +130,37 @@ def test_reaper_returns_lapsed_lease_and_next_claim_is_attempt_two(world, alice,
     assert world.act(worker, todo["id"], "heartbeat", lease_token=claim["lease_token"]).status_code == 409
 
 
+def test_a_claim_reaps_its_endpoints_lapsed_leases_before_it_chooses(world, alice, worker, clock):
+    """Without a scheduler tick: a lapsed lease returns its todo before the claim picks the best one (here the
+    lapsed todo outranks a pending one), also when the claim has nothing else to give; the answer's prior
+    attempts are the todo's last five, oldest first, as GET shows them."""
+    urgent = world.push(alice, worker, "build", "urgent", priority=5)
+    first = world.claim(worker, lease_seconds=10)
+    assert first["todo"]["id"] == urgent["id"]
+    later = world.push(alice, worker, "build", "later")
+    clock.advance(11)
+    again = world.claim(worker, lease_seconds=10)
+    assert again["todo"]["id"] == urgent["id"] and again["todo"]["attempt"] == 2
+    shown = world.client.get(f"/api/v1/todos/{urgent['id']}", headers=alice.auth).json()
+    assert again["prior_attempts"] == shown["attempts"][:1] and shown["attempts"][0]["outcome"] == "lease_expired"
+    assert world.claim(worker)["todo"]["id"] == later["id"]
+
+    for attempt in range(3, 6):  # alone in its queue: each claim reaps the lease before it
+        clock.advance(11)
+        claim = world.claim(worker, queue="build", lease_seconds=10)
+        assert claim["todo"]["id"] == urgent["id"] and claim["todo"]["attempt"] == attempt
+    for _ in range(2):  # a release does not count against the budget, but its attempt is history
+        assert world.act(worker, urgent["id"], "release", lease_token=claim["lease_token"]).status_code == 200
+        claim = world.claim(worker, queue="build", lease_seconds=10)
+    shown = world.client.get(f"/api/v1/todos/{urgent['id']}", headers=alice.auth).json()
+    assert [a["seq"] for a in shown["attempts"]] == [1, 2, 3, 4, 5, 6, 7]
+    assert claim["prior_attempts"] == shown["attempts"][1:6], "the last five before this one, oldest first"
+    clock.advance(11)  # the fifth counted attempt lapses: a claim with nothing to give still reaps it
+    assert world.claim(worker, queue="docs") == {"empty": True}
+    reaped = world.client.get(f"/api/v1/todos/{urgent['id']}", headers=alice.auth).json()
+    assert reaped["state"] == "failed" and reaped["dead_letter"] and reaped["last_error"] == "lease_expired"
+
+
 def test_heartbeat_extends_the_lease(world, alice, worker, clock):
     todo = world.push(alice, worker, "build")
     claim = world.claim(worker, lease_seconds=10)
