@@ -9,6 +9,7 @@ import logging
 import queue
 import re
 import threading
+import time
 
 import httpx
 
@@ -73,8 +74,10 @@ def test_a_refused_write_or_a_bad_record_loses_only_its_own_lines(capsys):
     stream = RecordingStream(failures=1)
     writer, records = started_writer(stream)
     records.put(record("lost with the refused write"))
-    while stream.writes == 0:  # the first batch has met the full disk
-        threading.Event().wait(0.01)
+    deadline = time.monotonic() + 10
+    while stream.writes == 0 and time.monotonic() < deadline:  # until the first batch has met the full disk
+        time.sleep(0.01)
+    assert stream.writes == 1
     records.put(record("%d is not a number", "x"))  # cannot be formatted: logging's handleError reports it
     records.put(record("written after both"))
     writer.stop()
