@@ -572,7 +572,7 @@ class Database:
         writes so far are mixed with its batch-mates', so the batch runs again from the start with each job in a
         savepoint of its own: the failing job loses only its own writes, and the others commit (a job is a
         transaction body, so running it twice is safe). Failures are rare, and two calls into SQLite per job,
-        each handing the GIL over, had cost a tenth of ingest."""
+        each handing the GIL over, had cost a sixth of ingest's server CPU."""
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -2831,11 +2831,12 @@ def heartbeat(txn: Txn, principal: Principal, todo_id: str, body: Heartbeat) -> 
     attempt = txn.one("SELECT * FROM attempts WHERE todo_id = ? AND ended_at IS NULL", (todo_id,))
     lease = body.lease_seconds or attempt["lease_seconds"]
     expires = txn.now + lease * 1000
-    txn.execute("UPDATE todos SET lease_expires_at = ?, updated_at = ? WHERE id = ?", (expires, txn.now, todo_id))
+    written = {"lease_expires_at": expires, "updated_at": txn.now}
+    txn.execute("UPDATE todos SET lease_expires_at = ?, updated_at = ? WHERE id = ?", (*written.values(), todo_id))
     txn.execute("UPDATE attempts SET lease_expires_at = ?, heartbeats = heartbeats + 1, lease_seconds = ?,"
                 " summary = COALESCE(?, summary) WHERE todo_id = ? AND seq = ?",
                 (expires, lease, body.note, todo_id, attempt["seq"]))
-    return todo_view(_as_written(todo, {"lease_expires_at": expires, "updated_at": txn.now}))
+    return todo_view(_as_written(todo, written))
 
 
 def _truncate_utf8(text: str | None, limit: int) -> str | None:
