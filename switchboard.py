@@ -562,8 +562,15 @@ class Database:
             self._stopped("checkpointer", exc)
 
     def _run_checkpoint(self, future: concurrent.futures.Future) -> None:
+        """TRUNCATE, tried again for up to a second while it is turned away: SQLite answers "busy" at once, without
+        the busy handler, when another checkpoint is in progress (the checkpointer thread's, or another process's),
+        and one of those takes milliseconds. Readers it must wait for are waited on inside each try."""
+        deadline = time.monotonic() + 1.0
         try:
-            future.set_result(self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone())
+            while (answer := self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone())[0] \
+                    and time.monotonic() < deadline:
+                time.sleep(0.005)
+            future.set_result(answer)
         except sqlite3.Error as exc:
             future.set_exception(exc)
 
