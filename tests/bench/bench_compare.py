@@ -17,7 +17,8 @@ Figures (FULL everywhere):
 3. claim + complete cycles/s over REST, 8 workers, on pre-pushed todos, vs the minimal app's /claim + /complete.
 4. In-process claim + ack, single thread, two commits per cycle: Switchboard's store (bench_store part B) vs
    litequeue, persist-queue and huey (SqliteHuey: dequeue, then execute, which stores the result) at
-   synchronous=FULL.
+   synchronous=FULL; and, for information, the writer floor: two one-row commits through Switchboard's writer
+   thread per cycle, doing none of a transition's work.
 5. Idle CPU (server + children, /proc) after 10,000 deliveries left 10,000 pending todos, vs the minimal app idle.
 6. Database size (db + -wal while serving, after stopping, and after `PRAGMA wal_checkpoint(TRUNCATE)` from a
    separate connection) after those deliveries, as a ratio to the bytes of bodies received.
@@ -71,6 +72,7 @@ from bench_ingest import SIZES, fleet_topology, labeled_delivery  # noqa: E402
 from bench_store import (SYNC_CODE, ChildServer, Server, cli, inproc_litequeue, inproc_persistqueue,  # noqa: E402
                          inproc_switchboard, machine_facts, percentile, read_only, report_notes, run_timed,
                          source_fingerprint)
+import switchboard as sb  # noqa: E402 - on the path bench_store put it on
 
 RESULTS_PATH = HERE / "results-compare.json"
 MINIMAL_APP = HERE / "minimal_app.py"
@@ -582,8 +584,40 @@ def inproc_huey(tmp: str, synchronous: str, n: int) -> dict:
         huey.storage.close()
 
 
+def inproc_writer_floor(tmp: str, synchronous: str, n: int) -> dict:
+    """What Switchboard's store cannot go below: a cycle of two one-row UPDATEs, each its own transaction through
+    `Database.write_sync` (the hand-off to the one writer thread, BEGIN IMMEDIATE, COMMIT, the answer back), with
+    no lease, no fencing, no attempt and no history. Goal (4) is measured against this too, so a reader sees how
+    much of the gap to the peers is the single-writer design and how much is the work a transition does."""
+    db = sb.Database(os.path.join(tmp, "floor.db"), synchronous=synchronous)
+    try:
+        pragma = db.write_sync(lambda txn: txn.one("PRAGMA synchronous")[0])
+        db.write_sync(lambda txn: txn.execute("CREATE TABLE floor (id INTEGER PRIMARY KEY, n INTEGER NOT NULL)"))
+        db.write_sync(lambda txn: txn.execute("INSERT INTO floor VALUES (1, 0)"))
+
+        def bump(txn: sb.Txn) -> None:
+            txn.execute("UPDATE floor SET n = n + 1 WHERE id = 1")
+
+        def cycle() -> None:
+            db.write_sync(bump)
+            db.write_sync(bump)
+
+        lat = []
+        t0 = time.perf_counter()
+        for _ in range(n):
+            c0 = time.perf_counter()
+            cycle()
+            lat.append((time.perf_counter() - c0) * 1e3)
+        seconds = time.perf_counter() - t0
+        count = db.read_sync(lambda txn: txn.one("SELECT n FROM floor")[0])
+        assert count == 2 * n, f"writer floor: {count} updates committed of {2 * n}"
+        return {"seconds": seconds, "lat": lat, "pragma": pragma}
+    finally:
+        db.close()
+
+
 INPROC = {"switchboard": inproc_switchboard, "litequeue": inproc_litequeue, "persist-queue": inproc_persistqueue,
-          "huey": inproc_huey}
+          "huey": inproc_huey, "writer floor": inproc_writer_floor}
 
 
 def inproc_round(r: int, n: int) -> dict[str, dict]:
@@ -864,6 +898,10 @@ def goals(results: dict) -> list[dict]:
         for peer in ("persist-queue", "huey"):
             add(f"inproc_{peer}", f"(4) info: vs {peer}", "/s", ip["switchboard"], ip[peer], peer, "info", None,
                 info=True)
+        add("inproc_floor", "(4) info: the writer floor (two one-row commits through the writer thread, no work)",
+            "/s", ip["writer floor"], ip["litequeue"], "litequeue", "info", None, info=True)
+        add("inproc_vs_floor", "(4) info: claim+ack vs the writer floor", "/s", ip["switchboard"],
+            ip["writer floor"], "writer floor", "info", None, info=True)
     foot = fig.get("footprint", {})
     if foot:
         sbf, mf = foot.get("switchboard", {}), foot.get("minimal", {})
