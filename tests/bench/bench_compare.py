@@ -71,7 +71,7 @@ import bench_ingest  # noqa: E402
 from bench_ingest import SIZES, fleet_topology, labeled_delivery  # noqa: E402
 from bench_store import (SYNC_CODE, ChildServer, Server, cli, inproc_litequeue, inproc_persistqueue,  # noqa: E402
                          inproc_switchboard, machine_facts, percentile, read_only, report_notes, run_timed,
-                         source_fingerprint)
+                         source_fingerprint, timed_loop)
 import switchboard as sb  # noqa: E402 - on the path bench_store put it on
 
 RESULTS_PATH = HERE / "results-compare.json"
@@ -569,13 +569,7 @@ def inproc_huey(tmp: str, synchronous: str, n: int) -> dict:
             seen.add(task.id)
             huey.execute(task)
 
-        lat = []
-        t0 = time.perf_counter()
-        for _ in range(n):
-            c0 = time.perf_counter()
-            cycle()
-            lat.append((time.perf_counter() - c0) * 1e3)
-        seconds = time.perf_counter() - t0
+        seconds, lat = timed_loop(n, cycle)
         assert huey.dequeue() is None, "huey: tasks left after the loop"
         results = huey.storage.sql("SELECT count(*) FROM kv WHERE queue = ?", ("bench",), results=True)[0][0]
         assert results == n, f"huey: {results} results stored of {n}"
@@ -602,13 +596,7 @@ def inproc_writer_floor(tmp: str, synchronous: str, n: int) -> dict:
             db.write_sync(bump)
             db.write_sync(bump)
 
-        lat = []
-        t0 = time.perf_counter()
-        for _ in range(n):
-            c0 = time.perf_counter()
-            cycle()
-            lat.append((time.perf_counter() - c0) * 1e3)
-        seconds = time.perf_counter() - t0
+        seconds, lat = timed_loop(n, cycle)
         count = db.read_sync(lambda txn: txn.one("SELECT n FROM floor")[0])
         assert count == 2 * n, f"writer floor: {count} updates committed of {2 * n}"
         return {"seconds": seconds, "lat": lat, "pragma": pragma}

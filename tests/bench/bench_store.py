@@ -429,7 +429,7 @@ def bench_rest(synchronous: str, n_todos: int, n_workers: int, push_threads: int
 SYNC_CODE = {"FULL": 2, "NORMAL": 1}
 
 
-def _timed_loop(n: int, cycle) -> tuple[float, list[float]]:
+def timed_loop(n: int, cycle) -> tuple[float, list[float]]:
     lat: list[float] = []
     t0 = time.perf_counter()
     for _ in range(n):
@@ -463,7 +463,7 @@ def inproc_switchboard(tmp: str, synchronous: str, n: int) -> dict:
             if done["state"] != "done":
                 raise AssertionError(f"complete left {todo_id} in {done['state']}")
 
-        seconds, lat = _timed_loop(n, cycle)
+        seconds, lat = timed_loop(n, cycle)
         assert db.write_sync(sb.claim_next, ep_p, sb.ClaimNext(queue=QUEUE)) == {"empty": True}
         done_count = db.read_sync(lambda txn: txn.one("SELECT count(*) FROM todos WHERE state = 'done'")[0])
         assert done_count == n, f"switchboard: {done_count} done of {n}"
@@ -488,7 +488,7 @@ def inproc_litequeue(tmp: str, synchronous: str, n: int) -> dict:
             message = q.pop()
             q.done(message.message_id)
 
-        seconds, lat = _timed_loop(n, cycle)
+        seconds, lat = timed_loop(n, cycle)
         assert q.pop() is None
         done_count = q.conn.execute(f"SELECT count(*) FROM {q.table} WHERE status = ?",
                                     (MessageStatus.DONE.value,)).fetchone()[0]
@@ -518,7 +518,7 @@ def inproc_persistqueue(tmp: str, synchronous: str, n: int) -> dict:
             item = q.get(block=False, raw=True)
             q.ack(id=item["pqid"])
 
-        seconds, lat = _timed_loop(n, cycle)
+        seconds, lat = timed_loop(n, cycle)
         try:
             q.get(block=False)
             raise AssertionError("persist-queue: items left after the loop")
