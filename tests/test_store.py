@@ -76,6 +76,13 @@ def test_claim_heartbeat_and_complete_answer_the_todo_as_stored(world, alice, wo
     assert again.json()["todo"] == stored(lapsed["id"]) and again.json()["todo"]["attempt"] == 2
     assert first["lease_token"] != again.json()["lease_token"]
 
+    rung = world.push(alice, worker, "build", "rung")
+    assert [r["todo_id"] for r in world.db.write_sync(sb.rings_for_new_session, worker.id, ["build"])] == [rung["id"]]
+    clock.advance(1)
+    claim = world.claim(worker)
+    assert claim["todo"] == stored(rung["id"]) and claim["todo"]["rings"]["count"] > 0
+    assert claim["todo"]["rings"]["acked_at"] is not None
+
     gated = world.push(alice, worker, "build", "gated", work_item={
         "schema": "switchboard.work_item.v1", "objective": "ship it", "approval_gates": ["review"]})
     claim = world.claim(worker)
