@@ -4,9 +4,28 @@ app's base URL: the Starlette test client or an httpx.Client on a live server.""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import sqlite3
+import sys
+from pathlib import Path
 from urllib.parse import urlsplit
+
+import pytest
+
+
+def system_tool(name: str, package: str) -> str:
+    """The path of a tool a check needs from the system's packages. Missing, the check skips with a line naming
+    the Debian package; under CI (`CI` set) it fails instead, so CI can never silently skip it."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.is_file() and os.access(beside, os.X_OK) else shutil.which(name)
+    if found:
+        return found
+    why = f"`{name}` is not installed (Debian package `{package}`: apt-get install -y {package})"
+    if os.environ.get("CI"):
+        pytest.fail(why, pytrace=False)
+    pytest.skip(why)
 
 
 def hook_path(url: str) -> str:

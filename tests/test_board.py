@@ -16,7 +16,15 @@ import pytest
 from conftest import snapshot
 from starlette.testclient import TestClient
 
-import switchboard as sb
+import switchboard.board.pages as board_pages_module
+import switchboard.server as server_module
+from switchboard.app import create_app
+from switchboard.board.queries import BOARD_COOKIE, BOARD_PAGE_SIZE, INBOX_GROUPS
+from switchboard.cli.parser import build_parser
+from switchboard.configuration import SCHEMA_VERSION, ApiError
+from switchboard.database import connect
+from switchboard.migrations import apply_schema
+from switchboard.server import _cli_serve
 
 ORIGIN = {"Origin": "http://testserver"}
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; frame-ancestors 'none'; base-uri 'none';"
@@ -27,7 +35,7 @@ def sign_in(client, human) -> str:
     """Sign in through the form; returns the session cookie."""
     answer = client.post("/board/login", data={"token": human.token}, headers=ORIGIN, follow_redirects=False)
     assert answer.status_code == 303 and answer.headers["location"] == "/board", answer.text
-    return client.cookies[sb.BOARD_COOKIE]
+    return client.cookies[BOARD_COOKIE]
 
 
 def csrf(client) -> str:
@@ -84,7 +92,7 @@ def test_root_redirects_and_every_page_needs_a_session(client, world, alice, lan
     refused = post(client, f"/board/todos/{todo['id']}/cancel", token="x", reason="r")
     assert refused.status_code == 403 and state_of(world, alice, todo["id"])["state"] == "pending"
     wrong = client.post("/board/login", data={"token": "sbh_nope"}, headers=ORIGIN)
-    assert wrong.status_code == 401 and sb.BOARD_COOKIE not in client.cookies
+    assert wrong.status_code == 401 and BOARD_COOKIE not in client.cookies
     endpoint_token = client.post("/board/login", data={"token": lane.token}, headers=ORIGIN)
     assert endpoint_token.status_code == 401, "an endpoint token never opens the Board"
 
@@ -98,7 +106,7 @@ def test_every_page_has_the_security_headers_and_no_inline_script_or_style(clien
     pages = ["/board", "/board/queues", "/board/webhooks", "/board/endpoints",
              f"/board/todos/{held}", f"/board/webhooks/{hook['id']}", f"/board/webhooks/{hook['id']}/deliveries",
              f"/board/deliveries/{event_id}", f"/board/endpoints/{lane.id}/revoke", "/board/nowhere",
-             "/board/todos/td_00", *(f"/board/inbox/{g}" for g in sb.INBOX_GROUPS),
+             "/board/todos/td_00", *(f"/board/inbox/{g}" for g in INBOX_GROUPS),
              "/board/static/board.css", "/board/static/board.js"]
     for path in pages:
         page = client.get(path, follow_redirects=False)
@@ -126,13 +134,13 @@ def test_cookie_flags_and_secure_only_behind_a_declared_https_proxy(db_path, clo
     plain = cookie_from(world.client, {"X-Forwarded-Proto": "https"})
     assert "httponly" in plain.lower() and "samesite=strict" in plain.lower() and "path=/board" in plain.lower()
     assert "secure" not in plain.lower(), "X-Forwarded-Proto counts only when the operator declared a proxy"
-    proxied = sb.create_app(db_path, clock=clock, background=False, trust_proxy=True)
+    proxied = create_app(db_path, clock=clock, background=False, trust_proxy=True)
     with TestClient(proxied, base_url="http://board.lab") as client:
         forwarded = {"X-Forwarded-Proto": "https", "Origin": "https://board.lab"}
         secure = cookie_from(client, forwarded)
         assert "; secure" in secure.lower() and "httponly" in secure.lower() and "samesite=strict" in secure.lower()
         assert "secure" not in cookie_from(client, {"Origin": "http://board.lab"}).lower()
-    with TestClient(sb.create_app(db_path, clock=clock, background=False), base_url="https://board.lab") as client:
+    with TestClient(create_app(db_path, clock=clock, background=False), base_url="https://board.lab") as client:
         assert "; secure" in cookie_from(client, {"Origin": "https://board.lab"}).lower()
 
 
@@ -166,7 +174,7 @@ def test_sign_out_ends_the_session_on_the_server(client, alice, db_path):
     conn = sqlite3.connect(db_path)
     assert conn.execute("SELECT count(*) FROM board_sessions").fetchone()[0] == 0
     conn.close()
-    client.cookies.set(sb.BOARD_COOKIE, cookie, path="/board")
+    client.cookies.set(BOARD_COOKIE, cookie, path="/board")
     assert client.get("/board", follow_redirects=False).status_code == 303, "the old cookie opens nothing"
 
 
@@ -195,7 +203,7 @@ def test_forms_without_the_csrf_token_or_from_another_origin_are_refused_and_cha
 
 def test_the_configured_base_url_is_an_origin_too(db_path, clock, world, alice, lane):
     todo = world.push(alice, lane, "lane-s", "t")
-    app = sb.create_app(db_path, clock=clock, background=False, base_url="https://switchboard.lab.example")
+    app = create_app(db_path, clock=clock, background=False, base_url="https://switchboard.lab.example")
     with TestClient(app) as client:
         assert client.post("/board/login", data={"token": alice.token},
                            headers={"Origin": "https://switchboard.lab.example"}, follow_redirects=False).status_code == 303
@@ -375,7 +383,7 @@ def test_queues_show_counts_running_work_and_connected_sessions(client, world, a
 
 
 def test_pages_are_paginated(client, world, alice, lane, clock):
-    for n in range(sb.BOARD_PAGE_SIZE + 3):
+    for n in range(BOARD_PAGE_SIZE + 3):
         clock.advance(1)
         todo = world.push(alice, lane, "lane-s", f"q{n}")
         claim = world.claim(lane, queue="lane-s")
@@ -384,19 +392,19 @@ def test_pages_are_paginated(client, world, alice, lane, clock):
     inbox = client.get("/board").text
     assert "question 0?" in inbox and "question 12?" not in inbox and "/board/inbox/questions" in inbox
     first = client.get("/board/inbox/questions").text
-    assert "question 0?" in first and f"question {sb.BOARD_PAGE_SIZE}?" not in first
+    assert "question 0?" in first and f"question {BOARD_PAGE_SIZE}?" not in first
     after = re.search(r'href="/board/inbox/questions\?after=([^"]+)"', first).group(1)
     second = client.get(f"/board/inbox/questions?after={after}").text
-    assert f"question {sb.BOARD_PAGE_SIZE}?" in second and "question 0?" not in second
+    assert f"question {BOARD_PAGE_SIZE}?" in second and "question 0?" not in second
 
 
 def test_a_version_1_database_gets_the_sessions_table_on_migration(tmp_path):
     path = str(tmp_path / "old.db")
-    conn = sb.connect(path)
-    sb.apply_schema(conn)
+    conn = connect(path)
+    apply_schema(conn)
     conn.execute("DROP TABLE board_sessions")
     conn.execute("PRAGMA user_version=1")
-    assert sb.apply_schema(conn) == sb.SCHEMA_VERSION
+    assert apply_schema(conn) == SCHEMA_VERSION
     assert conn.execute("SELECT count(*) FROM board_sessions").fetchone()[0] == 0
     conn.close()
 
@@ -408,13 +416,13 @@ def test_serve_takes_trust_proxy_from_its_flag_or_the_environment(monkeypatch, d
         seen.update(options)
         raise SystemExit(0)
 
-    monkeypatch.setattr(sb, "create_app", fake_app)
-    monkeypatch.setattr(sb, "configure_logging", lambda log_format: contextlib.nullcontext())
+    monkeypatch.setattr(server_module, "create_app", fake_app)
+    monkeypatch.setattr(server_module, "configure_logging", lambda log_format: contextlib.nullcontext())
 
     def trust_proxy(*flags: str) -> bool:
         seen.clear()
         with pytest.raises(SystemExit):
-            sb._cli_serve(sb.build_parser().parse_args(["serve", "--db", db_path, *flags]))
+            _cli_serve(build_parser().parse_args(["serve", "--db", db_path, *flags]))
         return seen["trust_proxy"]
 
     assert trust_proxy() is False and trust_proxy("--trust-proxy") is True
@@ -423,8 +431,8 @@ def test_serve_takes_trust_proxy_from_its_flag_or_the_environment(monkeypatch, d
     monkeypatch.setenv("SWITCHBOARD_TRUST_PROXY", "off")
     assert trust_proxy() is False and trust_proxy("--trust-proxy") is True
     monkeypatch.setenv("SWITCHBOARD_TRUST_PROXY", "maybe")
-    with pytest.raises(sb.ApiError, match="SWITCHBOARD_TRUST_PROXY"):
-        sb._cli_serve(sb.build_parser().parse_args(["serve", "--db", db_path]))
+    with pytest.raises(ApiError, match="SWITCHBOARD_TRUST_PROXY"):
+        _cli_serve(build_parser().parse_args(["serve", "--db", db_path]))
 
 
 def test_a_huge_payload_is_cut_on_the_page_and_signed_in_users_skip_the_login_form(client, world, alice, lane):
@@ -437,8 +445,8 @@ def test_a_huge_payload_is_cut_on_the_page_and_signed_in_users_skip_the_login_fo
 
 
 def test_without_its_files_the_board_is_off_and_the_api_still_serves(monkeypatch, tmp_path, alice, world):
-    monkeypatch.setattr(sb, "BOARD_DIR", tmp_path / "missing")
-    app = sb.create_app(str(tmp_path / "other.db"), background=False)
+    monkeypatch.setattr(board_pages_module, "BOARD_DIR", tmp_path / "missing")
+    app = create_app(str(tmp_path / "other.db"), background=False)
     with TestClient(app) as client:
         assert client.get("/board").status_code == 404
         assert client.get("/healthz").status_code == 200

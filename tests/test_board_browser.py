@@ -31,7 +31,7 @@ PHONE = {"width": 390, "height": 844}
 def _no_browser(why: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"the Board's browser tests cannot run under CI: {why}")
-    pytest.skip(why)
+    pytest.skip(f"{why}; Debian package `chromium`: apt-get install -y chromium")
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,16 @@ import sys
 import threading
 
 import httpx
-import switchboard as sb
 from conftest import ROOT, cli
+
+from switchboard.configuration import SCHEMA_VERSION
 
 
 def test_init_is_idempotent_and_versions_the_schema(db_path):
-    assert cli(db_path, "init") == (0, {"path": db_path, "schema_version": sb.SCHEMA_VERSION})
+    assert cli(db_path, "init") == (0, {"path": db_path, "schema_version": SCHEMA_VERSION})
     assert cli(db_path, "init")[0] == 0
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == sb.SCHEMA_VERSION
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
@@ -83,7 +84,7 @@ def test_backup_while_serving_is_consistent(live_server, db_path, tmp_path):
     todos, events = copy.execute("SELECT (SELECT count(*) FROM todos), (SELECT count(*) FROM events)").fetchone()
     assert todos == events, "every operator todo is in the copy with its event"
     code, check = cli(str(out), "check")
-    assert code == 0 and check["integrity"] == "ok" and check["schema_version"] == sb.SCHEMA_VERSION
+    assert code == 0 and check["integrity"] == "ok" and check["schema_version"] == SCHEMA_VERSION
 
 
 def test_human_output_without_json_is_readable(db_path):

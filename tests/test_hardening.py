@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import sqlite3
 
-import pytest
-
 import producers
-import switchboard as sb
+import pytest
 from conftest import cli, cli_inproc
+
+import switchboard.evaluator as evaluator_module
+from switchboard.configuration import ApiError
+from switchboard.database import Database
+from switchboard.store.principals import add_human, find_human
 
 
 @pytest.fixture
@@ -31,9 +34,9 @@ def test_revoking_an_endpoint_that_holds_quarantined_work(world, alice, router):
 
 
 def test_the_writer_survives_a_full_disk(tmp_path):
-    db = sb.Database(str(tmp_path / "full.db"))
+    db = Database(str(tmp_path / "full.db"))
     try:
-        human = db.write_sync(sb.add_human, "alice")
+        human = db.write_sync(add_human, "alice")
         pages = db._writer.execute("PRAGMA page_count").fetchone()[0]
         db._writer.execute(f"PRAGMA max_page_count = {pages + 1}")
         def fill(txn):
@@ -41,12 +44,12 @@ def test_the_writer_survives_a_full_disk(tmp_path):
             for _ in range(20):
                 txn.execute("INSERT INTO filler VALUES (zeroblob(100000))")
 
-        with pytest.raises(sb.ApiError) as refused:
+        with pytest.raises(ApiError) as refused:
             db.write_sync(fill)
         assert refused.value.code == "unavailable"
         db._writer.execute("PRAGMA max_page_count = 1073741823")
-        assert db.write_sync(sb.add_human, "bob")["name"] == "bob", "the writer thread is still alive"
-        assert db.read_sync(sb.find_human, human["id"])["name"] == "alice"
+        assert db.write_sync(add_human, "bob")["name"] == "bob", "the writer thread is still alive"
+        assert db.read_sync(find_human, human["id"])["name"] == "alice"
     finally:
         db.close()
 
@@ -119,7 +122,7 @@ def test_a_redelivery_is_answered_even_when_the_sandbox_is_down(world, alice, ro
                      json={"rules": [{"id": "all", "expr": "true", "action": {"queue": "triage"}}]})
     first = world.deliver(hook, b'{"n": 1}', {"X-Delivery-Id": "once"}).json()
     app.state.evaluator.close()
-    monkeypatch.setattr(sb, "EVALUATOR_CHILD", "import sys; sys.exit(3)")
+    monkeypatch.setattr(evaluator_module, "EVALUATOR_CHILD", "import sys; sys.exit(3)")
     again = world.deliver(hook, b'{"n": 1}', {"X-Delivery-Id": "once"})
     assert again.status_code == 202 and again.json()["duplicate"] is True
     assert again.json()["event_id"] == first["event_id"]

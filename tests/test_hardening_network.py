@@ -32,8 +32,19 @@ import uvicorn
 from conftest import ROOT, LiveServer, cli, free_port, snapshot
 from starlette.testclient import TestClient
 
-import switchboard as sb
-
+import switchboard.evaluator as evaluator_module
+import switchboard.flows as flows_module
+import switchboard.http.rest as http_rest_module
+from switchboard.app import create_app
+from switchboard.configuration import ApiError
+from switchboard.crypto import SecretBox, sealed_sample
+from switchboard.database import Database
+from switchboard.evaluator import EVALUATOR_CHILD, Evaluator, _read_reply
+from switchboard.models import EndpointCreate, Rule, WebhookCreate
+from switchboard.providers import VerificationFailed, verify_delivery
+from switchboard.store.principals import OPERATOR, add_human, list_humans, vend_endpoint
+from switchboard.store.rules import save_rules
+from switchboard.store.webhooks import create_webhook
 
 # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -76,18 +87,18 @@ def seed(db_path: str, human: str = "alice", provider: str = "generic", queues: 
          rules: list[dict] | None = None) -> dict:
     """A human, an endpoint and a webhook written straight into the database file (before or while a server runs
     on it), through the store's own functions; `rules` are stored as given (no dry run)."""
-    db = sb.Database(db_path)
+    db = Database(db_path)
     try:
-        made = db.write_sync(sb.add_human, human)
-        endpoint = db.write_sync(sb.vend_endpoint, made["id"],
-                                 sb.EndpointCreate(name=f"{human}-router", queues=list(queues), verbs=["all"]))
-        box = sb.SecretBox.for_database(db_path, db.read_sync(sb.sealed_sample))
-        hook = db.write_sync(sb.create_webhook, sb.OPERATOR, box,
-                             sb.WebhookCreate.model_validate({"provider": provider, "queue": queues[0],
+        made = db.write_sync(add_human, human)
+        endpoint = db.write_sync(vend_endpoint, made["id"],
+                                 EndpointCreate(name=f"{human}-router", queues=list(queues), verbs=["all"]))
+        box = SecretBox.for_database(db_path, db.read_sync(sealed_sample))
+        hook = db.write_sync(create_webhook, OPERATOR, box,
+                             WebhookCreate.model_validate({"provider": provider, "queue": queues[0],
                                                               "endpoint_id": endpoint["id"], **trust_all(provider)}),
                              "http://unused")
         if rules:
-            db.write_sync(sb.save_rules, sb.OPERATOR, hook["id"], [sb.Rule.model_validate(r) for r in rules], None,
+            db.write_sync(save_rules, OPERATOR, hook["id"], [Rule.model_validate(r) for r in rules], None,
                           None)
     finally:
         db.close()
@@ -153,12 +164,12 @@ def closed_by_peer(sock: socket.socket) -> bool:
 
 
 class PatchedServer(LiveServer):
-    """`serve` as `python switchboard.py serve` runs it (switchboard.main), in a child process, after `patch`
-    (Python run with `sb` imported) changed some constants or functions."""
+    """`serve` as `python switchboard.py serve` runs it (the CLI's main), in a child process, after `patch`
+    (Python code) changed some constants or functions in the modules that read them."""
 
     def __init__(self, db_path: str, patch: str, *, wait: bool = True, env: dict | None = None):
-        code = (f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport switchboard as sb\n{patch}\n"
-                f"sys.exit(sb.main(sys.argv[1:]))\n")
+        code = (f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom switchboard.cli.parser import main\n{patch}\n"
+                f"sys.exit(main(sys.argv[1:]))\n")
         super().__init__(db_path, program=("-c", code), env=env, wait=wait)
 
 
@@ -185,8 +196,9 @@ def quick_server(tmp_path_factory):
     """One served process for the socket-level tests, with the header deadline at 4 s and the body deadline at
     2 s (10 s each in production), so that both can be watched expiring."""
     db_path = str(tmp_path_factory.mktemp("quick") / "switchboard.db")
-    server = PatchedServer(db_path, f"sb.HEADER_SECONDS = {QUICK_HEADER_SECONDS}\n"
-                                    f"sb.BODY_SECONDS = {QUICK_BODY_SECONDS}\n")
+    server = PatchedServer(db_path, "import switchboard.server, switchboard.http.common\n"
+                                    f"switchboard.server.HEADER_SECONDS = {QUICK_HEADER_SECONDS}\n"
+                                    f"switchboard.http.common.BODY_SECONDS = {QUICK_BODY_SECONDS}\n")
     yield server
     server.stop()
 
@@ -315,8 +327,8 @@ def test_a_body_that_stops_or_trickles_is_408_at_the_body_deadline(quick_server)
 
 
 def test_bodies_in_flight_share_one_budget(db_path, monkeypatch):
-    monkeypatch.setattr(sb, "INGEST_BUFFER_BYTES", 100_000)
-    app = sb.create_app(db_path, background=False)
+    monkeypatch.setattr(http_rest_module, "INGEST_BUFFER_BYTES", 100_000)
+    app = create_app(db_path, background=False)
     server = InProcessServer(app)
     budget = app.state.api.ingest_buffer
     sockets: list[socket.socket] = []
@@ -409,12 +421,13 @@ def test_an_owner_whose_rules_loop_does_not_starve_another(patched_server, tmp_p
     a = seed(db_path, "alice", "github")
     b = seed(db_path, "bob", "github")
     # A child that overruns is killed after 0.4 s instead of 2 s, so twenty of them pass in seconds.
-    server = patched_server("_Evaluator = sb.Evaluator\n"
+    server = patched_server("import switchboard.app\n"
+                            "_Evaluator = switchboard.app.Evaluator\n"
                             "class Evaluator(_Evaluator):\n"
                             "    def __init__(self, *args, **kwargs):\n"
                             "        kwargs.setdefault('kill_after', 0.4)\n"
                             "        super().__init__(*args, **kwargs)\n"
-                            "sb.Evaluator = Evaluator\n")
+                            "switchboard.app.Evaluator = Evaluator\n")
     # The looping rule is saved before any delivery exists: a save dry-runs the rules over stored deliveries.
     for who, expr in ((a, LOOP_FOREVER), (b, ".issue != null")):
         saved = httpx.put(f"{server.url}/api/v1/webhooks/{who['hook']['id']}/rules", headers=who["auth"], timeout=30,
@@ -536,7 +549,7 @@ def _answer_id(answer) -> str:
     {"detail": {"nested": {"object": [1, 2, 3]}}},
 ], ids=lambda a: _answer_id(a))
 def test_read_reply_turns_any_shape_into_an_answer(answer):
-    read = sb._read_reply(answer, 1)
+    read = _read_reply(answer, 1)
     assert isinstance(read, dict)
     if "match" in read:
         raise AssertionError(f"{answer!r} was read as a match: {read}")
@@ -548,11 +561,11 @@ def test_read_reply_turns_any_shape_into_an_answer(answer):
 
 
 def test_read_reply_keeps_well_formed_answers():
-    assert sb._read_reply({"result": {"match": 1}}, 2) == {"match": 1}
-    assert sb._read_reply({"result": {"none": True}}, 2) == {"none": True}
-    assert sb._read_reply({"result": {"fault": 1, "detail": "boom"}}, 2) == {
+    assert _read_reply({"result": {"match": 1}}, 2) == {"match": 1}
+    assert _read_reply({"result": {"none": True}}, 2) == {"none": True}
+    assert _read_reply({"result": {"fault": 1, "detail": "boom"}}, 2) == {
         "fault": "error", "rule_index": 1, "detail": "boom"}
-    assert sb._read_reply({"fault": "budget_exhausted", "detail": "memory"}, 2) == {
+    assert _read_reply({"fault": "budget_exhausted", "detail": "memory"}, 2) == {
         "fault": "budget_exhausted", "rule_index": None, "detail": "memory"}
 
 
@@ -579,8 +592,8 @@ def test_a_child_answering_garbage_holds_the_delivery_or_is_503_never_500(world,
     saved = put_rules(world, alice, hook, [{"id": "all", "expr": "true", "action": {"queue": "build"}}])
     assert saved.status_code == 200, saved.text
     app.state.evaluator.close()  # from now on every evaluation starts a fresh child
-    original = sb.EVALUATOR_CHILD
-    monkeypatch.setattr(sb, "EVALUATOR_CHILD", GARBAGE_CHILD.replace("GARBAGE", repr(garbage)))
+    original = EVALUATOR_CHILD
+    monkeypatch.setattr(evaluator_module, "EVALUATOR_CHILD", GARBAGE_CHILD.replace("GARBAGE", repr(garbage)))
     for n in range(2):
         r = post(world, hook, b'{"n": %d}' % n, {"X-Delivery-Id": f"garbage-{n}"})
         assert r.status_code in (202, 503), r.text
@@ -590,7 +603,7 @@ def test_a_child_answering_garbage_holds_the_delivery_or_is_503_never_500(world,
             todo = world.client.get(f"/api/v1/todos/{answer['todos'][0]['id']}", headers=alice.auth).json()
             assert todo["state"] == "quarantined" and todo["state_reason"] == "rule_fault"
     # The owner's share of the evaluator was given back: with an honest child, the next delivery is evaluated.
-    monkeypatch.setattr(sb, "EVALUATOR_CHILD", original)
+    monkeypatch.setattr(evaluator_module, "EVALUATOR_CHILD", original)
     r = post(world, hook, b'{"n": "honest"}', {"X-Delivery-Id": "honest"})
     assert r.status_code == 202 and r.json()["disposition"] == "routed", r.text
     assert r.json()["todos"][0]["queue"] == "build"
@@ -648,16 +661,16 @@ def test_unicode_digits_in_a_signed_timestamp_are_malformed(digits):
     now_ms = int(time.time()) * 1000
     stamp = str(now_ms // 1000).translate(digits)
     stripe_sig = producers.hex_hmac(secret.decode(), stamp.encode() + b"." + body)
-    with pytest.raises(sb.VerificationFailed, match="malformed_timestamp"):
-        sb.verify_delivery("stripe", secret, {"stripe-signature": f"t={stamp},v1={stripe_sig}"}, body, now_ms)
+    with pytest.raises(VerificationFailed, match="malformed_timestamp"):
+        verify_delivery("stripe", secret, {"stripe-signature": f"t={stamp},v1={stripe_sig}"}, body, now_ms)
     slack_sig = producers.hex_hmac(secret.decode(), b"v0:" + stamp.encode() + b":" + body)
-    with pytest.raises(sb.VerificationFailed, match="malformed_timestamp"):
-        sb.verify_delivery("slack", secret, {"x-slack-signature": f"v0={slack_sig}",
+    with pytest.raises(VerificationFailed, match="malformed_timestamp"):
+        verify_delivery("slack", secret, {"x-slack-signature": f"v0={slack_sig}",
                                              "x-slack-request-timestamp": stamp}, body, now_ms)
     # The same, in ASCII digits, verifies: the refusal above is about the digits alone.
     ascii_stamp = str(now_ms // 1000)
     good = producers.hex_hmac(secret.decode(), ascii_stamp.encode() + b"." + body)
-    assert sb.verify_delivery("stripe", secret, {"stripe-signature": f"t={ascii_stamp},v1={good}"}, body, now_ms)
+    assert verify_delivery("stripe", secret, {"stripe-signature": f"t={ascii_stamp},v1={good}"}, body, now_ms)
 
 
 # -- 8. reroute onto a live idempotency key ----------------------------------------------------------------
@@ -762,7 +775,7 @@ def in_thread(fn, *args) -> concurrent.futures.Future:
 
 
 def test_the_writer_skips_cancelled_jobs_and_survives_base_exceptions(tmp_path):
-    db = sb.Database(str(tmp_path / "writer.db"))
+    db = Database(str(tmp_path / "writer.db"))
     gate, running = threading.Event(), threading.Event()
 
     def blocker(txn):
@@ -771,7 +784,7 @@ def test_the_writer_skips_cancelled_jobs_and_survives_base_exceptions(tmp_path):
         return "blocked"
 
     def halt(txn):
-        sb.add_human(txn, "halted")
+        add_human(txn, "halted")
         raise Halt("not an Exception")
 
     try:
@@ -779,7 +792,7 @@ def test_the_writer_skips_cancelled_jobs_and_survives_base_exceptions(tmp_path):
         assert running.wait(10)
 
         async def submit_then_cancel() -> list:
-            tasks = [asyncio.ensure_future(db.write(sb.add_human, f"gone{n}")) for n in range(5)]
+            tasks = [asyncio.ensure_future(db.write(add_human, f"gone{n}")) for n in range(5)]
             await asyncio.sleep(0)  # each task has queued its job and waits for the writer
             assert db._jobs.qsize() == 5
             for task in tasks:
@@ -789,7 +802,7 @@ def test_the_writer_skips_cancelled_jobs_and_survives_base_exceptions(tmp_path):
         outcomes = asyncio.run(submit_then_cancel())
         assert all(isinstance(o, asyncio.CancelledError) for o in outcomes)
         halting = in_thread(db.write_sync, halt)
-        neighbour = in_thread(db.write_sync, sb.add_human, "neighbour")
+        neighbour = in_thread(db.write_sync, add_human, "neighbour")
         deadline = time.monotonic() + 10
         while db._jobs.qsize() < 7 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -799,8 +812,8 @@ def test_the_writer_skips_cancelled_jobs_and_survives_base_exceptions(tmp_path):
             halting.result(10)
         assert neighbour.result(10)["name"] == "neighbour", "a batch-mate of the halting job commits"
         assert db.alive(), "the writer survived"
-        assert in_thread(db.write_sync, sb.add_human, "after").result(10)["name"] == "after"
-        names = [h["name"] for h in db.read_sync(sb.list_humans)["humans"]]
+        assert in_thread(db.write_sync, add_human, "after").result(10)["name"] == "after"
+        names = [h["name"] for h in db.read_sync(list_humans)["humans"]]
         assert names == ["neighbour", "after"], "cancelled jobs never ran; the halting one rolled back"
     finally:
         gate.set()
@@ -812,7 +825,7 @@ def test_a_failing_job_loses_only_its_own_writes_and_its_batch_mates_commit(tmp_
     each job in a savepoint). Its batch-mates commit what they wrote (a later one sees an earlier one's row, and
     never the failed one's), and each caller gets its own answer; a failing job alone in its batch rolls the
     whole transaction back. A batch where nothing fails runs once, without savepoints."""
-    db = sb.Database(str(tmp_path / "writer.db"))
+    db = Database(str(tmp_path / "writer.db"))
     gate, running = threading.Event(), threading.Event()
 
     def blocker(txn):
@@ -820,8 +833,8 @@ def test_a_failing_job_loses_only_its_own_writes_and_its_batch_mates_commit(tmp_
         assert gate.wait(10)
 
     def write_then_fail(txn):
-        sb.add_human(txn, "doomed")
-        raise sb.ApiError("conflict", "this job fails after writing")
+        add_human(txn, "doomed")
+        raise ApiError("conflict", "this job fails after writing")
 
     def queued(n: int) -> None:
         deadline = time.monotonic() + 10
@@ -832,32 +845,32 @@ def test_a_failing_job_loses_only_its_own_writes_and_its_batch_mates_commit(tmp_
     try:
         blocked = in_thread(db.write_sync, blocker)
         assert running.wait(10)
-        first = in_thread(db.write_sync, sb.add_human, "first")
+        first = in_thread(db.write_sync, add_human, "first")
         queued(1)
         failing = in_thread(db.write_sync, write_then_fail)
         queued(2)
-        same_name = in_thread(db.write_sync, sb.add_human, "first")
+        same_name = in_thread(db.write_sync, add_human, "first")
         queued(3)
-        doomed_again = in_thread(db.write_sync, sb.add_human, "doomed")
+        doomed_again = in_thread(db.write_sync, add_human, "doomed")
         queued(4)
-        last = in_thread(db.write_sync, sb.add_human, "last")
+        last = in_thread(db.write_sync, add_human, "last")
         queued(5)
         gate.set()
         assert blocked.result(10) is None
         assert first.result(10)["name"] == "first"
-        with pytest.raises(sb.ApiError) as failed:
+        with pytest.raises(ApiError) as failed:
             failing.result(10)
         assert failed.value.code == "conflict" and "fails after writing" in failed.value.message
-        with pytest.raises(sb.ApiError) as taken:
+        with pytest.raises(ApiError) as taken:
             same_name.result(10)
         assert taken.value.code == "conflict", "a batch-mate sees the row an earlier job of its batch wrote"
         assert doomed_again.result(10)["name"] == "doomed", "no batch-mate sees the failed job's writes"
         assert last.result(10)["name"] == "last"
-        assert [h["name"] for h in db.read_sync(sb.list_humans)["humans"]] == ["first", "doomed", "last"]
+        assert [h["name"] for h in db.read_sync(list_humans)["humans"]] == ["first", "doomed", "last"]
 
-        with pytest.raises(sb.ApiError):
+        with pytest.raises(ApiError):
             db.write_sync(write_then_fail)  # alone in its batch: the whole transaction rolls back
-        assert [h["name"] for h in db.read_sync(sb.list_humans)["humans"]] == ["first", "doomed", "last"]
+        assert [h["name"] for h in db.read_sync(list_humans)["humans"]] == ["first", "doomed", "last"]
 
         statements: list[str] = []
         db._writer.set_trace_callback(statements.append)
@@ -865,7 +878,7 @@ def test_a_failing_job_loses_only_its_own_writes_and_its_batch_mates_commit(tmp_
         running.clear()
         blocked = in_thread(db.write_sync, blocker)
         assert running.wait(10)
-        mates = [in_thread(db.write_sync, sb.add_human, name) for name in ("second", "third")]
+        mates = [in_thread(db.write_sync, add_human, name) for name in ("second", "third")]
         queued(2)
         gate.set()
         assert [m.result(10)["name"] for m in mates] == ["second", "third"]
@@ -877,14 +890,14 @@ def test_a_failing_job_loses_only_its_own_writes_and_its_batch_mates_commit(tmp_
 
 
 def test_a_writer_that_stops_says_why(tmp_path):
-    db = sb.Database(str(tmp_path / "writer.db"))
+    db = Database(str(tmp_path / "writer.db"))
     told: list[str] = []
     db.on_fatal = told.append
     try:
         def broken() -> None:
             raise Halt("the loop itself broke")
         db._next_batch = broken  # read by the loop for its next batch, after the job below
-        db.write_sync(sb.add_human, "last")
+        db.write_sync(add_human, "last")
         db._thread.join(10)
         assert not db.alive()
         assert told and "the writer stopped" in told[0] and "Halt" in told[0] and db.failure == told[0]
@@ -899,8 +912,8 @@ def _halting_tick(txn, *args, **kwargs):
 
 
 def test_a_dead_scheduler_makes_healthz_503(db_path, monkeypatch):
-    monkeypatch.setattr(sb, "scheduler_tick", _halting_tick)
-    app = sb.create_app(db_path, background=True)
+    monkeypatch.setattr(flows_module, "scheduler_tick", _halting_tick)
+    app = create_app(db_path, background=True)
     client = TestClient(app, raise_server_exceptions=False)
     client.__enter__()
     try:
@@ -917,8 +930,8 @@ def test_a_dead_scheduler_makes_healthz_503(db_path, monkeypatch):
 
 
 def test_shutdown_after_the_scheduler_died_still_closes_everything(db_path, monkeypatch):
-    monkeypatch.setattr(sb, "scheduler_tick", _halting_tick)
-    app = sb.create_app(db_path, background=True)
+    monkeypatch.setattr(flows_module, "scheduler_tick", _halting_tick)
+    app = create_app(db_path, background=True)
     raised: BaseException | None = None
     try:
         with TestClient(app, raise_server_exceptions=False) as client:
@@ -963,12 +976,13 @@ def test_the_served_process_exits_1_when_the_scheduler_dies(patched_server, tmp_
     server = patched_server("import os\n"
                             "class Halt(BaseException):\n"
                             "    pass\n"
-                            "_tick = sb.scheduler_tick\n"
+                            "import switchboard.flows\n"
+                            "_tick = switchboard.flows.scheduler_tick\n"
                             "def tick(txn, *args, **kwargs):\n"
                             f"    if os.path.exists({str(trigger)!r}):\n"
                             "        raise Halt('the scheduler broke')\n"
                             "    return _tick(txn, *args, **kwargs)\n"
-                            "sb.scheduler_tick = tick\n")
+                            "switchboard.flows.scheduler_tick = tick\n")
     assert httpx.get(server.url + "/healthz").status_code == 200
     trigger.touch()
     assert server.proc.wait(timeout=15) == 1
@@ -977,9 +991,10 @@ def test_the_served_process_exits_1_when_the_scheduler_dies(patched_server, tmp_
 
 def test_the_served_process_exits_1_when_no_evaluator_child_can_start(patched_server, tmp_path):
     made = seed(str(tmp_path / "switchboard.db"), rules=[{"id": "all", "expr": "true", "action": {"queue": "triage"}}])
-    server = patched_server("sb.EVALUATOR_CHILD = 'import sys; sys.exit(3)'\n")
+    server = patched_server("import switchboard.evaluator\n"
+                            "switchboard.evaluator.EVALUATOR_CHILD = 'import sys; sys.exit(3)'\n")
     statuses = []
-    for n in range(sb.Evaluator.DEAD_AFTER_FAILED_STARTS):
+    for n in range(Evaluator.DEAD_AFTER_FAILED_STARTS):
         try:
             statuses.append(httpx.post(server.url + made["path"], content=b"{}", headers={"X-Delivery-Id": f"d{n}"},
                                        timeout=30).status_code)

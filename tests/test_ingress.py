@@ -10,7 +10,11 @@ import sqlite3
 import producers
 import pytest
 
-import switchboard as sb
+from switchboard.app import create_app
+from switchboard.configuration import ApiError
+from switchboard.crypto import SecretBox, key_file_path, parse_key
+from switchboard.providers import VerificationFailed, verify_delivery
+from switchboard.store.principals import add_human
 
 
 @pytest.fixture
@@ -29,10 +33,10 @@ def now_s(clock) -> int:
 
 def test_githubs_documented_signature_example():
     body = b"Hello, World!"
-    assert sb.verify_delivery("github", b"It's a Secret to Everybody", {
+    assert verify_delivery("github", b"It's a Secret to Everybody", {
         "x-hub-signature-256": "sha256=757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17"}, body, 0)
-    with pytest.raises(sb.VerificationFailed, match="bad_signature"):
-        sb.verify_delivery("github", b"It's a Secret to Everybody", {
+    with pytest.raises(VerificationFailed, match="bad_signature"):
+        verify_delivery("github", b"It's a Secret to Everybody", {
             "x-hub-signature-256": "sha256=" + "0" * 64}, body, 0)
 
 
@@ -205,9 +209,9 @@ def test_body_cap_unknown_token_and_revoked_owner(world, alice, owner, db_path):
 
 def test_rate_limit_answers_429_with_retry_after(tmp_path):
     from starlette.testclient import TestClient
-    app = sb.create_app(str(tmp_path / "rl.db"), background=False, ingest_rate=1, ingest_burst=2)
+    app = create_app(str(tmp_path / "rl.db"), background=False, ingest_rate=1, ingest_burst=2)
     with TestClient(app) as client:
-        human = app.state.db.write_sync(sb.add_human, "alice")
+        human = app.state.db.write_sync(add_human, "alice")
         auth = {"Authorization": f"Bearer {human['token']}"}
         ep = client.post("/api/v1/endpoints", headers=auth, json={"name": "w", "queues": ["inbox"]}).json()
         hook = client.post("/api/v1/webhooks", headers=auth,
@@ -220,22 +224,22 @@ def test_rate_limit_answers_429_with_retry_after(tmp_path):
 
 def test_secret_is_sealed_with_the_key_file(world, alice, owner, db_path, tmp_path):
     hook = world.webhook(alice, owner, "github")
-    key_file = sb.key_file_path(db_path)
+    key_file = key_file_path(db_path)
     assert key_file.exists() and (key_file.stat().st_mode & 0o777) == 0o600
     sealed = sqlite3.connect(db_path).execute("SELECT id, secret_sealed FROM webhooks").fetchone()
-    box = sb.SecretBox(sb.parse_key(key_file.read_text()))
+    box = SecretBox(parse_key(key_file.read_text()))
     assert box.open(sealed[1], sealed[0]) == hook["secret"].encode()
-    with pytest.raises(sb.ApiError):
+    with pytest.raises(ApiError):
         box.open(sealed[1], "wh_someone_else")  # the ciphertext is bound to its webhook
 
 
 def test_key_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("SWITCHBOARD_SECRET_KEY", (b"k" * 32).hex())
-    box = sb.SecretBox.for_database(str(tmp_path / "x.db"))
-    assert not sb.key_file_path(str(tmp_path / "x.db")).exists()
+    box = SecretBox.for_database(str(tmp_path / "x.db"))
+    assert not key_file_path(str(tmp_path / "x.db")).exists()
     assert box.open(box.seal("s3cret-value", "wh_1"), "wh_1") == b"s3cret-value"
-    with pytest.raises(sb.ApiError):
-        sb.parse_key("too short")
+    with pytest.raises(ApiError):
+        parse_key("too short")
 
 
 # -- the envelope ------------------------------------------------------------------------------------

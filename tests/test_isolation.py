@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import pytest
 from conftest import snapshot, template_fixtures
 
-import switchboard as sb
+from switchboard.doorbell import Session
 
 UNKNOWN_TODO = "td_" + "0" * 20
 UNKNOWN_ENDPOINT = "ep_" + "0" * 20
@@ -385,9 +385,9 @@ def test_revoking_another_humans_endpoint_is_not_found(tenants):
 def test_doorbell_rings_only_the_owner(tenants, app):
     rings: dict[str, list] = {"alice": [], "bob": []}
     bell = app.state.doorbell
-    bell.attach(sb.Session(tenants.alice_ep.id, None, "stream", rings["alice"].append))
-    bell.attach(sb.Session(tenants.bob_ep.id, None, "stream", rings["bob"].append))
-    bell.attach(sb.Session(tenants.bob_ep.id, frozenset({QUEUE}), "stream", rings["bob"].append))
+    bell.attach(Session(tenants.alice_ep.id, None, "stream", rings["alice"].append))
+    bell.attach(Session(tenants.bob_ep.id, None, "stream", rings["bob"].append))
+    bell.attach(Session(tenants.bob_ep.id, frozenset({QUEUE}), "stream", rings["bob"].append))
     alice_new = tenants.world.push(tenants.alice, tenants.alice_ep, QUEUE, "alice again")
     assert [r["todo_id"] for r in rings["alice"]] == [alice_new["id"]]
     assert rings["bob"] == []

@@ -12,9 +12,9 @@ import threading
 import time
 
 import httpx
-
-import switchboard as sb
 from conftest import cli_inproc
+
+from switchboard.server import LogWriter
 
 
 class RecordingStream(io.StringIO):
@@ -33,11 +33,11 @@ class RecordingStream(io.StringIO):
         return super().write(text)
 
 
-def started_writer(stream: RecordingStream) -> tuple[sb.LogWriter, queue.SimpleQueue]:
+def started_writer(stream: RecordingStream) -> tuple[LogWriter, queue.SimpleQueue]:
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     records: queue.SimpleQueue = queue.SimpleQueue()
-    writer = sb.LogWriter(records, handler)
+    writer = LogWriter(records, handler)
     writer.start()
     return writer, records
 

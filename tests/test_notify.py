@@ -27,7 +27,12 @@ from conftest import ManualClock, cli, cli_inproc, free_port
 from helpers import count, make_webhook, post_delivery, query
 from starlette.testclient import TestClient
 
-import switchboard as sb
+import switchboard.notifier as notifier_module
+from switchboard.app import create_app
+from switchboard.configuration import BACKOFF_BASE_SECONDS, UNSAFE_TEXT
+from switchboard.evaluator import VERIFICATION_ALERT_COUNT
+from switchboard.notifier import NOTIFY_RATE_SECONDS, compose, shape_request
+from switchboard.store.outbox import Outgoing
 
 try:  # the reference implementation of Standard Webhooks, when installed (test extras)
     import standardwebhooks
@@ -36,8 +41,8 @@ except ImportError:  # pragma: no cover - the signature is verified by hand as w
 
 BASE = "https://switchboard.example"
 TIMEOUT = 1.5  # NOTIFY_TIMEOUT_SECONDS for these tests (10 s in production)
-WINDOW = sb.NOTIFY_RATE_SECONDS + 1  # a clock move that opens the next rate window
-UNSAFE = re.compile(f"[{sb.UNSAFE_TEXT}]")
+WINDOW = NOTIFY_RATE_SECONDS + 1  # a clock move that opens the next rate window
+UNSAFE = re.compile(f"[{UNSAFE_TEXT}]")
 
 
 # -- receivers ---------------------------------------------------------------------------------------
@@ -150,8 +155,8 @@ def clock() -> ManualClock:
 
 @pytest.fixture
 def app(db_path, clock, monkeypatch):
-    monkeypatch.setattr(sb, "NOTIFY_TIMEOUT_SECONDS", TIMEOUT)
-    return sb.create_app(db_path, clock=clock, background=True, ingest_rate=0, base_url=BASE)
+    monkeypatch.setattr(notifier_module, "NOTIFY_TIMEOUT_SECONDS", TIMEOUT)
+    return create_app(db_path, clock=clock, background=True, ingest_rate=0, base_url=BASE)
 
 
 def wake(app) -> None:
@@ -385,10 +390,10 @@ def test_a_message_keeps_its_id_across_retries(world, alice, client, clock, app,
     [row] = eventually(lambda: [r for r in outbox(db_path, channel["id"]) if r["attempts"] == 1], what="a failure")
     assert row["sent_at"] is None and row["gave_up_at"] is None and row["next_at"] > clock.ms
     assert channels_of(client, alice)[channel["id"]]["last_error"] == "HTTP 500"
-    move_on(app, clock, sb.BACKOFF_BASE_SECONDS + 1)
+    move_on(app, clock, BACKOFF_BASE_SECONDS + 1)
     second = rx.wait_for(2)[1]
     eventually(lambda: outbox(db_path, channel["id"])[0]["attempts"] == 2, what="a second failure")
-    move_on(app, clock, 2 * sb.BACKOFF_BASE_SECONDS + 1)
+    move_on(app, clock, 2 * BACKOFF_BASE_SECONDS + 1)
     third = rx.wait_for(3)[2]
     eventually(lambda: outbox(db_path, channel["id"])[0]["sent_at"] is not None, what="the message sent")
     assert first.message_id == second.message_id == third.message_id == row["id"]
@@ -474,13 +479,13 @@ def test_quoted_producer_text_is_one_short_clean_line_for_every_kind():
     title = "\u202eevil\u2066 \x00nul\x07bell\x1b[2J\nsecond line\u061c " + "x" * 300
     row = {"id": "nm_01", "event": "needs_input", "attempts": 0,
            "data": json.dumps({"todo_id": "td_01", "queue": "build", "state": "needs_input", "title": title})}
-    message = sb.Outgoing("nm_01", {"id": "nc_01", "kind": "ntfy"}, [row])
-    composed = sb.compose(message, BASE)
+    message = Outgoing("nm_01", {"id": "nc_01", "kind": "ntfy"}, [row])
+    composed = compose(message, BASE)
     assert not UNSAFE.search(composed.text) and not UNSAFE.search(composed.data["title"])
     assert len(composed.data["title"]) <= 80 and composed.data["title"].startswith("evil")
     for kind, token in (("ntfy", "t"), ("gotify", "t"), ("slack", None), ("discord", None),
                         ("webhook", "whsec_" + base64.b64encode(b"k" * 32).decode())):
-        _, headers, body = sb.shape_request(kind, "http://127.0.0.1:9/x", token, composed, int(time.time()))
+        _, headers, body = shape_request(kind, "http://127.0.0.1:9/x", token, composed, int(time.time()))
         if kind == "ntfy":
             shown = [body.decode()]
         else:
@@ -501,9 +506,9 @@ def test_five_bad_signatures_send_one_message_naming_the_webhook(world, alice, c
     hook = world.webhook(alice, owner, "github", trusted_actors={"allow_all": True})
     other = world.webhook(alice, owner, "github", trusted_actors={"allow_all": True})
     raw, headers = producers.github("issues.opened", "not-the-secret")
-    for _ in range(sb.VERIFICATION_ALERT_COUNT - 1):  # four on another webhook: under the threshold
+    for _ in range(VERIFICATION_ALERT_COUNT - 1):  # four on another webhook: under the threshold
         assert world.deliver(other, raw, headers).status_code == 401
-    for _ in range(sb.VERIFICATION_ALERT_COUNT + 2):
+    for _ in range(VERIFICATION_ALERT_COUNT + 2):
         assert world.deliver(hook, raw, {**headers, "X-GitHub-Delivery": str(uuid.uuid4())}).status_code == 401
     [message] = rx.wait_for(1)
     time.sleep(0.3)
@@ -513,7 +518,7 @@ def test_five_bad_signatures_send_one_message_naming_the_webhook(world, alice, c
     body = verify_standard_webhook(channel["secret"], message)
     assert body["type"] == "verification_failures"
     assert body["data"]["webhook_id"] == hook["id"] and body["data"]["provider"] == "github"
-    assert body["data"]["failures"] == sb.VERIFICATION_ALERT_COUNT and body["data"]["reason"]
+    assert body["data"]["failures"] == VERIFICATION_ALERT_COUNT and body["data"]["reason"]
     assert other["id"] not in message.text()
     assert_clean(rx.requests, [hook["secret"], other["secret"], hook["url"].rsplit("/", 1)[1], "not-the-secret",
                                headers["X-Hub-Signature-256"].split("=", 1)[1]])
@@ -613,7 +618,7 @@ def test_a_failing_receiver_is_not_hammered_during_a_storm(world, alice, client,
     assert count(db_path, "notify_outbox", "channel_id = ? AND gave_up_at IS NOT NULL", (channel["id"],)) == 0
 
     rx.then = 200  # the receiver is back
-    move_on(app, clock, sb.BACKOFF_BASE_SECONDS + 1)  # the retry falls due
+    move_on(app, clock, BACKOFF_BASE_SECONDS + 1)  # the retry falls due
     retried = rx.wait_for(2)[1]
     assert retried.message_id == failed.message_id, "a retried message keeps its id"
     assert verify_standard_webhook(channel["secret"], retried)["type"] == "held"
@@ -653,9 +658,9 @@ def test_a_test_message_is_sent_by_the_test_alone(world, alice, client, db_path,
 
 def test_a_held_back_message_goes_out_when_the_window_ends(tmp_path, monkeypatch, receivers):
     """On the real clock, with no further commit to wake it: the sender wakes itself when the window ends."""
-    monkeypatch.setattr(sb, "NOTIFY_RATE_SECONDS", 1.5)
+    monkeypatch.setattr(notifier_module, "NOTIFY_RATE_SECONDS", 1.5)
     rx = receivers()
-    app = sb.create_app(str(tmp_path / "window.db"), background=True, ingest_rate=0)
+    app = create_app(str(tmp_path / "window.db"), background=True, ingest_rate=0)
     with TestClient(app) as client:
         from conftest import World
         world = World(client, app.state.db)
@@ -702,14 +707,14 @@ def test_a_hanging_receiver_delays_no_other_channel_and_fails_with_backoff(world
     assert 'switchboard_notify_sent_total{kind="ntfy"} 1.0' in metrics
     [row] = outbox(db_path, hanging["id"])
     assert row["attempts"] == 1 and row["sent_at"] is None and row["gave_up_at"] is None
-    assert row["next_at"] == clock.ms + sb.BACKOFF_BASE_SECONDS * 1000
+    assert row["next_at"] == clock.ms + BACKOFF_BASE_SECONDS * 1000
 
     first_retry_at = row["next_at"]
-    move_on(app, clock, sb.BACKOFF_BASE_SECONDS + 1)
+    move_on(app, clock, BACKOFF_BASE_SECONDS + 1)
     stuck.wait_for(2)
     [row] = eventually(lambda: [r for r in outbox(db_path, hanging["id"]) if r["attempts"] == 2], TIMEOUT + 8,
                        "the second failure")
-    assert row["next_at"] == clock.ms + 2 * sb.BACKOFF_BASE_SECONDS * 1000 > first_retry_at
+    assert row["next_at"] == clock.ms + 2 * BACKOFF_BASE_SECONDS * 1000 > first_retry_at
     assert stuck.requests[0].message_id == stuck.requests[1].message_id == row["id"]
     assert channels_of(client, alice)[hanging["id"]]["failures"] == 2
     assert 'switchboard_notify_failures_total{kind="gotify"} 2.0' in client.get("/metrics").text

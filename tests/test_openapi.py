@@ -8,7 +8,9 @@ import pytest
 from openapi_spec_validator import validate
 from starlette.routing import Route
 
-import switchboard as sb
+from switchboard.configuration import VERSION
+from switchboard.http.rest import REST_ROUTES
+from switchboard.models import ClaimAnswer, DeliveryAnswer, ErrorAnswer, TodoAnswer, TodoListAnswer
 
 
 @pytest.fixture
@@ -19,7 +21,7 @@ def document(client) -> dict:
 
 
 def test_the_document_is_valid_openapi_3_1_and_needs_no_credential(document):
-    assert document["openapi"] == "3.1.0" and document["info"]["version"] == sb.VERSION
+    assert document["openapi"] == "3.1.0" and document["info"]["version"] == VERSION
     validate(document)
 
 
@@ -33,7 +35,7 @@ def test_every_mounted_route_and_method_is_documented(app, document):
 
 def test_every_body_and_query_schema_is_the_models_own(document):
     schemas = document["components"]["schemas"]
-    for route in sb.REST_ROUTES:
+    for route in REST_ROUTES:
         operation = document["paths"][route.path][route.method.lower()]
         if route.body is not None:
             ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
@@ -54,21 +56,21 @@ def test_real_answers_fit_the_published_answer_models(world, alice):
     endpoint = world.endpoint(alice, ["build"])
     pushed = world.client.post(f"/api/v1/endpoints/{endpoint.id}/todos", headers=alice.auth,
                                json={"title": "t", "queue": "build", "payload": {"n": 1}})
-    sb.TodoAnswer.model_validate(pushed.json())
-    sb.TodoListAnswer.model_validate(world.client.get("/api/v1/todos", headers=alice.auth).json())
+    TodoAnswer.model_validate(pushed.json())
+    TodoListAnswer.model_validate(world.client.get("/api/v1/todos", headers=alice.auth).json())
     claim = world.client.post("/api/v1/todos/claim", headers=endpoint.auth, json={}).json()
-    sb.ClaimAnswer.model_validate(claim)
+    ClaimAnswer.model_validate(claim)
     beat = world.client.post(f"/api/v1/todos/{claim['todo']['id']}/heartbeat", headers=endpoint.auth,
                              json={"lease_token": claim["lease_token"], "note": "busy"})
-    sb.TodoAnswer.model_validate(beat.json())
+    TodoAnswer.model_validate(beat.json())
     detail = world.client.get(f"/api/v1/todos/{claim['todo']['id']}", headers=alice.auth).json()
-    assert sb.TodoAnswer.model_validate(detail).history
-    sb.ClaimAnswer.model_validate(world.client.post("/api/v1/todos/claim", headers=endpoint.auth, json={}).json())
-    sb.ErrorAnswer.model_validate(world.client.get("/api/v1/todos/td_00", headers=alice.auth).json())
+    assert TodoAnswer.model_validate(detail).history
+    ClaimAnswer.model_validate(world.client.post("/api/v1/todos/claim", headers=endpoint.auth, json={}).json())
+    ErrorAnswer.model_validate(world.client.get("/api/v1/todos/td_00", headers=alice.auth).json())
     hook = world.client.post("/api/v1/webhooks", headers=alice.auth,
                              json={"provider": "github", "queue": "build", "endpoint_id": endpoint.id,
                                    "trusted_actors": {"allow_all": True}}).json()
     raw, headers = producers.github("issues.opened", hook["secret"])
     delivered = world.client.post(hook["url"].split("testserver", 1)[1], content=raw, headers=headers)
     assert delivered.status_code == 202
-    sb.DeliveryAnswer.model_validate(delivered.json())
+    DeliveryAnswer.model_validate(delivered.json())

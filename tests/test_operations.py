@@ -7,6 +7,7 @@ import os
 import sqlite3
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,15 @@ import producers
 from conftest import ROOT, LiveServer, cli, cli_inproc
 from starlette.testclient import TestClient
 
-import switchboard as sb
+import switchboard.database as database_module
+import switchboard.flows as flows_module
+import switchboard.store.upkeep as store_upkeep_module
+from switchboard.app import create_app
+from switchboard.configuration import SCHEMA_VERSION, WRITER_CHECKPOINT_BYTES, iso, to_ms
+from switchboard.crypto import key_file_path
+from switchboard.database import Database
+from switchboard.limits import RateLimiter
+from switchboard.store.upkeep import prune, scheduler_tick
 
 
 def scrape(world, **headers) -> str:
@@ -90,9 +99,9 @@ def test_retention_prunes_old_finished_work_and_never_live_work(world, clock, db
     held_claim = world.claim(worker, queue="lane")
     assert held_claim["todo"]["id"] in (pending["id"], held["id"])
     clock.advance(29 * 86400)
-    assert sb.prune(world.db) == {"todos": 0, "events": 0, "notifications": 0}
+    assert prune(world.db) == {"todos": 0, "events": 0, "notifications": 0}
     clock.advance(2 * 86400)
-    pruned = sb.prune(world.db)
+    pruned = prune(world.db)
     assert pruned == {"todos": 1, "events": 1, "notifications": 0}, "the done todo and its delivery; live work and its events stay"
     conn = sqlite3.connect(db_path)
     assert {r[0] for r in conn.execute("SELECT state FROM todos")} == {"pending", "claimed"}
@@ -103,21 +112,21 @@ def test_retention_prunes_old_finished_work_and_never_live_work(world, clock, db
 
 
 def test_retention_keeps_at_most_the_row_cap(world, monkeypatch):
-    monkeypatch.setattr(sb, "RETENTION_ROWS", 5)
+    monkeypatch.setattr(store_upkeep_module, "RETENTION_ROWS", 5)
     alice = world.human("alice")
     worker = world.endpoint(alice, ["build"], name="worker")
     for n in range(8):
         todo = world.push(alice, worker, "build", f"job {n}")
         world.act(alice, todo["id"], "cancel", reason="done with it")
     live = world.push(alice, worker, "build", "live")
-    pruned = sb.prune(world.db)
+    pruned = prune(world.db)
     assert pruned["todos"] == 4 and pruned["events"] == 4
     remaining = world.client.get("/api/v1/todos?limit=200", headers=alice.auth).json()["todos"]
     assert len(remaining) == 5 and live["id"] in {t["id"] for t in remaining}
 
 
 def test_wal_stays_bounded_over_10000_deliveries_with_a_reader_open(world, app, db_path):
-    app.state.flows.limiter = sb.RateLimiter(0, 1)  # as `serve --ingest-rate 0`: one sender, flat out
+    app.state.flows.limiter = RateLimiter(0, 1)  # as `serve --ingest-rate 0`: one sender, flat out
     alice = world.human("alice")
     worker = world.endpoint(alice, ["inbox"], name="worker", verbs=["all"])
     hook = world.client.post("/api/v1/webhooks", headers=alice.auth, json={
@@ -161,7 +170,7 @@ def test_wal_stays_bounded_over_10000_deliveries_with_a_reader_open(world, app, 
         thread.join()
     assert reads and reads[-1] > 0
     assert any(0 < r < 10_000 for r in reads), "the reader read while the deliveries went in"
-    assert largest <= sb.WRITER_CHECKPOINT_BYTES + (1 << 20), f"WAL grew to {largest} bytes"
+    assert largest <= WRITER_CHECKPOINT_BYTES + (1 << 20), f"WAL grew to {largest} bytes"
     busy, _, _ = world.db.checkpoint()
     assert busy == 0 and os.path.getsize(wal) == 0
 
@@ -169,8 +178,8 @@ def test_wal_stays_bounded_over_10000_deliveries_with_a_reader_open(world, app, 
 def test_an_explicit_checkpoint_is_never_turned_away_by_the_background_checkpointer(tmp_path, monkeypatch):
     # SQLite answers a checkpoint that meets another one in progress with "busy" at once, busy timeout or not;
     # `prune` must still empty the WAL while the checkpointer copies it back after every commit.
-    monkeypatch.setattr(sb, "CHECKPOINTS_PER_SECOND", 100_000)
-    db = sb.Database(str(tmp_path / "race.db"))
+    monkeypatch.setattr(database_module, "CHECKPOINTS_PER_SECOND", 100_000)
+    db = Database(str(tmp_path / "race.db"))
     stop = threading.Event()
 
     def fill(txn):
@@ -197,14 +206,14 @@ def test_an_explicit_checkpoint_is_never_turned_away_by_the_background_checkpoin
 def test_check_reports_integrity_key_sandbox_and_schema(db_path):
     code, report = cli(db_path, "check")
     assert code == 0 and report["integrity"] == "ok" and report["sandbox"] == "ok"
-    assert report["schema_version"] == sb.SCHEMA_VERSION and report["key"] == "missing"
+    assert report["schema_version"] == SCHEMA_VERSION and report["key"] == "missing"
     cli_inproc(db_path, "human", "add", "alice")
     _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "q",
                              "--verbs", "all")
     cli_inproc(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github", "--queue", "q")
     code, report = cli(db_path, "check")
     assert code == 0 and report["key"] == "file"
-    sb.key_file_path(db_path).unlink()
+    key_file_path(db_path).unlink()
     code, failed = cli(db_path, "check")
     assert code == 1 and failed["error"] == "internal" and "missing" in failed["message"]
     code, pruned = cli(db_path, "prune")
@@ -216,10 +225,10 @@ def test_next_due_is_the_earliest_thing_the_scheduler_must_do(world, alice, cloc
     assert world.tick()["next_due"] is None, "nothing waits: the scheduler has nothing to wake for"
     world.push(alice, endpoint, "build", "first")
     claim = world.claim(endpoint)
-    lease_end = sb.to_ms(sb.datetime.fromisoformat(claim["todo"]["lease_expires_at"].replace("Z", "+00:00")))
+    lease_end = to_ms(datetime.fromisoformat(claim["todo"]["lease_expires_at"].replace("Z", "+00:00")))
     assert world.tick()["next_due"] == lease_end
     later = world.push(alice, endpoint, "build", "later")
-    world.act(alice, later["id"], "defer", reason="after lunch", until=sb.iso(clock.ms + 60_000))
+    world.act(alice, later["id"], "defer", reason="after lunch", until=iso(clock.ms + 60_000))
     assert world.tick()["next_due"] == clock.ms + 60_000
 
 
@@ -227,14 +236,14 @@ def test_an_idle_scheduler_looks_every_second_but_only_works_when_something_chan
     """Idle, the background loop reads one pragma a second and runs no tick; a commit from another connection
     (the CLI's, here) is noticed within about a second and ticked on."""
     ticks: list[float] = []
-    real_tick = sb.scheduler_tick
+    real_tick = scheduler_tick
 
     def counting_tick(txn, *args, **kwargs):
         ticks.append(time.monotonic())
         return real_tick(txn, *args, **kwargs)
 
-    monkeypatch.setattr(sb, "scheduler_tick", counting_tick)
-    app = sb.create_app(db_path, background=True)
+    monkeypatch.setattr(flows_module, "scheduler_tick", counting_tick)
+    app = create_app(db_path, background=True)
     with TestClient(app):
         time.sleep(3.5)
         assert len(ticks) <= 2, f"{len(ticks)} ticks in 3.5 idle seconds"
@@ -247,24 +256,15 @@ def test_an_idle_scheduler_looks_every_second_but_only_works_when_something_chan
         assert len(ticks) > before, "a commit by another connection wakes the scheduler"
 
 
-def test_serve_run_as_a_script_keeps_its_pid_and_drops_the_scripts_parse_tree(db_path):
-    """`python switchboard.py serve` execs itself as an imported module (CPython keeps a running script's parse
-    tree, 14 MiB for this file): the pid a supervisor started is the one serving, and it stops on SIGTERM."""
+def test_serve_run_as_a_script_from_the_checkout_serves_and_stops_on_sigterm(db_path):
+    """`python switchboard.py serve` (the launcher beside the package) is the process a supervisor started: the
+    same pid serves, with the interpreter's options as given, and it stops cleanly on SIGTERM."""
     server = LiveServer(db_path, program=("-X", "utf8", str(ROOT / "switchboard.py")))
     try:
         cmdline = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().split(b"\0")
-        assert cmdline[1:4] == [b"-X", b"utf8", b"-c"] and b"import switchboard" in cmdline[4], cmdline
-        assert cmdline[5:9] == [b"serve", b"--db", db_path.encode(), b"--port"]
+        assert cmdline[1:3] == [b"-X", b"utf8"] and cmdline[3].endswith(b"switchboard.py"), cmdline
+        assert cmdline[4:7] == [b"serve", b"--db", db_path.encode()]
         assert httpx.get(f"{server.url}/healthz").text.startswith("ok ")
     finally:
         server.stop()
     assert server.proc.returncode == 0
-
-
-def test_serve_is_recognised_behind_the_global_options():
-    """The re-exec happens before the command line is parsed, so it finds the command past --db and --json itself;
-    a word after the command (a human named serve) is not the command."""
-    assert sb._command_word(["--db", "serve.db", "--json", "serve", "--port", "1"]) == "serve"
-    assert sb._command_word(["--db=x.db", "serve"]) == "serve"
-    assert sb._command_word(["human", "add", "serve"]) == "human"
-    assert sb._command_word(["--json"]) is None

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import producers
-from helpers import GATED_PROVIDERS
 import pytest
+from helpers import GATED_PROVIDERS
 
-PACKS = Path(__file__).resolve().parent.parent / "packs"
+PACKS = Path(__file__).resolve().parent.parent / "switchboard" / "packs"
 FIXTURES = producers.FIXTURES
 
 # SPEC section 6, spelled out here rather than imported, so that a drift in the implementation shows.

@@ -16,7 +16,12 @@ import pytest
 from conftest import cli, cli_inproc, snapshot
 from helpers import add_route, count, hook_token, make_webhook, post_delivery, query
 
-import switchboard as sb
+from switchboard.app import create_app
+from switchboard.configuration import iso
+from switchboard.crypto import token_hash
+from switchboard.envelope import build_envelope, decode_payload, envelope_record
+from switchboard.providers import delivery_key
+from switchboard.store.deliveries import Delivery, record_delivery
 
 DROP_ALL = {"rules": [{"id": "drop-all", "expr": "true", "action": {"drop": True}}]}
 
@@ -28,7 +33,7 @@ def route_to_lane(once: bool = False, exclusive: bool = False) -> dict:
 
 @pytest.fixture
 def app(db_path, clock):
-    return sb.create_app(db_path, clock=clock, background=False, ingest_rate=0)
+    return create_app(db_path, clock=clock, background=False, ingest_rate=0)
 
 
 @pytest.fixture
@@ -267,21 +272,21 @@ def store_deliveries(app, hook: dict, start: int, n: int, event: str) -> None:
     for number in range(start, start + n):
         raw, headers = producers.github(event, hook["secret"], {"issue": {"number": number}})
         headers = {k.lower(): v for k, v in headers.items()}
-        payload, _ = sb.decode_payload(headers, raw)
-        envelope = sb.build_envelope(provider="github", webhook_id=hook["id"], trust_mode="signed", verified=True,
+        payload, _ = decode_payload(headers, raw)
+        envelope = build_envelope(provider="github", webhook_id=hook["id"], trust_mode="signed", verified=True,
                                      headers=headers, body=raw, payload=payload,
                                      trusted_actors={"allow_all": True})
         action = {"drop": True}
         trace = {"stage": "rule", "rule_index": 0, "rule_id": "drop-all", "rule_name": None, "action": action}
-        deliveries.append(sb.Delivery(
-            webhook_id=hook["id"], token_hash=sb.token_hash(token), body=raw, envelope=envelope,
-            envelope_record=sb.envelope_record(envelope), headers_json=json.dumps(envelope["headers"]),
-            delivery_key=sb.delivery_key("github", headers, payload, raw), body_hash=hashlib.sha256(raw).hexdigest(),
+        deliveries.append(Delivery(
+            webhook_id=hook["id"], token_hash=token_hash(token), body=raw, envelope=envelope,
+            envelope_record=envelope_record(envelope), headers_json=json.dumps(envelope["headers"]),
+            delivery_key=delivery_key("github", headers, payload, raw), body_hash=hashlib.sha256(raw).hexdigest(),
             action=action, trace=trace))
 
     def write_all(txn):
         for delivery in deliveries:
-            assert sb.record_delivery(txn, delivery)["disposition"] == "dropped"
+            assert record_delivery(txn, delivery)["disposition"] == "dropped"
     db.write_sync(write_all)
 
 
@@ -321,11 +326,11 @@ def test_bulk_replay_is_a_dry_run_by_default_and_filters(world, alice, owner, ho
     assert matched(kind="issue_comment", limit=1000)["transitions"] == [
         {"from": "dropped", "to": "routed", "rule_id": "comments", "count": 50}]
     assert matched(kind="push", limit=1000)["matched"] == 0
-    assert matched(disposition="dropped", since=sb.iso(hours[3]), limit=1000)["matched"] == 250
+    assert matched(disposition="dropped", since=iso(hours[3]), limit=1000)["matched"] == 250
     assert matched(disposition="routed", limit=1000)["matched"] == 0
-    assert matched(since=sb.iso(hours[1]), until=sb.iso(hours[3]), limit=1000)["matched"] == 500
-    assert matched(until=sb.iso(hours[1]), limit=1000)["matched"] == 250
-    assert matched(since=sb.iso(hours[3] + 1), limit=1000)["matched"] == 0
+    assert matched(since=iso(hours[1]), until=iso(hours[3]), limit=1000)["matched"] == 500
+    assert matched(until=iso(hours[1]), limit=1000)["matched"] == 250
+    assert matched(since=iso(hours[3] + 1), limit=1000)["matched"] == 0
     for bad in ({"limit": 1001}, {"limit": 0}, {"disposition": "lost"}, {"since": "yesterday"}, {"nope": 1}):
         refused = replay_many(world.client, alice, hook["id"], **bad)
         assert refused.status_code == 400 and refused.json()["error"] == "invalid_argument", (bad, refused.text)

@@ -3,6 +3,7 @@ once-only work orders, and the quarantine a human releases."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sqlite3
 import threading
@@ -10,7 +11,16 @@ import threading
 import producers
 import pytest
 
-import switchboard as sb
+import switchboard.evaluator as evaluator_module
+from switchboard.evaluator import (
+    EVAL_MEMORY_BYTES,
+    EVAL_PROGRAMS_PER_CHILD,
+    Evaluator,
+    EvaluatorUnavailable,
+    _Child,
+    _jq_directory,
+)
+from switchboard.store.deliveries import WORK_ORDER_AUTHORITY, once_key
 
 
 @pytest.fixture
@@ -62,10 +72,10 @@ def test_rules_route_to_a_lane_with_a_work_order(world, alice, hook, lane_s):
                     "title": "Spelling error in the README file", "author": "Codertocat", "sender": "Codertocat",
                     "action": "labeled", "labels": ["size/S"], "event_type": "issues", "state": "open",
                     "label": "bug", "body_size": order["subject"]["body_size"]},
-        "author_trusted": None, "authority": sb.WORK_ORDER_AUTHORITY}
+        "author_trusted": None, "authority": WORK_ORDER_AUTHORITY}
     assert order["authority"].startswith("semi-trusted task: verified provenance made this eligible")
     assert todo["trace"]["stage"] == "rule" and todo["trace"]["rule_id"] == "small"
-    assert todo["trace"]["once_key"] == sb.once_key("github:Codertocat/Hello-World#1", "lane-s")
+    assert todo["trace"]["once_key"] == once_key("github:Codertocat/Hello-World#1", "lane-s")
     event = world.client.get(f"/api/v1/events/{outcome['event_id']}", headers=alice.auth).json()
     assert event["trace"]["rule_index"] == 0
 
@@ -242,7 +252,7 @@ def test_rules_test_is_a_dry_run_that_stores_nothing(world, alice, hook, lane_s,
     result = r.json()
     assert result["decision"] == {"drop": False, "queue": "lane-s", "endpoints": [lane_s.id],
                                   "disposition": "routed", "fault": None}
-    assert result["once_key"] == sb.once_key("github:Codertocat/Hello-World#1", "lane-s")
+    assert result["once_key"] == once_key("github:Codertocat/Hello-World#1", "lane-s")
     assert result["work_order"]["lane"] == "lane-s" and result["envelope"]["verified"] is True
     assert result["trace"]["rule_id"] == "s"
     candidate = world.client.post(f"/api/v1/webhooks/{hook['id']}/rules/test", headers=alice.auth, json={
@@ -329,7 +339,7 @@ def test_a_webhook_without_rules_never_touches_the_evaluator(world, alice, hook,
 def test_an_evaluator_that_cannot_run_answers_503_and_stores_nothing(world, alice, hook, app, db_path, monkeypatch):
     put_rules(world, alice, hook, {"rules": [{"id": "s", "expr": "true", "action": {"queue": "triage"}}]})
     app.state.evaluator.close()
-    monkeypatch.setattr(sb, "EVALUATOR_CHILD", "import sys; sys.exit(3)")
+    monkeypatch.setattr(evaluator_module, "EVALUATOR_CHILD", "import sys; sys.exit(3)")
     before = sqlite3.connect(db_path).execute("SELECT count(*) FROM events").fetchone()[0]
     r = deliver(world, hook)
     assert r.status_code == 503 and r.json()["error"] == "unavailable"
@@ -344,7 +354,7 @@ def test_rules_over_the_cli(db_path, tmp_path):
     _, made = cli(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "github", "--queue", "triage",
                   "--allow-all")
     pack = tmp_path / "pack.json"
-    pack.write_text(sb.json.dumps({"rules": [{"id": "hold-bugs", "expr": '.issue.labels | index("bug") != null',
+    pack.write_text(json.dumps({"rules": [{"id": "hold-bugs", "expr": '.issue.labels | index("bug") != null',
                                               "action": {"queue": "hold"}}]}))
     params = tmp_path / "params.json"
     params.write_text('{"who": ["Codertocat"]}')
@@ -358,7 +368,7 @@ def test_rules_over_the_cli(db_path, tmp_path):
     code, unverified = cli(db_path, "rules", "test", made["id"], "--payload", str(payload), "--unverified")
     assert unverified["envelope"]["verified"] is False
     bad = tmp_path / "bad.json"
-    bad.write_text(sb.json.dumps({"rules": [{"id": "x", "expr": "input", "action": {"drop": True}}]}))
+    bad.write_text(json.dumps({"rules": [{"id": "x", "expr": "input", "action": {"drop": True}}]}))
     code, refused = cli(db_path, "rules", "set", made["id"], "--file", str(bad))
     assert code == 1 and refused["error"] == "invalid_argument"
     code, shown = cli(db_path, "rules", "get", made["id"])
@@ -379,7 +389,7 @@ def test_compiling_a_rule_set_is_not_charged_to_the_evaluation_budget():
     """A child's first use of a rule set compiles it in a round trip of its own: a large set that takes longer to
     compile than the budget allows an evaluation (here 20 rules of 4,000 definitions: 50-150 ms against 30 ms)
     still evaluates, and is not held as a timeout. Evaluating keeps its budget."""
-    evaluator = sb.Evaluator(size=1, budget=0.03)
+    evaluator = Evaluator(size=1, budget=0.03)
     slow_to_compile = [" ".join(f"def f{i}: {i};" for i in range(4000)) + f" .n == {n}" for n in range(20)]
     document = json.dumps({"n": 7}).encode()
     try:
@@ -393,10 +403,10 @@ def test_compiling_a_rule_set_is_not_charged_to_the_evaluation_budget():
 def test_a_child_that_forgot_its_programs_loads_a_rule_set_again():
     """A child keeps EVAL_PROGRAMS_PER_CHILD compiled rule sets, then forgets them all at once; the pool forgets its
     list of them at the same moment, so a rule set from before is compiled again, never asked for by key alone."""
-    evaluator = sb.Evaluator(size=1)
+    evaluator = Evaluator(size=1)
     document = json.dumps({"n": 7}).encode()
     try:
-        for n in range(sb.EVAL_PROGRAMS_PER_CHILD + 3):
+        for n in range(EVAL_PROGRAMS_PER_CHILD + 3):
             assert evaluator.run([f".n == {n}"], {}, document) == ({"match": 0} if n == 7 else {"none": True}), n
         for n in (7, 8, 0):
             assert evaluator.run([f".n == {n}"], {}, document) == ({"match": 0} if n == 7 else {"none": True}), n
@@ -407,7 +417,7 @@ def test_a_child_that_forgot_its_programs_loads_a_rule_set_again():
 def test_an_evaluator_child_is_isolated_capped_and_runs_no_site_hooks():
     """What the docs promise of the sandbox, read from the running child: `python -I -S`, an empty environment,
     the address-space cap; and it still evaluates, with jq found through the one path it is given."""
-    evaluator = sb.Evaluator(size=1)
+    evaluator = Evaluator(size=1)
     try:
         assert evaluator.run(['.n == 7'], {}, b'{"n": 7}') == {"match": 0}
         (child,) = evaluator._idle
@@ -416,7 +426,7 @@ def test_an_evaluator_child_is_isolated_capped_and_runs_no_site_hooks():
         assert arguments[1:4] == [b"-I", b"-S", b"-c"]
         assert open(f"/proc/{pid}/environ", "rb").read() == b""
         (address_space,) = [line.split()[3:5] for line in open(f"/proc/{pid}/limits") if line.startswith("Max address")]
-        assert address_space == [str(sb.EVAL_MEMORY_BYTES)] * 2
+        assert address_space == [str(EVAL_MEMORY_BYTES)] * 2
     finally:
         evaluator.close()
 
@@ -425,7 +435,7 @@ def test_a_rule_set_that_compiled_cleanly_is_not_compiled_again():
     """Saves, dry runs and replays validate the same rule set over and over: a program list that compiled cleanly is
     remembered by its text and params, while a changed list, other params, or a list with an error go to the child
     every time."""
-    evaluator = sb.Evaluator(size=1)
+    evaluator = Evaluator(size=1)
     compiles = []
     call = evaluator._call
 
@@ -454,12 +464,12 @@ def test_a_rule_set_that_compiled_cleanly_is_not_compiled_again():
 def test_without_jq_installed_no_child_starts_and_nothing_is_imported_from_the_working_directory(monkeypatch):
     """The child's one added path is jq's directory; when jq cannot be found there is no child (never an empty
     path, which would import from the working directory)."""
-    real_find_spec = sb.importlib.util.find_spec
-    monkeypatch.setattr(sb.importlib.util, "find_spec",
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *rest: None if name == "jq" else real_find_spec(name, *rest))
-    sb._jq_directory.cache_clear()
+    _jq_directory.cache_clear()
     try:
-        with pytest.raises(sb.EvaluatorUnavailable, match="jq"):
-            sb._Child()
+        with pytest.raises(EvaluatorUnavailable, match="jq"):
+            _Child()
     finally:
-        sb._jq_directory.cache_clear()
+        _jq_directory.cache_clear()

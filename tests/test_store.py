@@ -9,7 +9,9 @@ from collections import Counter
 import httpx
 import pytest
 
-import switchboard as sb
+from switchboard.configuration import SCHEMA_VERSION, iso
+from switchboard.store.transitions import backoff_ms
+from switchboard.store.upkeep import rings_for_new_session
 
 
 @pytest.fixture
@@ -20,7 +22,7 @@ def worker(world, alice):
 def test_database_pragmas_and_schema_version(app, db_path):
     conn = sqlite3.connect(db_path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == sb.SCHEMA_VERSION
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     writer = app.state.db._writer
     assert writer.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     assert writer.execute("PRAGMA foreign_keys").fetchone()[0] == 1
@@ -77,7 +79,7 @@ def test_claim_heartbeat_and_complete_answer_the_todo_as_stored(world, alice, wo
     assert first["lease_token"] != again.json()["lease_token"]
 
     rung = world.push(alice, worker, "build", "rung")
-    assert [r["todo_id"] for r in world.db.write_sync(sb.rings_for_new_session, worker.id, ["build"])] == [rung["id"]]
+    assert [r["todo_id"] for r in world.db.write_sync(rings_for_new_session, worker.id, ["build"])] == [rung["id"]]
     clock.advance(1)
     claim = world.claim(worker)
     assert claim["todo"] == stored(rung["id"]) and claim["todo"]["rings"]["count"] > 0
@@ -199,7 +201,7 @@ def test_five_failures_dead_letter_then_human_retry(world, alice, worker, clock)
 
 
 def test_backoff_is_exponential_and_capped(world, alice, worker, clock):
-    assert [sb.backoff_ms(a) // 1000 for a in range(1, 8)] == [30, 60, 120, 240, 480, 900, 900]
+    assert [backoff_ms(a) // 1000 for a in range(1, 8)] == [30, 60, 120, 240, 480, 900, 900]
     todo = world.push(alice, worker, "build")
     claim = world.claim(worker)
     failed = world.act(worker, todo["id"], "fail", lease_token=claim["lease_token"], error="flaky",
@@ -285,7 +287,7 @@ def test_needs_input_answer_and_block_resume(world, alice, worker):
 
 def test_defer_until_passes_and_undefer(world, alice, worker, clock):
     todo = world.push(alice, worker, "build")
-    until = sb.iso(clock.now_ms() + 60_000)
+    until = iso(clock.now_ms() + 60_000)
     deferred = world.act(alice, todo["id"], "defer", reason="after lunch", until=until).json()
     assert deferred["state"] == "deferred"
     assert world.claim(worker) == {"empty": True}

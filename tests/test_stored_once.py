@@ -11,7 +11,8 @@ import urllib.parse
 
 import producers
 
-import switchboard as sb
+from switchboard.limits import RateLimiter
+from switchboard.store.upkeep import prune
 
 
 def _routed_hook(world, alice):
@@ -68,7 +69,7 @@ def test_rules_see_the_payload_and_headers_of_the_stored_once_envelope(world, al
 
 
 def test_the_file_grows_by_little_more_than_the_bodies_received(world, alice, app, db_path):
-    app.state.flows.limiter = sb.RateLimiter(0, 1)  # as `serve --ingest-rate 0`
+    app.state.flows.limiter = RateLimiter(0, 1)  # as `serve --ingest-rate 0`
     hook, _ = _routed_hook(world, alice)
     world.db.checkpoint()
     before = os.path.getsize(db_path)
@@ -91,8 +92,8 @@ def test_retention_keeps_an_event_while_any_todo_reads_its_payload(world, alice,
     claim = world.claim(worker)
     world.act(worker, claim["todo"]["id"], "complete", lease_token=claim["lease_token"])
     clock.advance(2 * 86400)  # the event is 31 days old, its done todo one day
-    assert sb.prune(world.db) == {"todos": 0, "events": 0, "notifications": 0}
+    assert prune(world.db) == {"todos": 0, "events": 0, "notifications": 0}
     todo = world.client.get(f"/api/v1/todos/{claim['todo']['id']}", headers=alice.auth).json()
     assert todo["payload"] == json.loads(raw)
     clock.advance(30 * 86400)
-    assert sb.prune(world.db) == {"todos": 1, "events": 1, "notifications": 0}
+    assert prune(world.db) == {"todos": 1, "events": 1, "notifications": 0}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import producers
 import pytest
 
-import switchboard as sb
+from switchboard.migrations import MIGRATIONS
 
 
 @pytest.fixture
@@ -191,5 +191,5 @@ def test_envelope_edges_match_the_reference(world, alice, owner):
 
 
 def test_the_migration_trusts_everyone_on_existing_forge_webhooks():
-    migration = sb.MIGRATIONS[1]
+    migration = MIGRATIONS[1]
     assert "allow_all" in migration.fill["webhooks"]["trusted_actors"]

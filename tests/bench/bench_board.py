@@ -26,8 +26,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-import switchboard as sb  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
+
+from switchboard.app import create_app
+from switchboard.configuration import Clock
+from switchboard.crypto import SecretBox
+from switchboard.database import Database
+from switchboard.models import EndpointCreate, TrustAll, WebhookCreate
+from switchboard.store.principals import Principal, add_human, vend_endpoint
+from switchboard.store.webhooks import create_webhook
 
 RESULTS_PATH = Path(__file__).resolve().with_name("results-board.json")
 TARGET_MS = 50.0
@@ -56,17 +63,17 @@ class Timed:
 
 
 def principals(path: str) -> dict:
-    db = sb.Database(path, synchronous="NORMAL")
+    db = Database(path, synchronous="NORMAL")
     try:
-        human = db.write_sync(sb.add_human, "alice")
-        principal = sb.Principal(kind="human", id=human["id"], human_id=human["id"], name="alice")
-        endpoints = {name: db.write_sync(sb.vend_endpoint, human["id"], sb.EndpointCreate(name=name, queues=queues))
+        human = db.write_sync(add_human, "alice")
+        principal = Principal(kind="human", id=human["id"], human_id=human["id"], name="alice")
+        endpoints = {name: db.write_sync(vend_endpoint, human["id"], EndpointCreate(name=name, queues=queues))
                      for name, queues in (("router", ["triage", "hold"]), ("lane-s", ["lane-s"]),
                                           ("lane-m", ["lane-m"]), ("lane-l", ["lane-l"]))}
-        box = sb.SecretBox.for_database(path)
-        hook = db.write_sync(sb.create_webhook, principal, box, sb.WebhookCreate(
+        box = SecretBox.for_database(path)
+        hook = db.write_sync(create_webhook, principal, box, WebhookCreate(
             provider="github", queue="triage", endpoint_id=endpoints["router"]["id"],
-            trusted_actors=sb.TrustAll(allow_all=True)), "http://127.0.0.1")
+            trusted_actors=TrustAll(allow_all=True)), "http://127.0.0.1")
         return {"human": human, "endpoints": endpoints, "webhook": hook}
     finally:
         db.close()
@@ -75,7 +82,7 @@ def principals(path: str) -> dict:
 def fill(path: str, made: dict, todos: int, events: int, seed: int = 7) -> None:
     """Insert `events` events and `todos` todos (each minted by one of the events) straight into SQLite."""
     rng = random.Random(seed)
-    now = sb.Clock().now_ms()
+    now = Clock().now_ms()
     human_id, hook_id = made["human"]["id"], made["webhook"]["id"]
     lanes = [(made["endpoints"][n]["id"], n) for n in ("lane-s", "lane-m", "lane-l")]
     router = made["endpoints"]["router"]["id"]
@@ -137,7 +144,7 @@ def fill(path: str, made: dict, todos: int, events: int, seed: int = 7) -> None:
 
 
 def measure(path: str, made: dict, runs: int) -> list[dict]:
-    app = sb.create_app(path, background=False)
+    app = create_app(path, background=False)
     timed = Timed(app)
     hook_id = made["webhook"]["id"]
     with TestClient(timed, base_url="http://bench") as client:

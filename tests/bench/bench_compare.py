@@ -65,14 +65,28 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # tests/, for producers
+import bench_ingest  # noqa: E402
 import minimal_app  # noqa: E402
 import producers  # noqa: E402
-import bench_ingest  # noqa: E402
 from bench_ingest import SIZES, fleet_topology, labeled_delivery  # noqa: E402
-from bench_store import (SYNC_CODE, ChildServer, Server, cli, inproc_litequeue, inproc_persistqueue,  # noqa: E402
-                         inproc_switchboard, machine_facts, percentile, read_only, report_notes, run_timed,
-                         source_fingerprint, timed_loop)
-import switchboard as sb  # noqa: E402 - on the path bench_store put it on
+from bench_store import (  # noqa: E402
+    SYNC_CODE,
+    ChildServer,
+    Server,
+    cli,
+    inproc_litequeue,
+    inproc_persistqueue,
+    inproc_switchboard,
+    machine_facts,
+    percentile,
+    read_only,
+    report_notes,
+    run_timed,
+    source_fingerprint,
+    timed_loop,
+)
+
+from switchboard.database import Database, Txn  # noqa: E402 - on the path bench_store put it on
 
 RESULTS_PATH = HERE / "results-compare.json"
 MINIMAL_APP = HERE / "minimal_app.py"
@@ -583,13 +597,13 @@ def inproc_writer_floor(tmp: str, synchronous: str, n: int) -> dict:
     `Database.write_sync` (the hand-off to the one writer thread, BEGIN IMMEDIATE, COMMIT, the answer back), with
     no lease, no fencing, no attempt and no history. Goal (4) is measured against this too, so a reader sees how
     much of the gap to the peers is the single-writer design and how much is the work a transition does."""
-    db = sb.Database(os.path.join(tmp, "floor.db"), synchronous=synchronous)
+    db = Database(os.path.join(tmp, "floor.db"), synchronous=synchronous)
     try:
         pragma = db.write_sync(lambda txn: txn.one("PRAGMA synchronous")[0])
         db.write_sync(lambda txn: txn.execute("CREATE TABLE floor (id INTEGER PRIMARY KEY, n INTEGER NOT NULL)"))
         db.write_sync(lambda txn: txn.execute("INSERT INTO floor VALUES (1, 0)"))
 
-        def bump(txn: sb.Txn) -> None:
+        def bump(txn: Txn) -> None:
             txn.execute("UPDATE floor SET n = n + 1 WHERE id = 1")
 
         def cycle() -> None:

@@ -45,7 +45,13 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-import switchboard as sb  # noqa: E402
+from switchboard.cli.parser import main as switchboard_main
+from switchboard.configuration import VERSION
+from switchboard.database import Database
+from switchboard.models import ClaimNext, Complete, EndpointCreate, TodoPush
+from switchboard.store.human_actions import push_todo
+from switchboard.store.principals import add_human, authenticate, vend_endpoint
+from switchboard.store.transitions import claim_next, complete
 
 RESULTS_PATH = Path(__file__).resolve().with_name("results-store.json")
 QUEUE = "bench"
@@ -98,7 +104,7 @@ def cli(db_path: str, *args: str) -> dict:
     machine, half a minute of set-up) with --json and parse its one JSON object; fail loudly on a non-zero exit."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = sb.main([*args, "--db", db_path, "--json"])
+        code = switchboard_main([*args, "--db", db_path, "--json"])
     if code != 0:
         raise RuntimeError(f"CLI {' '.join(args)} exited {code}: {out.getvalue()} {err.getvalue()}")
     return json.loads(out.getvalue())
@@ -119,7 +125,7 @@ def machine_facts() -> dict:
         "sqlite": sqlite3.sqlite_version,
         "platform": platform.platform(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "switchboard": sb.VERSION,
+        "switchboard": VERSION,
         "source": source_fingerprint(),
         "memory": _memory(),
         "os": _os_name(),
@@ -440,31 +446,31 @@ def timed_loop(n: int, cycle) -> tuple[float, list[float]]:
 
 
 def inproc_switchboard(tmp: str, synchronous: str, n: int) -> dict:
-    db = sb.Database(os.path.join(tmp, "sb.db"), synchronous=synchronous)
+    db = Database(os.path.join(tmp, "sb.db"), synchronous=synchronous)
     try:
         pragma = db.write_sync(lambda txn: txn.one("PRAGMA synchronous")[0])  # the writer's connection
-        human = db.write_sync(sb.add_human, "bench")
-        human_p = db.read_sync(sb.authenticate, human["token"])
-        endpoint = db.write_sync(sb.vend_endpoint, human["id"], sb.EndpointCreate(name="w", queues=[QUEUE]))
-        ep_p = db.read_sync(sb.authenticate, endpoint["token"])
+        human = db.write_sync(add_human, "bench")
+        human_p = db.read_sync(authenticate, human["token"])
+        endpoint = db.write_sync(vend_endpoint, human["id"], EndpointCreate(name="w", queues=[QUEUE]))
+        ep_p = db.read_sync(authenticate, endpoint["token"])
         # Pre-fill from several threads so the pushes do group-commit (not measured).
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda i: db.write_sync(sb.push_todo, human_p, endpoint["id"],
-                                                  sb.TodoPush(title=f"t{i}", queue=QUEUE)), range(n)))
+            list(pool.map(lambda i: db.write_sync(push_todo, human_p, endpoint["id"],
+                                                  TodoPush(title=f"t{i}", queue=QUEUE)), range(n)))
         seen: set[str] = set()
 
         def cycle() -> None:
-            got = db.write_sync(sb.claim_next, ep_p, sb.ClaimNext(queue=QUEUE))
+            got = db.write_sync(claim_next, ep_p, ClaimNext(queue=QUEUE))
             todo_id = got["todo"]["id"]
             if todo_id in seen:
                 raise AssertionError(f"switchboard handed out {todo_id} twice")
             seen.add(todo_id)
-            done = db.write_sync(sb.complete, ep_p, todo_id, sb.Complete(lease_token=got["lease_token"]))
+            done = db.write_sync(complete, ep_p, todo_id, Complete(lease_token=got["lease_token"]))
             if done["state"] != "done":
                 raise AssertionError(f"complete left {todo_id} in {done['state']}")
 
         seconds, lat = timed_loop(n, cycle)
-        assert db.write_sync(sb.claim_next, ep_p, sb.ClaimNext(queue=QUEUE)) == {"empty": True}
+        assert db.write_sync(claim_next, ep_p, ClaimNext(queue=QUEUE)) == {"empty": True}
         done_count = db.read_sync(lambda txn: txn.one("SELECT count(*) FROM todos WHERE state = 'done'")[0])
         assert done_count == n, f"switchboard: {done_count} done of {n}"
         return {"seconds": seconds, "lat": lat, "pragma": pragma}

@@ -1,0 +1,26 @@
+"""Switchboard: signed webhooks in, durable leased work for AI agents out. One process, one SQLite file.
+
+The modules, in layers: each imports only from the layers above it in this list (tests/test_layering.py
+checks it from the import graph).
+
+  configuration      constants, limits, the clock, errors
+  migrations         schema.sql and the numbered migrations
+  database           connections, the single writer, readers
+  crypto             tokens, ids, sealed webhook secrets
+  providers          per-producer signature, freshness, delivery id, event kind
+  models             request bodies, rule documents, work items, answers (pydantic, extra="forbid")
+  envelope           the document every rule sees
+  evaluator          jq rule sets in sandboxed child processes
+  store.*            transaction bodies, no HTTP: principals, outbox, todos, transitions, webhooks,
+                     human_actions, deliveries, rules, routing, quarantine, replay, upkeep
+  doorbell           waking one waiting session when work becomes claimable
+  notifier           the outbox's sender (ntfy, Gotify, Slack, Discord, signed webhooks)
+  limits, metrics    per-tenant rate limits; Prometheus metrics
+  flows              what REST, MCP, the CLI and the Board do the same way
+  http.*             common answers, streams, REST and ingress, MCP
+  board.*            the Board's queries and pages (templates and static files beside them)
+  app                the app factory: every part put together
+  server             uvicorn, logging, the process's lifetime
+  cli.*              output, commands, parser and main()
+  worker             `switchboard worker`: a lane worker over REST, outside the server
+"""

@@ -1,0 +1,7 @@
+"""`python -m switchboard COMMAND …`: the same CLI as the `switchboard` command."""
+
+import sys
+
+from switchboard.cli.parser import main
+
+sys.exit(main())

@@ -1,0 +1,86 @@
+"""The app: every part put together (store, evaluator, doorbell, notifier, REST, MCP, Board)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.routing import Route
+
+from switchboard.board.pages import Board
+from switchboard.configuration import DEFAULT_INGEST_BURST, DEFAULT_INGEST_RATE, ApiError, Clock, Vitals
+from switchboard.crypto import SecretBox, sealed_sample
+from switchboard.database import Database
+from switchboard.doorbell import Doorbell
+from switchboard.evaluator import Evaluator
+from switchboard.flows import Flows
+from switchboard.http.mcp import Mcp, _api_error, _http_error, _unexpected
+from switchboard.http.rest import MCP_ROUTES, Api
+from switchboard.limits import RateLimiter
+from switchboard.metrics import Metrics
+from switchboard.notifier import Notifier
+
+# -- the app: every part put together ----------------------------------------------------------------
+
+def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None = None, background: bool = True,
+               ingest_rate: float = DEFAULT_INGEST_RATE, ingest_burst: int = DEFAULT_INGEST_BURST,
+               base_url: str | None = None, allowed_origins: str | None = None, trust_proxy: bool = False) -> Starlette:
+    """The ASGI app. `background=False` leaves the scheduler to the caller (tests drive it by hand).
+    `trust_proxy`: X-Forwarded-Proto from a reverse proxy counts (the Board's cookie is Secure behind https)."""
+    db = Database(db_path, synchronous=synchronous, clock=clock)
+    try:
+        box = SecretBox.for_database(db_path, db.read_sync(sealed_sample))
+    except ApiError:
+        db.close()
+        raise
+    vitals = Vitals()
+    db.on_fatal = vitals.died
+    doorbell = Doorbell()
+    db.on_rings = doorbell.ring
+    evaluator = Evaluator()
+    evaluator.on_death = vitals.died
+    base_url = base_url or os.environ.get("SWITCHBOARD_BASE_URL")
+    metrics = Metrics(db, doorbell)
+    notifier = Notifier(db, box, base_url, metrics.notify_failures, metrics.notify_sent)
+    db.on_outbox = notifier.wake
+    flows = Flows(db, doorbell, evaluator, box, RateLimiter(ingest_rate, ingest_burst), metrics, vitals, notifier)
+    origins = allowed_origins if allowed_origins is not None else os.environ.get("SWITCHBOARD_ALLOWED_ORIGINS", "")
+    api = Api(flows, base_url, frozenset(o.strip().rstrip("/") for o in origins.split(",") if o.strip()))
+
+    def watch(task: asyncio.Task, what: str) -> None:
+        """A long-lived loop that ends (it never should) is a death: /healthz says so and the process exits."""
+        task.add_done_callback(lambda done: None if done.cancelled() else vitals.died(
+            f"the {what} stopped: {done.exception()!r}"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        db.loop = asyncio.get_running_loop()
+        loops = {"scheduler": flows.background(), "notifier": notifier.run()} if background else {}
+        tasks = [asyncio.create_task(coroutine) for coroutine in loops.values()]
+        for task, what in zip(tasks, loops, strict=True):
+            watch(task, what)
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await flows.close()
+            db.close()
+
+    mcp = Mcp(api)
+    routes = [*(Route(r.path, getattr(mcp, r.handler), methods=[r.method]) for r in MCP_ROUTES), *api.route_table()]
+    routes += Board(flows, api, mcp, trust_proxy).routes()
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected})
+    app.state.db = db
+    app.state.doorbell = doorbell
+    app.state.api = api
+    app.state.flows = flows
+    app.state.evaluator = evaluator
+    app.state.mcp = mcp
+    app.state.vitals = vitals
+    return app

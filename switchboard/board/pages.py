@@ -1,0 +1,665 @@
+"""The human's pages (sign-in, inbox, queues, todos, deliveries, rules, endpoints), rendered from the
+package's templates."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import re
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import markupsafe
+from starlette.datastructures import MutableHeaders
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Match, Mount, NoMatchFound, Route, get_route_path, request_response
+from starlette.staticfiles import StaticFiles
+
+from switchboard.board.queries import (
+    _BOARD_BACK,
+    _BOARD_UNSAFE,
+    BOARD_COOKIE,
+    BOARD_DIR,
+    BOARD_FORM_BYTES,
+    BOARD_HEADERS,
+    BOARD_JSON_CHARS,
+    BOARD_MCP_IDLE_SECONDS,
+    BOARD_POLL_SECONDS,
+    BOARD_TOUCH_MS,
+    EVENT_DISPOSITIONS,
+    FORM_TYPE,
+    INBOX_GROUPS,
+    BoardRefusal,
+    BoardSession,
+    board_counts,
+    board_deliveries,
+    board_delivery,
+    board_endpoints,
+    board_inbox,
+    board_queues,
+    board_session,
+    board_sign_in,
+    board_sign_out,
+    board_todo,
+    board_touch,
+    board_webhook,
+    board_webhooks,
+)
+from switchboard.configuration import KEEPALIVE_SECONDS, NOTIFY_EVENTS, NOTIFY_KINDS, ApiError, iso, log, to_ms
+from switchboard.crypto import token_hash
+from switchboard.database import Txn
+from switchboard.flows import Flows
+from switchboard.http.common import _shallow, read_capped, sse_response
+from switchboard.http.mcp import Mcp
+from switchboard.http.rest import Api
+from switchboard.http.streams import sse_frame
+from switchboard.models import (
+    EndpointCreate,
+    NotifyCreate,
+    ReleaseQuarantine,
+    ReplayMany,
+    ReplayOne,
+    RouteAdd,
+    RuleSet,
+    RulesTest,
+    TrustedActors,
+    parse_model,
+)
+from switchboard.providers import _reject_constant
+from switchboard.store.outbox import add_channel, list_channels, remove_channel
+from switchboard.store.principals import vend_endpoint
+from switchboard.store.transitions import revoke_endpoint
+from switchboard.store.upkeep import HUMAN_ACTIONS
+from switchboard.store.webhooks import add_route, remove_route, rotate_webhook, set_trusted_actors
+
+# -- rendering helpers ---------------------------------------------------------------------------------------
+
+def _board_text(value: Any) -> Any:
+    """Jinja's finalize: every string reaches the page without bidirectional controls or lone surrogates (it
+    is escaped after this)."""
+    if isinstance(value, markupsafe.Markup):
+        return value  # our own markup (a macro's output), whose text was finalized when it was made
+    return _BOARD_UNSAFE.sub("\ufffd", value) if isinstance(value, str) else ("" if value is None else value)
+
+
+def pretty_json(value: Any) -> str:
+    """A stored document as indented JSON text for a <pre> (escaped by the template like any text), cut at
+    BOARD_JSON_CHARS so that a 5 MiB payload does not make a 10 MiB page (the API has all of it)."""
+    try:
+        text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
+    except (RecursionError, ValueError):
+        text = json.dumps(_shallow(value), indent=2, ensure_ascii=False)
+    if len(text) > BOARD_JSON_CHARS:
+        text = f"{text[:BOARD_JSON_CHARS]}\n… {len(text) - BOARD_JSON_CHARS:,} more characters (the API has all of it)"
+    return _BOARD_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _as_ms(value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, (int, float)):
+        return int(value)
+    try:
+        return to_ms(datetime.fromisoformat(str(value).replace("Z", "+00:00")))
+    except ValueError:
+        return None
+
+
+def _ago(ms: int | None, now: int) -> str:
+    if ms is None:
+        return "never"
+    seconds = (now - ms) / 1000
+    future = seconds < 0
+    seconds = abs(seconds)
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "min"), (1, "s")):
+        if seconds >= size or unit == "s":
+            amount = f"{int(seconds // size)} {unit}"
+            return f"in {amount}" if future else f"{amount} ago"
+    return ""
+
+
+def _cursor(text: str | None) -> tuple[int, str] | None:
+    """A page cursor `<ms>.<id>`; anything else is the first page."""
+    stamp, _, ident = (text or "").partition(".")
+    if not stamp.isdigit() or not re.fullmatch(r"[a-z]{2}_[0-9a-f]{1,64}", ident):
+        return None
+    return int(stamp), ident
+
+
+class BoardPage(Response):
+    """HTML that cannot fail to encode (a lone surrogate becomes U+FFFD)."""
+    media_type = "text/html"
+
+    def render(self, content: Any) -> bytes:
+        return content.encode("utf-8", "replace") if isinstance(content, str) else content
+
+
+class _BoardHeaders:
+    """ASGI middleware: the Board's security headers on every answer under /board, static files included."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        async def send_with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in BOARD_HEADERS.items():
+                    headers[name] = value
+                if "cache-control" not in headers:
+                    headers["Cache-Control"] = "no-store"
+            await send(message)
+        await self.app(scope, receive, send_with_headers)
+
+
+class _BoardEntry(BaseRoute):
+    """`/` (303 to the Board) and `/board` itself (the inbox). HTML pages, not API routes: not a `Route`, so
+    the OpenAPI document (which covers every API route) does not list them."""
+
+    def __init__(self, inbox: Callable) -> None:
+        self.inbox = _BoardHeaders(request_response(inbox))
+
+    def matches(self, scope: dict) -> tuple[Match, dict]:
+        if scope["type"] == "http" and get_route_path(scope) in ("/", "/board"):
+            return Match.FULL, {}
+        return Match.NONE, {}
+
+    def url_path_for(self, name: str, /, **path_params: Any) -> Any:
+        raise NoMatchFound(name, path_params)
+
+    async def handle(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if get_route_path(scope) == "/":
+            await RedirectResponse("/board", status_code=303)(scope, receive, send)
+        else:
+            await self.inbox(scope, receive, send)
+
+
+# -- the pages ---------------------------------------------------------------------------------------------
+
+class Board:
+    """The human's pages over the same flows as REST. `trust_proxy`: a reverse proxy the operator declared
+    sets X-Forwarded-Proto, so `https` there makes the session cookie Secure."""
+
+    def __init__(self, flows: Flows, api: Api, mcp: Mcp, trust_proxy: bool = False):
+        self.flows = flows
+        self.db = flows.db
+        self.api = api
+        self.mcp = mcp
+        self.trust_proxy = trust_proxy
+        self.templates = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(BOARD_DIR / "templates"), autoescape=True, finalize=_board_text,
+            trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+        self.templates.filters["json"] = pretty_json
+        self.templates.filters["iso"] = lambda value: iso(_as_ms(value)) or ""
+        self.templates.globals["inbox_groups"] = INBOX_GROUPS
+        # One-shot notices for the next page a session sees (post-redirect-get): kept in memory, popped on read.
+        self.notices: dict[str, list[dict]] = {}
+
+    def routes(self) -> list[BaseRoute]:
+        """The Board's routes; none when its files (board/ beside this module) are not installed."""
+        if not (BOARD_DIR / "templates").is_dir() or not (BOARD_DIR / "static").is_dir():
+            log.warning("the Board is off: its files are not in %s", BOARD_DIR)
+            return []
+        page, act = self._page, self._action
+        board = [
+            Route("/", page(self.inbox)),
+            Route("/login", self.login, methods=["GET", "POST"]),
+            Route("/logout", act(self.logout), methods=["POST"]),
+            Route("/inbox/{group}", page(self.inbox)),
+            Route("/events", self.events),
+            Route("/queues", page(self.queues)),
+            Route("/todos/{todo_id}", page(self.todo)),
+            Route("/todos/{todo_id}/{action}", act(self.todo_action), methods=["POST"]),
+            Route("/webhooks", page(self.webhooks)),
+            Route("/webhooks/{webhook_id}", page(self.webhook)),
+            Route("/webhooks/{webhook_id}/deliveries", page(self.deliveries)),
+            Route("/webhooks/{webhook_id}/rules", act(self.rules), methods=["POST"]),
+            Route("/webhooks/{webhook_id}/rotate", act(self.rotate), methods=["POST"]),
+            Route("/webhooks/{webhook_id}/trusted-actors", act(self.trusted_actors), methods=["POST"]),
+            Route("/webhooks/{webhook_id}/routes", act(self.add_route), methods=["POST"]),
+            Route("/webhooks/{webhook_id}/routes/{endpoint_id}/remove", act(self.remove_route), methods=["POST"]),
+            Route("/deliveries/{event_id}", page(self.delivery)),
+            Route("/deliveries/{event_id}/replay", act(self.replay_delivery), methods=["POST"]),
+            Route("/webhooks/{webhook_id}/replay", act(self.replay_webhook), methods=["POST"]),
+            Route("/notify", page(self.notify)),
+            Route("/notify/add", act(self.add_channel), methods=["POST"]),
+            Route("/notify/{channel_id}/test", act(self.test_channel), methods=["POST"]),
+            Route("/notify/{channel_id}/remove", act(self.remove_channel), methods=["POST"]),
+            Route("/endpoints", page(self.endpoints)),
+            Route("/endpoints/vend", act(self.vend), methods=["POST"]),
+            Route("/endpoints/{endpoint_id}/revoke", page(self.revoke_confirm)),
+            Route("/endpoints/{endpoint_id}/revoke", act(self.revoke), methods=["POST"]),
+            Mount("/static", app=StaticFiles(directory=BOARD_DIR / "static")),
+            Route("/{rest:path}", page(self.not_found), methods=["GET", "POST"]),
+        ]
+        return [_BoardEntry(self._page(self.inbox)),
+                Mount("/board", routes=board, middleware=[Middleware(_BoardHeaders)])]
+
+    # -- sessions, forms and answers --------------------------------------------------------------------
+    def secure(self, request: Request) -> bool:
+        forwarded = request.headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
+        return request.url.scheme == "https" or (self.trust_proxy and forwarded == "https")
+
+    def _origins(self, request: Request) -> set[str]:
+        scheme = "https" if self.secure(request) else request.url.scheme
+        mine = {f"{scheme}://{request.headers.get('host', '')}".lower()}
+        if self.api.base_url:
+            parts = urllib.parse.urlsplit(self.api.base_url)
+            mine.add(f"{parts.scheme}://{parts.netloc}".lower())
+        return mine
+
+    def _same_origin(self, request: Request) -> bool:
+        """A state-changing form must come from a page of this server: its Origin (or, where a browser sends
+        none, its Referer's origin) is this request's own scheme://host or the configured base URL."""
+        origin = request.headers.get("origin")
+        if origin is None or origin == "null":
+            referer = urllib.parse.urlsplit(request.headers.get("referer", ""))
+            origin = f"{referer.scheme}://{referer.netloc}" if referer.scheme and referer.netloc else None
+        return origin is not None and origin.rstrip("/").lower() in self._origins(request)
+
+    async def _session(self, request: Request) -> BoardSession | None:
+        token = request.cookies.get(BOARD_COOKIE)
+        if not token or len(token) > 128:
+            return None
+        session = await self.db.read(board_session, token_hash(token))
+        if session is not None and self.db.clock.now_ms() - session.last_seen_at >= BOARD_TOUCH_MS:
+            await self.db.write(board_touch, session.key)
+        return session
+
+    async def _form(self, request: Request) -> dict[str, str]:
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != FORM_TYPE:
+            raise ApiError("invalid_argument", "send the form as application/x-www-form-urlencoded")
+        raw = await read_capped(request, BOARD_FORM_BYTES)
+        try:
+            pairs = urllib.parse.parse_qsl(raw.decode("utf-8"), keep_blank_values=True, max_num_fields=200)
+        except (UnicodeDecodeError, ValueError):
+            raise ApiError("invalid_argument", "the form is not valid UTF-8 form data") from None
+        form: dict[str, str] = {}
+        for name, value in pairs:
+            form.setdefault(name, value.replace("\r\n", "\n"))
+        return form
+
+    def notice(self, session: BoardSession, text: str, kind: str = "ok", **extra: Any) -> None:
+        notes = self.notices.setdefault(session.key, [])
+        notes.append({"kind": kind, "text": text, **extra})
+        del notes[:-5]
+        if len(self.notices) > 10_000:
+            self.notices.pop(next(iter(self.notices)))
+
+    def render(self, request: Request, template: str, session: BoardSession | None, status: int = 200,
+               **context: Any) -> Response:
+        notices = self.notices.pop(session.key, []) if session else []
+        html = self.templates.get_template(template).render(
+            request_path=request.url.path, session=session, notices=notices, now=self.db.clock.now_ms(),
+            ago=lambda value: _ago(_as_ms(value), self.db.clock.now_ms()), **context)
+        return BoardPage(html, status_code=status)
+
+    def back(self, form: dict[str, str], default: str) -> RedirectResponse:
+        target = form.get("back", "")
+        return RedirectResponse(target if _BOARD_BACK.match(target) and "//" not in target else default,
+                                status_code=303)
+
+    async def page_data(self, session: BoardSession, fn: Callable, *args: Any) -> dict:
+        """A page's data and the navigation's counts, read in one transaction."""
+        def both(txn: Txn) -> dict:
+            return {**fn(txn, session.principal, *args), "live": board_counts(txn, session.principal)}
+        return await self.db.read(both)
+
+    def _page(self, handler: Callable) -> Callable:
+        """A GET page: a session (else to the sign-in form), then the handler; an ApiError is an HTML answer."""
+        async def endpoint(request: Request) -> Response:
+            session = await self._session(request)
+            if session is None:
+                if request.method != "GET":
+                    return self.render(request, "error.html", None, 403, title="Signed out",
+                                       message="Your session has ended: sign in again.")
+                target = urllib.parse.quote(request.url.path + (f"?{request.url.query}" if request.url.query else ""))
+                return RedirectResponse(f"/board/login?next={target}", status_code=303)
+            try:
+                return await handler(request, session)
+            except ApiError as error:
+                return await self._error_page(request, session, error)
+        return endpoint
+
+    def _action(self, handler: Callable) -> Callable:
+        """A state-changing form: a session, the same origin and the session's CSRF token, or 403 and nothing
+        runs; then the handler, whose ApiError goes back to the page it came from as a notice."""
+        async def endpoint(request: Request) -> Response:
+            session = await self._session(request)
+            try:
+                if session is None:
+                    raise BoardRefusal("Your session has ended: sign in again.")
+                if not self._same_origin(request):
+                    raise BoardRefusal("This form did not come from this server's own pages (Origin check).")
+                if request.headers.get("content-type", "").split(";")[0].strip().lower() != FORM_TYPE:
+                    raise BoardRefusal("This is not a form of the Board (CSRF check).")
+                form = await self._form(request)
+                if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
+                    raise BoardRefusal("This form is missing its session token (CSRF check). Reload the page.")
+            except BoardRefusal as refusal:
+                log.warning("board form refused: %s %s", request.method, request.url.path)
+                return self.render(request, "error.html", None, 403, title="Refused", message=str(refusal))
+            except ApiError as error:
+                return await self._error_page(request, session, error)
+            try:
+                return await handler(request, session, form)
+            except ApiError as error:
+                self.notice(session, error.message, "error")
+                return self.back(form, "/board")
+        return endpoint
+
+    async def _error_page(self, request: Request, session: BoardSession | None, error: ApiError) -> Response:
+        titles = {404: "Not found", 403: "Not allowed", 409: "Conflict", 400: "Not accepted"}
+        live = await self.db.read(board_counts, session.principal) if session else None
+        return self.render(request, "error.html", session, error.status, title=titles.get(error.status, "Error"),
+                           message=error.message, live=live)
+
+    async def not_found(self, request: Request, session: BoardSession) -> Response:
+        raise ApiError("not_found", f"there is no Board page at {request.url.path}")
+
+    # -- sign in and out ----------------------------------------------------------------------------------
+    async def login(self, request: Request) -> Response:
+        target = request.query_params.get("next", "")
+        target = target if _BOARD_BACK.match(target) and "//" not in target else "/board"
+        if request.method == "GET":
+            if await self._session(request) is not None:
+                return RedirectResponse(target, status_code=303)
+            return self.render(request, "login.html", None, next=target, error=None)
+        if not self._same_origin(request):
+            return self.render(request, "error.html", None, 403, title="Refused",
+                               message="This form did not come from this server's own pages (Origin check).")
+        form = await self._form(request)
+        session = await self.db.write(board_sign_in, form.get("token", "").strip())
+        if session is None:
+            return self.render(request, "login.html", None, 401, next=target,
+                               error="That is not a human token of this server (they start with sbh_).")
+        answer = RedirectResponse(target, status_code=303)
+        answer.set_cookie(BOARD_COOKIE, session, path="/board", httponly=True, samesite="strict",
+                          secure=self.secure(request))
+        return answer
+
+    async def logout(self, request: Request, session: BoardSession, form: dict) -> Response:
+        await self.db.write(board_sign_out, session.key)
+        self.notices.pop(session.key, None)
+        answer = RedirectResponse("/board/login", status_code=303)
+        answer.delete_cookie(BOARD_COOKIE, path="/board", httponly=True, samesite="strict",
+                             secure=self.secure(request))
+        return answer
+
+    # -- live counts --------------------------------------------------------------------------------------
+    async def events(self, request: Request) -> Response:
+        """GET /board/events: Server-Sent Events for the signed-in human. The server looks at the human's
+        counts every BOARD_POLL_SECONDS and sends `counts` whenever they changed; board.js then refreshes the
+        page's lists. A stream does not keep its session alive, and ends when the session does."""
+        session = await self._session(request)
+        if session is None:
+            return PlainTextResponse("sign in first", status_code=401)
+
+        async def frames() -> AsyncIterator[str]:
+            last, quiet = None, 0.0
+            yield "retry: 5000\n\n"
+            while not self.flows.doorbell.closing:
+                alive = await self.db.read(board_session, session.key)
+                if alive is None:
+                    yield sse_frame({}, "signed-out")
+                    return
+                live = await self.db.read(board_counts, session.principal)
+                if live != last:
+                    last, quiet = live, 0.0
+                    yield sse_frame(live, "counts")
+                elif quiet >= KEEPALIVE_SECONDS:
+                    quiet = 0.0
+                    yield ": keepalive\n\n"
+                await asyncio.sleep(BOARD_POLL_SECONDS)
+                quiet += BOARD_POLL_SECONDS
+
+        return sse_response(frames())
+
+    # -- pages --------------------------------------------------------------------------------------------
+    async def inbox(self, request: Request, session: BoardSession) -> Response:
+        group = request.path_params.get("group")
+        if group is not None and group not in INBOX_GROUPS:
+            raise ApiError("not_found", f"no inbox group {group}")
+        data = await self.page_data(session, board_inbox, group, _cursor(request.query_params.get("after")))
+        return self.render(request, "inbox.html", session, group=group, **data)
+
+    async def queues(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_queues, _cursor(request.query_params.get("after")))
+        monotonic_now, wall_now = time.monotonic(), time.time()
+        for endpoint in data["endpoints"]:
+            endpoint["sessions"] = [{**s, "since": int(s["since"] * 1000)}
+                                    for s in self.flows.doorbell.sessions_of(endpoint["id"])]
+            # MCP sessions without an open stream (those with one are doorbell sessions, listed above), while
+            # they were used in the last BOARD_MCP_IDLE_SECONDS: a client never has to say it left.
+            endpoint["sessions"] += [
+                {"via": "mcp, no stream open", "queues": None, "last_request": True,
+                 "since": int((wall_now - (monotonic_now - m.last_seen)) * 1000)}
+                for m in list(self.mcp.sessions.values()) if m.endpoint_id == endpoint["id"] and m.stream is None
+                and monotonic_now - m.last_seen < BOARD_MCP_IDLE_SECONDS]
+        return self.render(request, "queues.html", session, **data)
+
+    async def todo(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_todo, request.path_params["todo_id"])
+        return self.render(request, "todo.html", session, **data)
+
+    async def webhooks(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_webhooks)
+        return self.render(request, "webhooks.html", session, **data)
+
+    async def webhook(self, request: Request, session: BoardSession, *, status: int = 200,
+                      editor: str | None = None, dry: dict | None = None, form: dict | None = None) -> Response:
+        webhook_id = request.path_params["webhook_id"]
+        data = await self.page_data(session, board_webhook, webhook_id)
+        rules = data["rules"]
+        document = {"rules": rules["rules"], "default_action": rules["default_action"], "params": rules["params"]}
+        return self.render(request, "webhook.html", session, status, editor=editor or pretty_json(document),
+                           dry=dry or {}, form=form or {}, **data)
+
+    async def deliveries(self, request: Request, session: BoardSession) -> Response:
+        query = request.query_params
+        disposition = query.get("disposition") if query.get("disposition") in EVENT_DISPOSITIONS else None
+        kind = (query.get("kind") or "").strip()[:128] or None
+        data = await self.page_data(session, board_deliveries, request.path_params["webhook_id"], disposition, kind,
+                                    _cursor(query.get("before")))
+        return self.render(request, "deliveries.html", session, disposition=disposition, kind=kind,
+                           dispositions=EVENT_DISPOSITIONS, **data)
+
+    async def delivery(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_delivery, request.path_params["event_id"])
+        return self.render(request, "delivery.html", session, **data)
+
+    async def endpoints(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_endpoints)
+        return self.render(request, "endpoints.html", session, base=self.api.ingest_base(request).rstrip("/"),
+                           **data)
+
+    async def notify(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, list_channels)
+        return self.render(request, "notify.html", session, kinds=NOTIFY_KINDS, events=NOTIFY_EVENTS, **data)
+
+    async def revoke_confirm(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_endpoints)
+        endpoint_id = request.path_params["endpoint_id"]
+        endpoint = next((e for e in data["endpoints"] if e["id"] == endpoint_id), None)
+        if endpoint is None:
+            raise ApiError("not_found", f"no endpoint {endpoint_id}")
+        return self.render(request, "revoke.html", session, endpoint=endpoint, live=data["live"])
+
+    # -- actions ------------------------------------------------------------------------------------------
+    async def todo_action(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """One human action on a todo, through the very function REST runs for it."""
+        todo_id, action = request.path_params["todo_id"], request.path_params["action"]
+        principal = session.principal
+        fields = {k: v for k, v in form.items() if k not in ("csrf", "back", "trust_actor") and v.strip()}
+        if action == "release":
+            body = parse_model(ReleaseQuarantine, {**fields, "trust_actor": form.get("trust_actor") == "1"})
+            done = await self.flows.release_quarantined(principal, todo_id, body)
+        elif action in HUMAN_ACTIONS:
+            model, fn = HUMAN_ACTIONS[action]
+            done = await self.db.write(fn, principal, todo_id, parse_model(model, fields))
+        else:
+            raise ApiError("not_found", f"no action {action}")
+        verb = {"release": "Released", "approve": "Approved", "request-changes": "Sent back for changes",
+                "answer": "Answered", "retry": "Retrying", "reroute": "Rerouted", "cancel": "Cancelled",
+                "discard": "Discarded", "resume": "Resumed", "undefer": "Undeferred", "defer": "Deferred"}[action]
+        where = f" to {done['queue']}" if action in ("release", "reroute") and done["state"] == "pending" else ""
+        self.notice(session, f"{verb}{where}: {done['title']}", todo_id=done["id"])
+        return self.back(form, f"/board/todos/{todo_id}")
+
+    async def rules(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """Save (or, with do=dry-run, only try) the candidate rules. A refusal is shown next to the editor with
+        the candidate kept; a save answers 303."""
+        webhook_id = request.path_params["webhook_id"]
+        editor = form.get("rules", "")
+        try:
+            document = json.loads(editor, parse_constant=_reject_constant)
+            if not isinstance(document, dict):
+                raise ApiError("invalid_argument", "the rules document is a JSON object: {\"rules\": [...], ...}")
+        except (ValueError, RecursionError) as exc:
+            error = ApiError("invalid_argument", f"not JSON: {exc}")
+            return await self.webhook(request, session, status=400, editor=editor, form=form,
+                                      dry={"error": error.message})
+        except ApiError as error:
+            return await self.webhook(request, session, status=400, editor=editor, form=form,
+                                      dry={"error": error.message})
+        try:
+            if form.get("do") == "dry-run":
+                result = await self.flows.dry_run(session.principal, webhook_id,
+                                                  parse_model(RulesTest, {**document, **self._test_subject(form)}))
+                return await self.webhook(request, session, editor=editor, form=form, dry={"result": result})
+            await self.flows.set_rules(session.principal, webhook_id, parse_model(RuleSet, document))
+        except ApiError as error:
+            if error.status == 404:
+                raise
+            return await self.webhook(request, session, status=400, editor=editor, form=form,
+                                      dry={"error": error.message})
+        self.notice(session, "Rules saved.")
+        return RedirectResponse(f"/board/webhooks/{webhook_id}#rules", status_code=303)
+
+    @staticmethod
+    def _test_subject(form: dict) -> dict:
+        """The dry run's document: a stored delivery, or a pasted payload with `Name: value` header lines."""
+        if form.get("source", "event") == "event":
+            if not form.get("event_id"):
+                raise ApiError("invalid_argument", "choose a stored delivery, or paste a payload")
+            return {"event_id": form["event_id"]}
+        try:
+            payload = json.loads(form.get("payload") or "null", parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise ApiError("invalid_argument", f"payload: not JSON: {exc}") from None
+        headers = {}
+        for line in (form.get("headers") or "").splitlines():
+            name, colon, value = line.partition(":")
+            if line.strip() and not colon:
+                raise ApiError("invalid_argument", f"headers: {line.strip()!r} is not `Name: value`")
+            if name.strip():
+                headers[name.strip()] = value.strip()
+        return {"payload": payload, "headers": headers}
+
+    async def rotate(self, request: Request, session: BoardSession, form: dict) -> Response:
+        webhook_id = request.path_params["webhook_id"]
+        made = await self.db.write(rotate_webhook, session.principal, self.flows.box, webhook_id,
+                                   self.api.ingest_base(request))
+        self.notice(session, "Rotated: the old URL stopped working. Copy the new URL (and secret) now; they are"
+                             " not shown again.", "secret", url=made["url"], secret=made["secret"])
+        return RedirectResponse(f"/board/webhooks/{webhook_id}", status_code=303)
+
+    async def trusted_actors(self, request: Request, session: BoardSession, form: dict) -> Response:
+        webhook_id = request.path_params["webhook_id"]
+        names = [n.strip() for n in re.split(r"[\n,]", form.get("names", "")) if n.strip()]
+        if form.get("mode") == "allow_all":
+            document: dict = {"allow_all": True}
+        elif form.get("kind") == "actor_ids":
+            document = {"actor_ids": names}
+        else:
+            document = {"logins": names, "match": form.get("match") or "sender"}
+        await self.db.write(set_trusted_actors, session.principal, webhook_id, parse_model(TrustedActors, document))
+        self.notice(session, "Trusted actors saved.")
+        return RedirectResponse(f"/board/webhooks/{webhook_id}#trust", status_code=303)
+
+    async def add_route(self, request: Request, session: BoardSession, form: dict) -> Response:
+        webhook_id = request.path_params["webhook_id"]
+        body = parse_model(RouteAdd, {"endpoint_id": form.get("endpoint_id", "").strip()})
+        await self.db.write(add_route, session.principal, webhook_id, body)
+        self.notice(session, f"Deliveries now also go to {body.endpoint_id}.")
+        return RedirectResponse(f"/board/webhooks/{webhook_id}#routes", status_code=303)
+
+    async def remove_route(self, request: Request, session: BoardSession, form: dict) -> Response:
+        webhook_id, endpoint_id = request.path_params["webhook_id"], request.path_params["endpoint_id"]
+        await self.db.write(remove_route, session.principal, webhook_id, endpoint_id)
+        self.notice(session, f"Route to {endpoint_id} removed.")
+        return RedirectResponse(f"/board/webhooks/{webhook_id}#routes", status_code=303)
+
+    async def vend(self, request: Request, session: BoardSession, form: dict) -> Response:
+        lease = form.get("default_lease_seconds", "").strip()
+        spec = {"name": form.get("name", "").strip(), "queues": re.split(r"[\s,]+", form.get("queues", "").strip()),
+                "verbs": [form.get("verbs") or "drain"]}
+        if lease:
+            spec["default_lease_seconds"] = int(lease) if lease.isdigit() else lease
+        made = await self.db.write(vend_endpoint, session.principal.human_id, parse_model(EndpointCreate, spec))
+        base = (self.api.base_url or str(request.base_url)).rstrip("/")
+        self.notice(session, f"Endpoint {made['name']} vended. Copy its token now; it is not shown again.", "token",
+                    token=made["token"], endpoint_id=made["id"], base=base, queues=made["queues"])
+        return RedirectResponse("/board/endpoints", status_code=303)
+
+    async def replay_delivery(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """Evaluate a stored delivery under the current rules: a dry run, or (with apply) act on it."""
+        event_id = request.path_params["event_id"]
+        result = await self.flows.replay_one(session.principal, event_id, ReplayOne(dry_run=form.get("apply") != "yes"))
+        verb = "would be" if result["dry_run"] else "is now"
+        self.notice(session, f"Replayed under the current rules: was {result['before']['disposition']}, {verb}"
+                             f" {result['after']['disposition']}"
+                             f"{' to ' + result['after']['queue'] if result['after']['queue'] else ''}"
+                             f" ({'would create' if result['dry_run'] else 'created'} {len(result['todos'])} todo(s)).")
+        return RedirectResponse(f"/board/deliveries/{event_id}", status_code=303)
+
+    async def replay_webhook(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """Replay a webhook's stored deliveries in bulk: a dry run by default, answered with the transitions."""
+        webhook_id = request.path_params["webhook_id"]
+        fields = {k: form[k].strip() for k in ("disposition", "kind", "since", "until") if form.get(k, "").strip()}
+        fields["limit"] = int(form["limit"]) if form.get("limit", "").strip().isdigit() else 200
+        body = parse_model(ReplayMany, json.dumps({**fields, "dry_run": form.get("apply") != "yes"}))
+        summary = await self.flows.replay_webhook(session.principal, webhook_id, body)
+        moves = "; ".join(f"{t['count']} {t['from']} → {t['to']}" + (f" (rule {t['rule_id']})" if t["rule_id"] else "")
+                          for t in summary["transitions"]) or "nothing matched"
+        self.notice(session, f"{'Dry run' if summary['dry_run'] else 'Replayed'}: {summary['matched']} deliveries,"
+                             f" {summary['changed']} change, {summary['created']} todos created. {moves}.")
+        return RedirectResponse(f"/board/webhooks/{webhook_id}#replay", status_code=303)
+
+    async def add_channel(self, request: Request, session: BoardSession, form: dict) -> Response:
+        body = parse_model(NotifyCreate, json.dumps({
+            "kind": form.get("kind", ""), "url": form.get("url", "").strip(),
+            "events": [event for event in NOTIFY_EVENTS if form.get(f"ev_{event}") == "on"],
+            **({"token": form["token"].strip()} if form.get("token", "").strip() else {})}))
+        made = await self.db.write(add_channel, session.principal, self.flows.box, body)
+        if made.get("secret"):
+            self.notice(session, "Channel added. Copy its signing secret now; it is not shown again.", "secret",
+                        url=made["url"], secret=made["secret"])
+        else:
+            self.notice(session, f"Channel added ({made['kind']}). Send a test to check it.")
+        return RedirectResponse("/board/notify", status_code=303)
+
+    async def test_channel(self, request: Request, session: BoardSession, form: dict) -> Response:
+        result = await self.flows.test_channel(session.principal, request.path_params["channel_id"])
+        self.notice(session, "Test message sent." if result["sent"] else f"Test failed: {result['error']}",
+                    "ok" if result["sent"] else "error")
+        return RedirectResponse("/board/notify", status_code=303)
+
+    async def remove_channel(self, request: Request, session: BoardSession, form: dict) -> Response:
+        await self.db.write(remove_channel, session.principal, request.path_params["channel_id"])
+        self.notice(session, "Channel removed.")
+        return RedirectResponse("/board/notify", status_code=303)
+
+    async def revoke(self, request: Request, session: BoardSession, form: dict) -> Response:
+        if form.get("confirm") != "yes":
+            raise ApiError("invalid_argument", "confirm the revocation first")
+        done = await self.db.write(revoke_endpoint, session.principal, request.path_params["endpoint_id"])
+        self.notice(session, f"Endpoint {done['name']} revoked; its token no longer works.")
+        return RedirectResponse("/board/endpoints", status_code=303)

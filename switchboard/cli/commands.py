@@ -1,0 +1,399 @@
+"""The operator's commands, each a function of the parsed arguments."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import sqlite3
+import sys
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from switchboard.cli.output import _read_json_file, _with_out
+from switchboard.configuration import PACKS_DIR, SCHEMA_VERSION, ApiError
+from switchboard.crypto import SecretBox, key_file_path, parse_key, sealed_sample
+from switchboard.database import Database
+from switchboard.evaluator import Evaluator, EvaluatorUnavailable
+from switchboard.migrations import pending_migrations
+from switchboard.models import (
+    EndpointCreate,
+    EventListQuery,
+    NotifyCreate,
+    ReleaseQuarantine,
+    ReplayMany,
+    RouteAdd,
+    RuleSet,
+    RulesTest,
+    TodoListQuery,
+    TodoPush,
+    TrustedActors,
+    WebhookCreate,
+    WebhookSecret,
+    parse_model,
+)
+from switchboard.notifier import Notifier
+from switchboard.providers import PROVIDER_TABLE
+from switchboard.store.deliveries import list_events
+from switchboard.store.human_actions import push_todo
+from switchboard.store.outbox import add_channel, list_channels, queue_test_message, remove_channel
+from switchboard.store.principals import (
+    OPERATOR,
+    add_human,
+    find_human,
+    friend_link,
+    list_endpoints,
+    list_humans,
+    vend_endpoint,
+)
+from switchboard.store.quarantine import apply_quarantine_release, prepare_quarantine_release
+from switchboard.store.replay import apply_replays, decide_again, replay_events, replay_subjects, replay_summary
+from switchboard.store.routing import dry_run_rules, set_rules
+from switchboard.store.rules import get_rules
+from switchboard.store.todos import get_todo, list_todos
+from switchboard.store.transitions import revoke_endpoint
+from switchboard.store.upkeep import HUMAN_ACTIONS, check_database, prune
+from switchboard.store.webhooks import (
+    _visible_webhook,
+    add_route,
+    create_webhook,
+    delete_webhook,
+    list_routes,
+    list_webhooks,
+    remove_route,
+    rotate_webhook,
+    set_trusted_actors,
+    set_webhook_secret,
+)
+
+# -- handlers ----------------------------------------------------------------------------------------
+
+def _cli_init(args: argparse.Namespace, db: Database) -> dict:
+    return {"path": str(Path(args.db).resolve()), "schema_version": SCHEMA_VERSION}
+
+
+def _cli_human_add(args: argparse.Namespace, db: Database) -> dict:
+    return _with_out(args, db.write_sync(add_human, args.name))
+
+
+def _cli_human_list(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(list_humans)
+
+
+def _cli_endpoint_vend(args: argparse.Namespace, db: Database) -> dict:
+    spec = parse_model(EndpointCreate, {
+        "name": args.name, "queues": [q for q in args.queues.split(",") if q],
+        "verbs": [v for v in args.verbs.split(",") if v],
+        **({"default_lease_seconds": args.lease} if args.lease is not None else {})})
+    human = db.read_sync(find_human, args.human)
+    vended = db.write_sync(vend_endpoint, human["id"], spec)
+    return _with_out(args, {k: vended[k] for k in ("id", "name", "token", "queues", "verbs")})
+
+
+def _cli_endpoint_list(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(list_endpoints, OPERATOR)
+
+
+def _cli_endpoint_revoke(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(revoke_endpoint, OPERATOR, args.id)
+
+
+def _cli_todo_push(args: argparse.Namespace, db: Database) -> dict:
+    fields: dict[str, Any] = {"title": args.title, "queue": args.queue, "priority": args.priority}
+    if args.payload is not None:
+        try:
+            fields["payload"] = json.loads(args.payload)
+        except json.JSONDecodeError as exc:
+            raise ApiError("invalid_argument", f"--payload is not JSON: {exc}") from None
+    if args.key is not None:
+        fields["key"] = args.key
+    if args.work_item is not None:
+        fields["work_item"] = _read_json_file(args.work_item)
+    return db.write_sync(push_todo, OPERATOR, args.endpoint, parse_model(TodoPush, json.dumps(fields)))
+
+
+def _cli_todo_list(args: argparse.Namespace, db: Database) -> dict:
+    query = parse_model(TodoListQuery, {k: v for k, v in (("queue", args.queue), ("state", args.state),
+                                                          ("endpoint", args.endpoint), ("limit", args.limit))
+                                        if v is not None})
+    return db.read_sync(list_todos, OPERATOR, query)
+
+
+def _cli_todo_show(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(get_todo, OPERATOR, args.id)
+
+
+def _cli_todo_release(args: argparse.Namespace, db: Database) -> dict:
+    body = parse_model(ReleaseQuarantine, {k: v for k, v in (("queue", args.queue), ("note", args.note),
+                                                             ("trust_actor", args.trust_actor or None)) if v is not None})
+    with _evaluator() as evaluator:
+        release = prepare_quarantine_release(db, evaluator, OPERATOR, args.id, body)
+    return db.write_sync(apply_quarantine_release, OPERATOR, release, body.note)
+
+
+def _cli_todo_action(args: argparse.Namespace, db: Database) -> dict:
+    fields = {name: getattr(args, name) for name in ("note", "answer", "reason", "until", "queue")
+              if getattr(args, name, None) is not None}
+    model, fn = HUMAN_ACTIONS[args.action]
+    return db.write_sync(fn, OPERATOR, args.id, parse_model(model, json.dumps(fields)))
+
+
+def _secret_box(args: argparse.Namespace, db: Database) -> SecretBox:
+    return SecretBox.for_database(args.db, db.read_sync(sealed_sample))
+
+
+def _base_url(args: argparse.Namespace) -> str:
+    return getattr(args, "base_url", None) or os.environ.get("SWITCHBOARD_BASE_URL") or "http://127.0.0.1:8080"
+
+
+def _trust_fields(args: argparse.Namespace, provider: str) -> dict | None:
+    """--trust A,B [--match M] or --allow-all, as the trusted-actors document for `provider`."""
+    if args.allow_all:
+        if args.trust is not None:
+            raise ApiError("invalid_argument", "give --trust or --allow-all, not both")
+        return {"allow_all": True}
+    if args.trust is None:
+        if args.match is not None:
+            raise ApiError("invalid_argument", "--match goes with --trust")
+        return None
+    names = [n.strip() for n in args.trust.split(",") if n.strip()]
+    if PROVIDER_TABLE[provider].trust == "actor_ids":
+        if args.match is not None:
+            raise ApiError("invalid_argument", "--match is for github and gitea logins")
+        return {"actor_ids": names}
+    return {"logins": names, **({"match": args.match} if args.match else {})}
+
+
+def _cli_webhook_create(args: argparse.Namespace, db: Database) -> dict:
+    fields = {"endpoint_id": args.endpoint, "provider": args.provider, "queue": args.queue}
+    if args.secret is not None:
+        fields["secret"] = args.secret
+    trusted = _trust_fields(args, args.provider)
+    if trusted is not None:
+        fields["trusted_actors"] = trusted
+    made = db.write_sync(create_webhook, OPERATOR, _secret_box(args, db), parse_model(WebhookCreate, fields),
+                         _base_url(args))
+    if "warning" in made:
+        print(f"warning: {made['warning']}", file=sys.stderr)
+    return _with_out(args, {k: made[k] for k in ("id", "url", "secret", "provider", "queue")})
+
+
+def _cli_webhook_trust(args: argparse.Namespace, db: Database) -> dict:
+    provider = db.read_sync(lambda txn: _visible_webhook(txn, OPERATOR, args.id, "set_trusted_actors"))["provider"]
+    trusted = _trust_fields(args, provider)
+    if trusted is None:
+        raise ApiError("invalid_argument", "give --trust A,B (with --match for logins) or --allow-all")
+    return db.write_sync(set_trusted_actors, OPERATOR, args.id, parse_model(TrustedActors, trusted))
+
+
+def _cli_webhook_list(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(list_webhooks, OPERATOR)
+
+
+def _cli_webhook_rotate(args: argparse.Namespace, db: Database) -> dict:
+    return _with_out(args, db.write_sync(rotate_webhook, OPERATOR, _secret_box(args, db), args.id, _base_url(args)))
+
+
+def _cli_webhook_delete(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(delete_webhook, OPERATOR, args.id)
+
+
+def _cli_webhook_set_secret(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(set_webhook_secret, OPERATOR, _secret_box(args, db), args.id,
+                         parse_model(WebhookSecret, {"secret": args.secret}))
+
+
+def _cli_route_add(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(add_route, OPERATOR, args.webhook, parse_model(RouteAdd, {"endpoint_id": args.endpoint}))
+
+
+def _cli_route_list(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(list_routes, OPERATOR, args.webhook)
+
+
+def _cli_route_remove(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(remove_route, OPERATOR, args.webhook, args.endpoint)
+
+
+def _cli_friend_link(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(friend_link, args.human_a, args.human_b)
+
+
+def _cli_events_replay(args: argparse.Namespace, db: Database) -> dict:
+    """One event (EVENT) or a webhook's events (--webhook): a dry run unless --apply."""
+    if (args.event is None) == (args.webhook is None):
+        raise ApiError("invalid_argument", "give EVENT or --webhook ID (not both)")
+    dry_run = not args.apply
+    if args.event is not None:
+        event_ids = [args.event]
+    else:
+        fields = {k: v for k, v in (("disposition", args.disposition), ("kind", args.kind), ("since", args.since),
+                                    ("until", args.until), ("limit", args.limit)) if v is not None}
+        event_ids = db.read_sync(replay_events, OPERATOR, args.webhook,
+                                 parse_model(ReplayMany, json.dumps({**fields, "dry_run": dry_run})))
+    with _evaluator() as evaluator:
+        replays = decide_again(evaluator, db.read_sync(replay_subjects, OPERATOR, event_ids), None)
+    results = (db.read_sync if dry_run else db.write_sync)(apply_replays, OPERATOR, replays, dry_run)
+    return results[0] if args.event is not None else {**replay_summary(results), "dry_run": dry_run}
+
+
+def _cli_notify_add(args: argparse.Namespace, db: Database) -> dict:
+    human = db.read_sync(find_human, args.human)
+    body = parse_model(NotifyCreate, json.dumps({"kind": args.kind, "url": args.url, "events": [
+        e for e in args.events.split(",") if e], **({"token": args.token} if args.token else {})}))
+    return _with_out(args, db.write_sync(add_channel, OPERATOR, _secret_box(args, db), body, human["id"]))
+
+
+def _cli_notify_list(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(list_channels, OPERATOR)
+
+
+def _cli_notify_remove(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(remove_channel, OPERATOR, args.id)
+
+
+def _cli_notify_test(args: argparse.Namespace, db: Database) -> dict:
+    """Send one test message from here, now, and say how it went."""
+    notifier = Notifier(db, _secret_box(args, db), _base_url(args))
+    return asyncio.run(notifier.send_now(db.write_sync(queue_test_message, OPERATOR, args.id)))
+
+
+def _cli_events_list(args: argparse.Namespace, db: Database) -> dict:
+    query = parse_model(EventListQuery, {k: v for k, v in (("disposition", args.disposition), ("limit", args.limit))
+                                         if v is not None})
+    return db.read_sync(list_events, OPERATOR, args.webhook, query)
+
+
+@contextlib.contextmanager
+def _evaluator() -> Iterable[Evaluator]:
+    """A one-child evaluator for one CLI command; a sandbox that cannot start is `unavailable`."""
+    evaluator = Evaluator(size=1)
+    try:
+        yield evaluator
+    except EvaluatorUnavailable as exc:
+        raise ApiError("unavailable", str(exc)) from None
+    finally:
+        evaluator.close()
+
+
+def _cli_rules_get(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(get_rules, OPERATOR, args.webhook)
+
+
+def _cli_rules_set(args: argparse.Namespace, db: Database) -> dict:
+    source = args.file or str(PACKS_DIR / f"{args.pack}.json")
+    pack = _read_json_file(source)
+    if not isinstance(pack, dict):
+        raise ApiError("invalid_argument", f"{source}: a rules document is a JSON object")
+    if args.params is not None:
+        pack = {**pack, "params": _read_json_file(args.params)}
+    with _evaluator() as evaluator:
+        return set_rules(db, evaluator, OPERATOR, args.webhook, parse_model(RuleSet, json.dumps(pack)))
+
+
+def _cli_rules_test(args: argparse.Namespace, db: Database) -> dict:
+    headers = {}
+    for line in args.header:
+        name, sep, value = line.partition(":")
+        if not sep or not name.strip():
+            raise ApiError("invalid_argument", f"--header {line!r}: write 'Name: value'")
+        headers[name.strip()] = value.strip()
+    fields = {"payload": _read_json_file(args.payload), "headers": headers}
+    if args.unverified:
+        fields["verified"] = False
+    with _evaluator() as evaluator:
+        return dry_run_rules(db, evaluator, OPERATOR, args.webhook, parse_model(RulesTest, json.dumps(fields)))
+
+
+BACKUP_NAME = re.compile(r"^switchboard-\d{8}T\d{6}Z\.db$")
+
+
+def _cli_backup(args: argparse.Namespace, db: Database) -> dict:
+    """One file (OUT), or a dated file in --dir keeping the newest --keep of them."""
+    if (args.out is None) == (args.dir is None):
+        raise ApiError("invalid_argument", "give OUT.db or --dir DIR (not both)")
+    if args.dir is None:
+        out = Path(args.out)
+    else:
+        Path(args.dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        out = Path(args.dir) / f"switchboard-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.db"
+    if out.exists():
+        raise ApiError("conflict", f"{out} exists; choose a new file")
+    db.backup(str(out))
+    removed = []
+    if args.dir is not None and args.keep is not None:
+        dated = sorted(p for p in Path(args.dir).iterdir() if BACKUP_NAME.match(p.name))
+        for old in dated[:max(0, len(dated) - args.keep)]:
+            old.unlink()
+            removed.append(str(old.resolve()))
+    return {"backup": str(out.resolve()), "removed": removed,
+            "key_file": "back up switchboard.key (or SWITCHBOARD_SECRET_KEY) separately, once"}
+
+
+def _cli_prune(args: argparse.Namespace, db: Database) -> dict:
+    pruned = prune(db)
+    return {"pruned": pruned, "checkpoint": list(db.checkpoint())}
+
+
+def _key_health(db_path: str, sealed: tuple[str, bytes] | None) -> str:
+    """Where the secret key comes from: environment or file; else missing, invalid, or `wrong key` when it
+    cannot open the secrets this database holds (the key is never printed)."""
+    if os.environ.get("SWITCHBOARD_SECRET_KEY"):
+        source, text = "environment", os.environ["SWITCHBOARD_SECRET_KEY"]
+    elif key_file_path(db_path).exists():
+        source, text = "file", key_file_path(db_path).read_text()
+    else:
+        return "missing"
+    try:
+        box = SecretBox(parse_key(text))
+    except ApiError:
+        return "invalid"
+    return source if sealed is None or box.opens(*sealed) else "wrong key"
+
+
+def _sandbox_health() -> str:
+    try:
+        with _evaluator() as evaluator:
+            return "ok" if evaluator.run(["true"], {}, b"{}") == {"match": 0} else "wrong answer"
+    except ApiError as exc:
+        return exc.message
+
+
+def _cli_check(args: argparse.Namespace, db: Database) -> dict:
+    sealed = db.read_sync(sealed_sample)
+    report = {**db.read_sync(check_database), "key": _key_health(args.db, sealed), "sandbox": _sandbox_health()}
+    problems = []
+    if report["integrity"] != "ok" or report["foreign_keys"] != "ok":
+        problems.append("the database is damaged: restore the latest backup")
+    if report["sandbox"] != "ok":
+        problems.append(f"the rule sandbox cannot run ({report['sandbox']}): is the jq package installed?")
+    if report["schema_version"] != SCHEMA_VERSION:
+        problems.append("the schema is not this program's: run `switchboard.py migrate`")
+    if sealed is not None and report["key"] not in ("environment", "file"):
+        problems.append(f"the secret key is {report['key']}: webhook secrets cannot be opened; restore switchboard.key"
+                        " (beside the database) from the backup, or set SWITCHBOARD_SECRET_KEY")
+    if problems:
+        raise ApiError("internal", "check failed: " + "; ".join(problems) + f" ({json.dumps(report)})")
+    return report
+
+
+def _cli_migrate(args: argparse.Namespace) -> dict:
+    """What the schema change is; with --dry-run only that, without touching the file."""
+    conn = sqlite3.connect(f"file:{Path(args.db).resolve()}?mode=ro", uri=True)
+    try:
+        steps = pending_migrations(conn)
+        before = conn.execute("PRAGMA user_version").fetchone()[0]
+    finally:
+        conn.close()
+    if before > SCHEMA_VERSION:
+        raise ApiError("conflict", f"{args.db} is schema {before}, newer than this program ({SCHEMA_VERSION}):"
+                                   " run the newer program, or restore a backup made before the upgrade")
+    if not args.dry_run and steps:
+        Database(args.db).close()
+    return {"path": str(Path(args.db).resolve()), "from": before, "to": SCHEMA_VERSION, "steps": steps,
+            "applied": bool(steps) and not args.dry_run}

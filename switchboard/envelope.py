@@ -1,0 +1,284 @@
+"""The document every rule sees: Switchboard decides its top-level fields; producer data lives only under
+.payload and .headers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import urllib.parse
+from collections.abc import Iterable
+from typing import Any
+
+from switchboard.configuration import MAX_PAYLOAD_DEPTH, UNSAFE_TEXT
+from switchboard.providers import PROVIDER_TABLE, _finite_float, _get, _reject_constant, _text, event_kind
+
+# Switchboard decides the top-level fields; producer data lives only under .payload and .headers.
+
+SECRET_HEADER_PARTS = ("signature", "token", "secret", "auth", "cookie", "api-key")
+REDACTED = "«redacted»"
+
+
+def lower_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for name, value in raw:
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+    return headers
+
+
+def redact_headers(headers: dict[str, str]) -> dict[str, str]:
+    return {k: REDACTED if any(part in k for part in SECRET_HEADER_PARTS) else v for k, v in headers.items()}
+
+
+def _forge_number(payload: Any) -> int | None:
+    for path in (("issue", "number"), ("pull_request", "number"), ("number",)):
+        number = _get(payload, *path)
+        if isinstance(number, int) and not isinstance(number, bool) and number > 0:
+            return number
+    return None
+
+
+def forge_view(provider: str, kind: str | None, headers: dict[str, str]) -> tuple[str, str | None] | None:
+    """Which forge a delivery speaks for, and its event kind: a forge webhook's own, or (as the reference
+    design does) a generic webhook whose request carries X-Gitea-Event (which wins) or X-GitHub-Event."""
+    if PROVIDER_TABLE[provider].forge:
+        return provider, kind
+    if provider == "generic":
+        for forge in ("gitea", "github"):
+            if f"x-{forge}-event" in headers:
+                return forge, headers[f"x-{forge}-event"]
+    return None
+
+
+def subject_key(provider: str, kind: str | None, payload: Any, headers: dict[str, str]) -> str | None:
+    if provider == "cairn":
+        artifact_id = _text(_get(payload, "data", "id"))
+        return f"cairn:{artifact_id}" if artifact_id else None
+    forge = forge_view(provider, kind, headers)
+    if forge is None or forge[1] is None:
+        return None
+    provider, kind = forge
+    repo = _text(_get(payload, "repository", "full_name"))
+    if not repo:
+        return None
+    if kind == "push":
+        ref = _text(_get(payload, "ref"))
+        return f"{provider}:{repo}@{ref}" if ref else None
+    if kind.startswith("issue") or kind.startswith("pull_request"):
+        number = _forge_number(payload)
+        return f"{provider}:{repo}#{number}" if number else None
+    return None
+
+
+def _label_names(labels: Any) -> list[str]:
+    if not isinstance(labels, list):
+        return []
+    return [_text(label["name"]) for label in labels if isinstance(label, dict) and isinstance(label.get("name"), str)]
+
+
+def _string(value: Any) -> str:
+    """A producer string inside .issue: absent or of the wrong type reads as "" (rules may call string
+    functions on it unguarded, as packs written for the reference design do)."""
+    return _text(value) or ""
+
+
+def issue_view(provider: str, kind: str | None, headers: dict[str, str], payload: Any, key: str | None) -> dict | None:
+    """Forge issue events only: kind `issues`, a positive issue number, and no pull request (a non-null
+    `issue.pull_request` or top-level `pull_request`; Gitea sends `"pull_request": null` on plain issues)."""
+    forge = forge_view(provider, kind, headers)
+    issue = _get(payload, "issue")
+    if forge is None or forge[1] != "issues" or not isinstance(issue, dict):
+        return None
+    number = issue.get("number")
+    if (not isinstance(number, int) or isinstance(number, bool) or number <= 0
+            or issue.get("pull_request") is not None or _get(payload, "pull_request") is not None):
+        return None
+    action = _string(_get(payload, "action"))
+    body = issue.get("body")
+    return {
+        "provider": forge[0], "action": action,
+        "event_type": headers.get("x-gitea-event-type") or "issues",
+        "repo": _string(_get(payload, "repository", "full_name")), "number": number,
+        "title": _string(issue.get("title")), "url": _string(issue.get("html_url")),
+        "state": _string(issue.get("state")), "author": _string(_get(issue, "user", "login")),
+        "sender": _string(_get(payload, "sender", "login")), "labels": _label_names(issue.get("labels")),
+        "label": _text(_get(payload, "label", "name")),
+        "label_event": action in ("labeled", "unlabeled", "label_updated", "label_cleared"),
+        "body_size": len(body.encode("utf-8", "surrogatepass")) if isinstance(body, str) else 0,
+        "key": key,
+    }
+
+
+def _thread_author(payload: Any) -> str | None:
+    """Who opened the thread (issue, pull request or discussion) a delivery is about."""
+    return next((login for part in ("issue", "pull_request", "discussion")
+                 if (login := _login(_get(payload, part, "user", "login")))), None)
+
+
+ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def _login(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def actor_view(provider: str, payload: Any, trusted_actors: dict | None) -> dict:
+    """`.actor`: who sent the delivery and who wrote what it is about, from the verified body, and whether the
+    webhook's trusted actors name them. Logins compare ASCII case-insensitively, cairn actor ids exactly; a
+    field of the wrong type names nobody. The author is trusted only when the thread's author is too (a
+    maintainer's comment on an outsider's issue is not author-trusted). Under allow_all the per-actor flags
+    are null and the delivery is trusted; a webhook with no gate has everything null."""
+    if provider == "cairn":
+        sender = author = thread = _login(_get(payload, "data", "actor_id"))
+    elif PROVIDER_TABLE[provider].forge:
+        sender = _login(_get(payload, "sender", "login"))
+        author = next((login for part in ("comment", "review", "pull_request", "issue", "discussion")
+                       if (login := _login(_get(payload, part, "user", "login")))), None)
+        thread = _thread_author(payload)
+    else:
+        return {"sender": None, "author": None, "sender_trusted": None, "author_trusted": None, "trusted": None}
+    view = {"sender": sender, "author": author, "sender_trusted": None, "author_trusted": None, "trusted": None}
+    if trusted_actors is None:
+        return view
+    if trusted_actors.get("allow_all"):
+        return {**view, "trusted": True}
+    if "actor_ids" in trusted_actors:
+        names, fold = set(trusted_actors["actor_ids"]), (lambda name: name)
+    else:
+        names, fold = {n.translate(ASCII_FOLD) for n in trusted_actors["logins"]}, (lambda n: n.translate(ASCII_FOLD))
+    known = lambda name: name is not None and fold(name) in names  # noqa: E731 - a one-line predicate
+    view["sender_trusted"] = known(sender)
+    view["author_trusted"] = known(author) and (thread is None or known(thread)) if author else known(sender)
+    match = trusted_actors.get("match", "sender")
+    view["trusted"] = {"sender": view["sender_trusted"], "author": view["author_trusted"],
+                       "both": view["sender_trusted"] and view["author_trusted"]}[match]
+    return view
+
+
+def actors_to_trust(envelope: dict, trusted_actors: dict) -> list[str]:
+    """The names a human's "trust this actor" adds: whoever the webhook's match mode found untrusted."""
+    actor, match = envelope["actor"], trusted_actors.get("match", "sender")
+    names = [actor["sender"]] if match in ("sender", "both") or "actor_ids" in trusted_actors else []
+    if match in ("author", "both"):
+        names += [actor["author"], _thread_author(envelope["payload"])]
+    return [n for n in dict.fromkeys(names) if n]
+
+
+def artifact_view(payload: Any) -> dict | None:
+    data = _get(payload, "data")
+    if not isinstance(data, dict) or not isinstance(data.get("id"), str):
+        return None
+    return {
+        "id": data["id"], "handle": f"mcp://cairn/{data['id']}", "event_id": _get(payload, "event_id"),
+        "kind": _get(payload, "kind"), "created_at": _get(payload, "created_at"),
+        **{name: data.get(name) for name in ("url", "title", "share_type", "channel", "model", "actor_id",
+                                             "on_behalf_of", "expires_at", "tags", "metadata")},
+    }
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON containers nest more than `limit` deep; iterative, so depth itself cannot break it."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def decode_payload(headers: dict[str, str], body: bytes) -> tuple[Any, str | None]:
+    """The body as one JSON value, or None and why not. GitHub's form encoding (its default content type)
+    carries the JSON in the `payload` field; the signature covers the raw form bytes, verified before this."""
+    media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type == "application/x-www-form-urlencoded":
+        try:
+            fields = urllib.parse.parse_qs(body, keep_blank_values=True, strict_parsing=True, max_num_fields=64)
+        except ValueError:
+            return None, "bad_form"
+        if len(fields.get(b"payload", ())) != 1:
+            return None, "form_without_payload"
+        body = fields[b"payload"][0]
+    if not body.strip():
+        return None, "empty"
+    try:
+        payload = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        return None, "too_deep"
+    except ValueError:
+        return None, "not_json"
+    if body.count(b"[") + body.count(b"{") > MAX_PAYLOAD_DEPTH and _deeper_than(payload, MAX_PAYLOAD_DEPTH):
+        return None, "too_deep"
+    return payload, None
+
+
+def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified: bool, headers: dict[str, str],
+                   body: bytes, payload: Any, trusted_actors: dict | None, released: dict | None = None) -> dict:
+    kind = event_kind(provider, headers, payload)
+    key = subject_key(provider, kind, payload, headers)
+    return {
+        "source": provider, "kind": kind, "webhook_id": webhook_id, "trust_mode": trust_mode, "verified": verified,
+        "content_type": headers.get("content-type"), "size": len(body), "headers": redact_headers(headers),
+        "payload": payload, "issue": issue_view(provider, kind, headers, payload, key),
+        "artifact": artifact_view(payload) if provider == "cairn" else None,
+        "subject_key": key, "release": released, "actor": actor_view(provider, payload, trusted_actors),
+    }
+
+
+def payload_text(payload: Any, body: bytes) -> str:
+    """The payload as JSON text: the body itself when it is a plain UTF-8 JSON object or array (no re-encoding),
+    else the parsed value written out again (a form, a BOM, UTF-16, a NUL or a lone surrogate)."""
+    if payload is not None and body[:1] in (b"{", b"[") and b"\x00" not in body and b"\\ud" not in body.lower():
+        with contextlib.suppress(UnicodeDecodeError):
+            return body.decode("utf-8")
+    return json.dumps(payload)
+
+
+# A delivery's body is stored once, in event_bodies. The envelope is stored without `.payload` and `.headers` (its
+# record; the event keeps the headers in a column of their own), and the payload is parsed from the body again
+# wherever a whole envelope or a todo's payload is read.
+
+def envelope_record(envelope: dict) -> str:
+    """The envelope as its event stores it: every field but `.payload` and `.headers`."""
+    return json.dumps({k: v for k, v in envelope.items() if k not in ("payload", "headers")})
+
+
+def envelope_document(record: str, headers_json: str, payload_json: str) -> str:
+    """The whole envelope as JSON text, for jq: the record with the headers' and the payload's text appended, so
+    that a large body is never encoded again."""
+    return f'{record[:-1]}, "headers": {headers_json}, "payload": {payload_json}}}'
+
+
+def stored_payload(body: bytes | str | None, content_type: str | None) -> Any:
+    """A stored body's payload, parsed as it was on arrival (an operator-pushed todo's body is its JSON)."""
+    if body is None:
+        return None
+    raw = body.encode() if isinstance(body, str) else body
+    return decode_payload({"content-type": content_type} if content_type else {}, raw)[0]
+
+
+def stored_envelope(record: str, headers_json: str, body: bytes | None) -> dict:
+    envelope = json.loads(record)
+    return {**envelope, "headers": json.loads(headers_json), "payload": stored_payload(body, envelope["content_type"])}
+
+
+def envelope_title(envelope: dict) -> str:
+    """A one-line title for a todo made from a delivery; producer text, so only ever shown as data."""
+    payload = envelope["payload"]
+    repo = _text(_get(payload, "repository", "full_name"))
+    number = _forge_number(payload)
+    title = (_text(_get(payload, "issue", "title")) or _text(_get(payload, "pull_request", "title"))
+             if number else None)
+    if envelope["artifact"]:
+        text = envelope["artifact"].get("title") or envelope["artifact"]["id"]
+    elif repo and number:
+        text = f"{repo}#{number}: {title or envelope['kind']}"
+    elif repo and envelope["kind"] == "push":
+        text = f"{repo}: push to {_text(_get(payload, 'ref'))}"
+    else:
+        text = f"{envelope['source']} {envelope['kind'] or 'delivery'}"
+    text = " ".join(re.sub(f"[{UNSAFE_TEXT}]", " ", _text(str(text))).split())
+    return text[:512] or "delivery"

@@ -1,0 +1,364 @@
+"""What REST, MCP, the CLI and the Board all do the same way: deliveries, waiting claims, ring streams,
+rules, replay."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import hashlib
+import json
+import math
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio.to_thread
+
+from switchboard.configuration import (
+    KEEPALIVE_SECONDS,
+    PRUNE_EVERY_SECONDS,
+    SCHEDULER_IDLE_SECONDS,
+    SCHEDULER_TICK_SECONDS,
+    ApiError,
+    Vitals,
+    log,
+)
+from switchboard.crypto import SecretBox
+from switchboard.database import Database, connect
+from switchboard.doorbell import RING_FIELDS, Doorbell, Session
+from switchboard.envelope import build_envelope, decode_payload, envelope_document, envelope_record, payload_text
+from switchboard.evaluator import (
+    EVAL_QUEUE_PER_TENANT,
+    EVAL_THREADS,
+    VERIFICATION_ALERT_COUNT,
+    VERIFICATION_ALERT_WINDOW,
+    Evaluator,
+    EvaluatorUnavailable,
+)
+from switchboard.limits import RateLimited, RateLimiter, TenantGate
+from switchboard.metrics import Metrics
+from switchboard.models import ClaimNext, ReleaseQuarantine, ReplayMany, ReplayOne, RuleSet, RulesTest
+from switchboard.notifier import Notifier
+from switchboard.providers import VerificationFailed, _get, delivery_key, verify_delivery
+from switchboard.store.deliveries import Delivery, duplicate_of, find_webhook, record_delivery
+from switchboard.store.outbox import notify_verification_failures, queue_test_message
+from switchboard.store.principals import Principal
+from switchboard.store.quarantine import apply_quarantine_release, prepare_quarantine_release
+from switchboard.store.replay import apply_replays, decide_again, replay_events, replay_subjects, replay_summary
+from switchboard.store.routing import decide_for_webhook, dry_run_rules, gate, set_rules
+from switchboard.store.todos import _json
+from switchboard.store.transitions import _claim_queues, claim_next, hand_back_unheard
+from switchboard.store.upkeep import prune, rings_for_new_session, scheduler_tick
+
+
+async def stream_queue(queue: asyncio.Queue, first: list[str]) -> AsyncIterator[str]:
+    """An SSE body: the first frames, then whatever is queued, with keep-alive comments; None ends it."""
+    for frame in first:
+        yield frame
+    while True:
+        try:
+            frame = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
+        except TimeoutError:
+            yield ": keepalive\n\n"
+            continue
+        if frame is None:
+            return
+        yield frame
+
+class WaitingClaim:
+    """One `claim_next` with `wait_seconds`: claim now, or wait for a ring and try again, until the deadline.
+
+    The waiter is attached before each attempt, so a todo that arrives between the attempt and the wait still
+    wakes it; at the deadline it tries once more. A ring this waiter took but did not use is passed on, so no
+    other session misses it. If the asker goes away (`gone`) the wait ends, and a todo claimed for an asker
+    already gone is handed back, uncharged."""
+
+    EMPTY = {"empty": True}
+
+    def __init__(self, flows: Flows, principal: Principal, body: ClaimNext, gone: asyncio.Future):
+        self.flows = flows
+        self.principal = principal
+        self.body = body
+        self.gone = gone
+        self.queues = _claim_queues(principal, body.queue_filter())
+        self.owed: dict | None = None  # a ring this waiter was given and has not yet claimed
+        self.claimed: str | None = None
+
+    async def run(self) -> dict:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body.wait_seconds
+        last_try = False
+        try:
+            while True:
+                listening = not (last_try or self.flows.doorbell.closing)
+                session, rung = (self.flows.doorbell.waiter(self.principal.id, self.queues, self.owed is not None)
+                                 if listening else (None, None))
+                try:
+                    result = await self._attempt()
+                    if result is not None or session is None or self.gone.done():
+                        return result or self.EMPTY
+                    rung_now = await self._wait(rung, deadline - loop.time())
+                    if self.gone.done():
+                        return self.EMPTY
+                    last_try = not rung_now
+                finally:
+                    self._settle(session, rung)
+        finally:
+            self.gone.cancel()
+
+    async def _attempt(self) -> dict | None:
+        """One claim: the answer, or None when nothing was claimable."""
+        result = await self.flows.db.write(claim_next, self.principal, self.body)
+        if result.get("empty"):
+            self.owed = None
+            return None
+        if self.gone.done():
+            await self.flows.db.write(hand_back_unheard, self.principal, result["todo"]["id"], result["lease_token"])
+            return self.EMPTY
+        self.claimed = result["todo"]["id"]
+        return result
+
+    async def _wait(self, rung: asyncio.Future, remaining: float) -> bool:
+        """Wait for the ring, the asker leaving, or the deadline; True when rung (the ring is now owed)."""
+        if remaining <= 0:
+            return False
+        done, _ = await asyncio.wait({rung, self.gone}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        if rung in done:
+            self.owed = rung.result()
+            return True
+        return False
+
+    def _settle(self, session: Session | None, rung: asyncio.Future | None) -> None:
+        """Leave the doorbell; pass on any ring not used once this claim is over (or a ring came late)."""
+        if session is not None:
+            self.flows.doorbell.detach(session)
+        late = rung.result() if rung is not None and rung.done() and rung.result() is not self.owed else None
+        if self.claimed is not None or self.gone.done() or late:
+            unused = {r["todo_id"]: r for r in (self.owed, late) if r and r["todo_id"] != self.claimed}
+            self.flows.doorbell.ring([{**r, "endpoint_id": self.principal.id} for r in unused.values()])
+            self.owed = None
+
+
+class Flows:
+    """The shared flows, over one database, doorbell, evaluator and secret box."""
+
+    def __init__(self, db: Database, doorbell: Doorbell, evaluator: Evaluator, box: SecretBox,
+                 limiter: RateLimiter, metrics: Metrics, vitals: Vitals, notifier: Notifier):
+        self.db = db
+        self.notifier = notifier
+        self.failed_checks: dict[str, collections.deque] = {}
+        self.failures_told: dict[str, float] = {}
+        self.doorbell = doorbell
+        self.evaluator = evaluator
+        self.box = box
+        self.limiter = limiter
+        self.metrics = metrics
+        self.vitals = vitals
+        # Evaluator calls get threads of their own, so reads, claims and /healthz never queue behind rules.
+        self.eval_threads = concurrent.futures.ThreadPoolExecutor(EVAL_THREADS, thread_name_prefix="switchboard-eval")
+        self.tenant_gates: dict[str, TenantGate] = {}
+
+    # -- the evaluator's fair share ------------------------------------------------------------------
+    async def evaluate(self, tenant: str, fn: Callable, *args) -> Any:
+        """Run `fn` (which talks to the evaluator) on the evaluator's threads, at most `per_tenant` at once per
+        tenant: the others wait in line here, on the event loop, holding no thread. A tenant with
+        EVAL_QUEUE_PER_TENANT already waiting is refused (503) at once."""
+        gate = self.tenant_gates.setdefault(tenant, TenantGate(asyncio.Semaphore(self.evaluator.per_tenant)))
+        if gate.waiting >= EVAL_QUEUE_PER_TENANT:
+            raise ApiError("unavailable", "this owner's deliveries are queued too deep; retry later")
+        gate.waiting += 1
+        try:
+            await gate.slots.acquire()
+        finally:
+            gate.waiting -= 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.eval_threads, fn, *args)
+        except EvaluatorUnavailable as exc:
+            log.error("rules not evaluated: %s", exc)
+            raise ApiError("unavailable", f"the rule evaluator cannot run ({exc}); retry later") from None
+        finally:
+            gate.slots.release()
+
+    # -- deliveries ----------------------------------------------------------------------------------
+    async def open_webhook(self, token: str, source: str) -> sqlite3.Row:
+        """The webhook behind an ingest URL, ready to take a delivery from `source`, before any body is read.
+        Looked up on the event loop: one indexed row under WAL (which never waits on the writer) costs less than
+        the hop to a thread and back."""
+        webhook = self.db.read_statement(find_webhook, token)
+        if webhook is None:
+            raise ApiError("not_found", "no such webhook")
+        if webhook["owner_revoked_at"] is not None:
+            raise ApiError("unavailable", "this webhook's owner endpoint is revoked")
+        if webhook["trust_mode"] == "signed" and webhook["secret_sealed"] is None:
+            raise ApiError("unavailable", "this webhook's signing secret is not set yet")
+        wait = self.limiter.retry_after(source)
+        if wait:
+            self.metrics.deliveries.labels(webhook["provider"], "rate_limited").inc()
+            raise RateLimited(wait)
+        return webhook
+
+    async def _verify(self, webhook: sqlite3.Row, headers: dict[str, str], body: bytes, source: str) -> bool:
+        provider = webhook["provider"]
+        secret = self.box.open(webhook["secret_sealed"], webhook["id"]) if webhook["secret_sealed"] else None
+        try:
+            return verify_delivery(provider, secret, headers, body, self.db.clock.now_ms())
+        except VerificationFailed as failure:
+            self.metrics.verification_failures.labels(provider, failure.reason).inc()
+            self.metrics.deliveries.labels(provider, "unverified").inc()
+            log.warning("delivery refused: webhook %s (%s) from %s: %s", webhook["id"], provider, source,
+                        failure.reason)
+            await self._count_failed_check(webhook["id"], failure.reason)
+            raise ApiError("unauthenticated", f"signature verification failed: {failure.reason}") from None
+
+    async def _count_failed_check(self, webhook_id: str, reason: str) -> None:
+        """Tell the human when a webhook fails its check again and again (a wrong secret, or someone probing):
+        at VERIFICATION_ALERT_COUNT failures within VERIFICATION_ALERT_WINDOW, at most once an hour."""
+        now = time.monotonic()
+        recent = self.failed_checks.setdefault(webhook_id, collections.deque(maxlen=VERIFICATION_ALERT_COUNT))
+        recent.append(now)
+        told = self.failures_told.get(webhook_id, -math.inf)
+        if (len(recent) == VERIFICATION_ALERT_COUNT and now - recent[0] <= VERIFICATION_ALERT_WINDOW
+                and now - told >= 3600):
+            self.failures_told[webhook_id] = now
+            await self.db.write(notify_verification_failures, webhook_id, len(recent), reason)
+
+    async def _decide(self, webhook: sqlite3.Row, envelope: dict, record: str, headers_json: str,
+                      body: bytes) -> tuple[dict, dict]:
+        gated = gate(envelope)
+        if gated is not None:
+            return gated
+        if not webhook["rules"]:
+            return decide_for_webhook(self.evaluator, webhook, b"")
+        document = envelope_document(record, headers_json, payload_text(envelope["payload"], body)).encode()
+        return await self.evaluate(webhook["human_id"], decide_for_webhook, self.evaluator, webhook, document,
+                                   webhook["human_id"])
+
+    async def accept_delivery(self, webhook: sqlite3.Row, headers: dict[str, str], body: bytes,
+                              source: str) -> tuple[int, dict]:
+        """Verify, project, dedup, decide and record one delivery: (status, answer)."""
+        provider = webhook["provider"]
+        verified = await self._verify(webhook, headers, body, source)
+        payload, payload_error = decode_payload(headers, body)
+        envelope = build_envelope(provider=provider, webhook_id=webhook["id"], trust_mode=webhook["trust_mode"],
+                                  verified=verified, headers=headers, body=body, payload=payload,
+                                  trusted_actors=_json(webhook["trusted_actors"]))
+        if provider == "slack" and _get(payload, "type") == "url_verification":
+            return 200, {"challenge": _get(payload, "challenge")}
+        key, body_hash = delivery_key(provider, headers, payload, body), hashlib.sha256(body).hexdigest()
+        # With rules, dedup comes before evaluation: a redelivery answers its first outcome even when the sandbox
+        # is down. The write transaction checks again (and alone, without rules), so racing redeliveries mint once.
+        seen = self.db.read_statement(duplicate_of, webhook, key, body_hash) if webhook["rules"] else None
+        if seen is not None:
+            self.metrics.deliveries.labels(provider, "duplicate").inc()
+            return 202, seen
+        record, headers_json = envelope_record(envelope), json.dumps(envelope["headers"])
+        action, trace = await self._decide(webhook, envelope, record, headers_json, body)
+        if payload_error:
+            trace = {**trace, "payload_error": payload_error}
+        outcome = await self.db.write(record_delivery, Delivery(
+            webhook_id=webhook["id"], token_hash=webhook["token_hash"], body=body, envelope=envelope,
+            envelope_record=record, headers_json=headers_json,
+            delivery_key=key, body_hash=body_hash, action=action, trace=trace))
+        self.metrics.count_delivery(provider, outcome, trace)
+        return 202, outcome
+
+    # -- claims and rings ----------------------------------------------------------------------------
+    async def claim(self, principal: Principal, body: ClaimNext, gone: asyncio.Future | None) -> dict:
+        """claim_next, waiting up to `wait_seconds` for a ring when the asker can wait (`gone` resolves when it
+        leaves)."""
+        principal.require_verb("claim_next")
+        if not body.wait_seconds or gone is None:
+            return await self.db.write(claim_next, principal, body)
+        return await WaitingClaim(self, principal, body, gone).run()
+
+    async def ring_frames(self, principal: Principal, queues: list[str] | None, render: Callable[[dict], str],
+                          lead: list[str], queue: asyncio.Queue | None = None, via: str = "sse") -> AsyncIterator[str]:
+        """A doorbell session as a stream of frames: `lead`, then rings for up to 3 of the oldest pending todos,
+        then every ring the doorbell sends it, rendered by `render`, until the reader stops or the server shuts
+        down (the session's close puts None on the queue). The session is attached before this returns."""
+        queue = queue or asyncio.Queue()
+        connected = await self.db.write(rings_for_new_session, principal.id, queues or principal.queues)
+        first = [*lead, *(render({k: r[k] for k in RING_FIELDS}) for r in connected)]
+        bell = self.doorbell.attach(Session(principal.id, frozenset(queues) if queues else None, "stream",
+                                            lambda ring: queue.put_nowait(render(ring)), lambda: queue.put_nowait(None),
+                                            via=via))
+
+        async def frames() -> AsyncIterator[str]:
+            try:
+                async for frame in stream_queue(queue, first):
+                    yield frame
+            finally:
+                self.doorbell.detach(bell)
+
+        return frames()
+
+    # -- rules and held work -------------------------------------------------------------------------
+    async def set_rules(self, principal: Principal, webhook_id: str, body: RuleSet) -> dict:
+        return await self.evaluate(principal.human_id or principal.id, set_rules, self.db, self.evaluator,
+                                   principal, webhook_id, body)
+
+    async def dry_run(self, principal: Principal, webhook_id: str, body: RulesTest) -> dict:
+        return await self.evaluate(principal.human_id or principal.id, dry_run_rules, self.db, self.evaluator,
+                                   principal, webhook_id, body)
+
+    async def release_quarantined(self, principal: Principal, todo_id: str, body: ReleaseQuarantine) -> dict:
+        """Re-evaluate a held delivery off the writer, then apply the decision in one transaction."""
+        principal.require_human("release-quarantine")
+        release = await self.evaluate(principal.human_id or principal.id, prepare_quarantine_release, self.db,
+                                      self.evaluator, principal, todo_id, body)
+        return await self.db.write(apply_quarantine_release, principal, release, body.note)
+
+    # -- replay ---------------------------------------------------------------------------------------
+    async def replay(self, principal: Principal, event_ids: list[str], dry_run: bool) -> list[dict]:
+        subjects = await self.db.read(replay_subjects, principal, event_ids)
+        replays = await self.evaluate(principal.human_id, decide_again, self.evaluator, subjects, principal.human_id)
+        run = self.db.read if dry_run else self.db.write
+        return await run(apply_replays, principal, replays, dry_run)
+
+    async def replay_one(self, principal: Principal, event_id: str, body: ReplayOne) -> dict:
+        [result] = await self.replay(principal, [event_id], body.dry_run)
+        return result
+
+    async def replay_webhook(self, principal: Principal, webhook_id: str, body: ReplayMany) -> dict:
+        event_ids = await self.db.read(replay_events, principal, webhook_id, body)
+        return {**replay_summary(await self.replay(principal, event_ids, body.dry_run)), "dry_run": body.dry_run}
+
+    # -- notifications -------------------------------------------------------------------------------
+    async def test_channel(self, principal: Principal, channel_id: str) -> dict:
+        return await self.notifier.send_now(await self.db.write(queue_test_message, principal, channel_id))
+
+    # -- the background loop -------------------------------------------------------------------------
+    async def background(self) -> None:
+        """Every second, look; run a tick (leases, deferrals, rings) only when another connection committed
+        (PRAGMA data_version moved: a request, the CLI), when what the last tick saw falls due, or at least every
+        SCHEDULER_IDLE_SECONDS. Idle, that costs one pragma a second, not a scan. Hourly and at start, retention.
+        One bad round is logged and the loop goes on. (Checkpoints are the checkpointer thread's and the writer's:
+        the WAL file keeps its size, because a commit that grows the file costs about twice one that reuses it.)"""
+        last_prune = last_tick = -math.inf
+        seen, due_ms = None, None
+        probe = connect(self.db.path, self.db.synchronous)
+        try:
+            while True:
+                try:
+                    now = time.monotonic()
+                    if now - last_prune >= PRUNE_EVERY_SECONDS:
+                        last_prune = now
+                        pruned = await anyio.to_thread.run_sync(prune, self.db)
+                        log.info("retention: pruned %d todos and %d events", pruned["todos"], pruned["events"])
+                    version = probe.execute("PRAGMA data_version").fetchone()[0]
+                    if (version != seen or now - last_tick >= SCHEDULER_IDLE_SECONDS
+                            or (due_ms is not None and self.db.clock.now_ms() >= due_ms)):
+                        seen, last_tick = version, now
+                        due_ms = (await self.db.write(scheduler_tick))["next_due"]
+                except Exception:  # noqa: BLE001 - the loop must outlive one bad round; the cause is logged
+                    log.exception("scheduler tick failed")
+                await asyncio.sleep(SCHEDULER_TICK_SECONDS)
+        finally:
+            probe.close()
+
+    async def close(self) -> None:
+        await self.notifier.close()
+        self.eval_threads.shutdown(wait=False, cancel_futures=True)
+        self.evaluator.close()

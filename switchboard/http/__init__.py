@@ -1,0 +1,1 @@
+"""The HTTP surfaces: REST and ingress, MCP, and the streams they share."""

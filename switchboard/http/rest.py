@@ -1,0 +1,389 @@
+"""The REST surface and ingress (POST /hooks/{token}), and the OpenAPI document made from its routes."""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import os
+import re
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio.to_thread
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import (
+    BaseModel,
+)
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from switchboard.configuration import INGEST_BUFFER_BYTES, MAX_DELIVERY_BYTES, MAX_REQUEST_BYTES, VERSION, ApiError
+from switchboard.envelope import lower_headers
+from switchboard.flows import Flows
+from switchboard.http.common import BodyBudget, JsonResponse, gone_future, read_capped, sse_response
+from switchboard.http.streams import sse_frame
+from switchboard.models import (
+    ClaimAnswer,
+    ClaimNext,
+    DeliveryAnswer,
+    DoorbellQuery,
+    EndpointCreate,
+    ErrorAnswer,
+    EventListQuery,
+    FriendRequest,
+    HumanNote,
+    NotifyCreate,
+    ReleaseQuarantine,
+    ReplayMany,
+    ReplayOne,
+    RouteAdd,
+    RuleSet,
+    RulesTest,
+    TodoAnswer,
+    TodoListAnswer,
+    TodoListQuery,
+    TodoPush,
+    TrustedActors,
+    WebhookCreate,
+    WebhookSecret,
+    parse_model,
+)
+from switchboard.store.deliveries import get_event, list_events
+from switchboard.store.human_actions import push_todo
+from switchboard.store.outbox import add_channel, list_channels, remove_channel
+from switchboard.store.principals import (
+    Principal,
+    authenticate,
+    friend_approve,
+    friend_request,
+    list_endpoints,
+    list_friends,
+    me,
+    vend_endpoint,
+)
+from switchboard.store.rules import get_rules
+from switchboard.store.todos import get_todo, list_todos
+from switchboard.store.transitions import _claim_queues, revoke_endpoint
+from switchboard.store.upkeep import AGENT_ACTIONS, HUMAN_ACTIONS
+from switchboard.store.webhooks import (
+    add_route,
+    create_webhook,
+    delete_webhook,
+    get_webhook,
+    list_routes,
+    list_webhooks,
+    remove_route,
+    rotate_webhook,
+    set_trusted_actors,
+    set_webhook_secret,
+)
+
+
+@dataclass(frozen=True)
+class ApiRoute:
+    """One method on one path: the Api handler that answers it and the models that document it. The app mounts
+    exactly these, and /api/v1/openapi.json is generated from them."""
+    method: str
+    path: str
+    handler: str  # an Api method; "" when `store` answers the route
+    summary: str
+    body: type[BaseModel] | None = None
+    query: type[BaseModel] | None = None
+    answer: type[BaseModel] | None = None
+    status: int = 200
+    auth: Literal["token", "human", "endpoint", "none", "url", "metrics"] = "token"
+    media: str = "application/json"
+    store: Callable | None = None  # a store function that is the whole route: store(txn, principal, *path, body?)
+    writes: bool = False
+    flow: str = ""  # or a Flows method that is: flow(principal, *path, body?)
+
+
+def _action_routes() -> list[ApiRoute]:
+    routes = [ApiRoute("POST", f"/api/v1/todos/{{todo_id}}/{name}", "", f"{name} (agent, with the lease token)"
+                       if name != "claim" else "claim this todo by id", body=model,
+                       answer=ClaimAnswer if name == "claim" else None if name == "absorb" else TodoAnswer,
+                       auth="endpoint", store=fn, writes=True) for name, (model, fn) in AGENT_ACTIONS.items()]
+    routes += [ApiRoute("POST", f"/api/v1/todos/{{todo_id}}/{name}", "", f"{name} (human)", body=model,
+                        answer=TodoAnswer, auth="human", store=fn, writes=True)
+               for name, (model, fn) in HUMAN_ACTIONS.items()]
+    return routes
+
+
+REST_ROUTES: list[ApiRoute] = [
+    ApiRoute("POST", "/hooks/{token}", "ingest", "a producer's signed delivery (the URL is the webhook's)",
+             answer=DeliveryAnswer, status=202, auth="url"),
+    ApiRoute("GET", "/healthz", "healthz", "200 `ok <version>`, or 503 naming what died", auth="none",
+             media="text/plain"),
+    ApiRoute("GET", "/metrics", "metrics_text", "Prometheus text (bearer $SWITCHBOARD_METRICS_TOKEN when set)",
+             auth="metrics", media="text/plain"),
+    ApiRoute("GET", "/api/v1/openapi.json", "openapi", "this document", auth="none"),
+    ApiRoute("GET", "/api/v1/me", "", "who the token belongs to, and its scope", store=me),
+    ApiRoute("GET", "/api/v1/todos", "", "todos, newest first (a human: across their endpoints)",
+             query=TodoListQuery, answer=TodoListAnswer, store=list_todos),
+    ApiRoute("POST", "/api/v1/todos/claim", "claim_next", "claim the best claimable todo, waiting up to"
+             " wait_seconds for one", body=ClaimNext, answer=ClaimAnswer, auth="endpoint"),
+    ApiRoute("GET", "/api/v1/doorbell", "doorbell_stream", "Server-Sent Events: `todo.ready` when this session is"
+             " rung", query=DoorbellQuery, auth="endpoint", media="text/event-stream"),
+    ApiRoute("GET", "/api/v1/todos/{todo_id}", "", "a todo with attempts, history and receipt",
+             answer=TodoAnswer, store=get_todo),
+    *_action_routes(),
+    ApiRoute("POST", "/api/v1/todos/{todo_id}/release-quarantine", "", "release a held delivery: re-evaluate"
+             " the rules, or send it to a queue", body=ReleaseQuarantine, answer=TodoAnswer, auth="human",
+             flow="release_quarantined"),
+    ApiRoute("GET", "/api/v1/endpoints", "endpoints", "the human's endpoints", auth="human"),
+    ApiRoute("POST", "/api/v1/endpoints", "endpoints", "vend an endpoint; its token is shown once",
+             body=EndpointCreate, status=201, auth="human"),
+    ApiRoute("POST", "/api/v1/endpoints/{endpoint_id}/revoke", "revoke", "revoke an endpoint", body=HumanNote,
+             auth="human"),
+    ApiRoute("POST", "/api/v1/endpoints/{endpoint_id}/todos", "push", "write a todo for an endpoint (201, or 200"
+             " with the live todo holding the same key)", body=TodoPush, answer=TodoAnswer, status=201,
+             auth="human"),
+    ApiRoute("GET", "/api/v1/webhooks", "webhooks", "webhooks the token may see"),
+    ApiRoute("POST", "/api/v1/webhooks", "webhooks", "make a webhook; its URL and secret are shown once",
+             body=WebhookCreate, status=201),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}", "", "one webhook", store=get_webhook),
+    ApiRoute("DELETE", "/api/v1/webhooks/{webhook_id}", "", "delete a webhook", store=delete_webhook,
+             writes=True),
+    ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/rotate", "rotate", "a new URL and secret", body=HumanNote),
+    ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/secret", "secret", "set the secret Stripe or Slack issued",
+             body=WebhookSecret),
+    ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/trusted-actors", "", "set the trust gate's list (github,"
+             " gitea, cairn)", body=TrustedActors, store=set_trusted_actors, writes=True),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/routes", "", "a webhook's routes", store=list_routes),
+    ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/routes", "", "route deliveries to an endpoint",
+             body=RouteAdd, status=201, store=add_route, writes=True),
+    ApiRoute("DELETE", "/api/v1/webhooks/{webhook_id}/routes/{endpoint_id}", "", "remove a route",
+             store=remove_route, writes=True),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/events", "", "a webhook's deliveries, newest first",
+             query=EventListQuery, store=list_events),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/rules", "", "rules, default action and params",
+             store=get_rules),
+    ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/rules", "", "validate and save rules", body=RuleSet,
+             flow="set_rules"),
+    ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/rules/test", "", "dry run: the decision for one"
+             " payload or stored delivery", body=RulesTest, flow="dry_run"),
+    ApiRoute("GET", "/api/v1/events/{event_id}", "", "one delivery with its envelope and trace",
+             store=get_event),
+    ApiRoute("POST", "/api/v1/events/{event_id}/replay", "", "evaluate a stored delivery under the current rules"
+             " and act on it (once claims and earlier todos hold)", body=ReplayOne, auth="human", flow="replay_one"),
+    ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/replay", "", "the same in bulk; a dry run by default,"
+             " answering what would change", body=ReplayMany, auth="human", flow="replay_webhook"),
+    ApiRoute("GET", "/api/v1/notify", "", "the human's notification channels (no credentials)", auth="human",
+             store=list_channels),
+    ApiRoute("POST", "/api/v1/notify", "add_channel", "add a notification channel (a webhook channel's signing"
+             " secret is shown once)", body=NotifyCreate, status=201, auth="human"),
+    ApiRoute("DELETE", "/api/v1/notify/{channel_id}", "", "remove a notification channel", auth="human",
+             store=remove_channel, writes=True),
+    ApiRoute("POST", "/api/v1/notify/{channel_id}/test", "", "send one test message now", auth="human",
+             flow="test_channel"),
+    ApiRoute("GET", "/api/v1/friends", "", "the human's friend edges", auth="human", store=list_friends),
+    ApiRoute("POST", "/api/v1/friends", "", "ask another human for a friend edge", body=FriendRequest,
+             status=201, auth="human", store=friend_request, writes=True),
+    ApiRoute("POST", "/api/v1/friends/{edge_id}/approve", "", "approve a friend edge", body=HumanNote,
+             auth="human", store=friend_approve, writes=True),
+]
+
+
+MCP_ROUTES = [ApiRoute(method, "/mcp", "handle", f"MCP Streamable HTTP (JSON-RPC 2.0): {what}", auth="endpoint")
+              for method, what in (("POST", "initialize, tools/list, tools/call, and the sessionless protocol"),
+                                   ("GET", "the session's notification stream (doorbell rings)"),
+                                   ("DELETE", "end the session"))]
+
+
+def _schema_ref(model: type[BaseModel], schemas: dict) -> dict:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schema.pop("$defs", {}))
+    schemas[model.__name__] = schema
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+AUTH_NOTES = {"token": "an endpoint token (sbk_…) or a human token (sbh_…)", "human": "a human token (sbh_…)",
+              "endpoint": "an endpoint token (sbk_…)", "none": "no credential", "url": "the URL is the credential;"
+              " signed providers also send their signature header", "metrics": "the metrics token, when set"}
+
+
+def _operation(route: ApiRoute, schemas: dict) -> dict:
+    parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                  for name in re.findall(r"{(\w+)}", route.path)]
+    if route.query is not None:
+        query = route.query.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(query.pop("$defs", {}))
+        parameters += [{"name": name, "in": "query", "required": name in query.get("required", ()), "schema": prop}
+                       for name, prop in query["properties"].items()]
+    answer = ({"schema": _schema_ref(route.answer, schemas)} if route.answer else
+              {"schema": {"type": "string"} if route.media != "application/json" else {"type": "object"}})
+    operation = {
+        "operationId": f"{route.method.lower()}_{re.sub(r'[^a-z0-9]+', '_', route.path.lower()).strip('_')}",
+        "summary": route.summary, "description": f"Credential: {AUTH_NOTES[route.auth]}.",
+        "parameters": parameters,
+        "responses": {str(route.status): {"description": "success", "content": {route.media: answer}},
+                      "4XX": {"description": "the error body", "content": {"application/json": {
+                          "schema": _schema_ref(ErrorAnswer, schemas)}}}},
+    }
+    if route.auth not in ("none", "url"):
+        operation["security"] = [{"bearer": []}]
+    if route.body is not None:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": _schema_ref(route.body, schemas)}}}
+    return operation
+
+
+@functools.cache
+def openapi_document() -> dict:
+    """OpenAPI 3.1, generated from the route tables and the very models the handlers validate with (once per
+    process, when first asked for: the tables never change, and generating it takes longer than the rest of a
+    server's start-up)."""
+    schemas: dict = {}
+    paths: dict = {}
+    for route in REST_ROUTES + MCP_ROUTES:
+        paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, schemas)
+    return {"openapi": "3.1.0",
+            "info": {"title": "Switchboard", "version": VERSION,
+                     "description": "Signed webhooks in, durable leased work for AI agents out. MCP is at /mcp."},
+            "paths": paths,
+            "components": {"schemas": dict(sorted(schemas.items())),
+                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
+
+
+class Api:
+    """The REST surface. Handlers authenticate, validate the body against its model, and run one store
+    function as one transaction; everything they answer comes from the store's views."""
+
+    def __init__(self, flows: Flows, base_url: str | None, allowed_origins: frozenset[str]):
+        self.flows = flows
+        self.db = flows.db
+        self.base_url = base_url
+        self.allowed_origins = allowed_origins
+        self.ingest_buffer = BodyBudget(INGEST_BUFFER_BYTES)
+
+    async def principal(self, request: Request) -> Principal:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError("unauthenticated", "send Authorization: Bearer <token>")
+        principal = self.db.read_statement(authenticate, token.strip())  # on the loop, as open_webhook: one indexed row
+        if principal is None:
+            raise ApiError("unauthenticated", "unknown or revoked token")
+        return principal
+
+    async def body(self, request: Request, model: type[BaseModel]) -> Any:
+        return parse_model(model, await read_capped(request, MAX_REQUEST_BYTES))
+
+    # -- routes ----------------------------------------------------------------------------------
+    async def healthz(self, request: Request) -> Response:
+        """200 `ok <version>`, or 503 naming what died (the process is then on its way out)."""
+        dead = list(self.flows.vitals.deaths) + ([self.db.failure or "the writer stopped"] if not self.db.alive() else [])
+        if dead:
+            return PlainTextResponse(f"unavailable: {dead[0]}", status_code=503)
+        try:
+            await self.db.read(lambda txn: txn.one("SELECT 1"))
+        except sqlite3.Error:
+            return PlainTextResponse("unavailable: the database cannot be read", status_code=503)
+        return PlainTextResponse(f"ok {VERSION}")
+
+    async def claim_next(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        body = await self.body(request, ClaimNext)
+        return JsonResponse(await self.flows.claim(principal, body, gone_future(request, body)))
+
+    async def doorbell_stream(self, request: Request) -> Response:
+        """GET /api/v1/doorbell: Server-Sent Events, `todo.ready` for each ring this session is chosen for."""
+        principal = await self.principal(request)
+        principal.require_verb("claim_next")
+        query = parse_model(DoorbellQuery, dict(request.query_params))
+        queues = _claim_queues(principal, [query.queue] if query.queue else None)
+        frames = await self.flows.ring_frames(principal, queues, lambda ring: sse_frame(ring, "todo.ready"),
+                                              [": connected\n\n"])
+        return sse_response(frames)
+
+    async def endpoints(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        principal.require_human("managing endpoints")
+        if request.method == "GET":
+            return JsonResponse(await self.db.read(list_endpoints, principal))
+        body = await self.body(request, EndpointCreate)
+        return JsonResponse(await self.db.write(vend_endpoint, principal.human_id, body), status_code=201)
+
+    async def revoke(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        principal.require_human("revoking endpoints")
+        await self.body(request, HumanNote)
+        return JsonResponse(await self.db.write(revoke_endpoint, principal, request.path_params["endpoint_id"]))
+
+    async def push(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        principal.require_human("pushing todos")
+        body = await self.body(request, TodoPush)
+        todo = await self.db.write(push_todo, principal, request.path_params["endpoint_id"], body)
+        return JsonResponse(todo, status_code=201 if todo["created"] else 200)
+
+    # -- ingress ---------------------------------------------------------------------------------
+    async def ingest(self, request: Request) -> Response:
+        """POST /hooks/{token}. The URL is looked up before a byte of the body is read: an unknown URL costs
+        nothing, and the body is read under a deadline and the shared buffer budget."""
+        source = request.client.host if request.client else "unknown"
+        webhook = await self.flows.open_webhook(request.path_params["token"], source)
+        body = await read_capped(request, MAX_DELIVERY_BYTES, self.ingest_buffer)
+        status, answer = await self.flows.accept_delivery(webhook, lower_headers(request.headers.raw), body, source)
+        return JsonResponse(answer, status_code=status)
+
+    async def metrics_text(self, request: Request) -> Response:
+        expected = os.environ.get("SWITCHBOARD_METRICS_TOKEN")
+        if expected:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+                raise ApiError("unauthenticated", "send Authorization: Bearer <metrics token>")
+        return Response(await anyio.to_thread.run_sync(self.flows.metrics.render), media_type=CONTENT_TYPE_LATEST)
+
+    # -- webhooks, routes, events, friends -------------------------------------------------------
+    def ingest_base(self, request: Request) -> str:
+        """Where producers reach this server: --base-url, else the address this request came in on."""
+        return self.base_url or str(request.base_url)
+
+    async def webhooks(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        if request.method == "GET":
+            return JsonResponse(await self.db.read(list_webhooks, principal))
+        body = await self.body(request, WebhookCreate)
+        made = await self.db.write(create_webhook, principal, self.flows.box, body, self.ingest_base(request))
+        return JsonResponse(made, status_code=201)
+
+    async def rotate(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        await self.body(request, HumanNote)
+        return JsonResponse(await self.db.write(rotate_webhook, principal, self.flows.box, request.path_params["webhook_id"],
+                                                self.ingest_base(request)))
+
+    async def secret(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        body = await self.body(request, WebhookSecret)
+        return JsonResponse(await self.db.write(set_webhook_secret, principal, self.flows.box,
+                                                request.path_params["webhook_id"], body))
+
+    async def run_store(self, request: Request, route: ApiRoute) -> Response:
+        """A route that is one store function in one transaction, or one flow, called with the principal, the
+        path's parameters in order, then the validated body or query."""
+        principal = await self.principal(request)
+        args = list(request.path_params.values())
+        if route.body is not None:
+            args.append(await self.body(request, route.body))
+        if route.query is not None:
+            args.append(parse_model(route.query, dict(request.query_params)))
+        if route.flow:
+            return JsonResponse(await getattr(self.flows, route.flow)(principal, *args), status_code=route.status)
+        run = self.db.write if route.writes else self.db.read
+        return JsonResponse(await run(route.store, principal, *args), status_code=route.status)
+
+    def route_table(self) -> list[Route]:
+        return [Route(r.path, functools.partial(self.run_store, route=r) if r.store or r.flow else
+                      getattr(self, r.handler), methods=[r.method]) for r in REST_ROUTES]
+
+    async def add_channel(self, request: Request) -> Response:
+        principal = await self.principal(request)
+        body = await self.body(request, NotifyCreate)
+        return JsonResponse(await self.db.write(add_channel, principal, self.flows.box, body), status_code=201)
+
+    async def openapi(self, request: Request) -> Response:
+        return JsonResponse(openapi_document())

@@ -1,0 +1,523 @@
+"""Request bodies, rule documents, work items and answers as pydantic models (extra="forbid"): REST, MCP
+and the OpenAPI document are all made from them."""
+
+from __future__ import annotations
+
+import difflib
+import re
+import urllib.parse
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    RootModel,
+    StringConstraints,
+    Tag,
+    ValidationError,
+    model_validator,
+)
+
+from switchboard.configuration import (
+    ALL_VERBS,
+    NOTIFY_EVENTS,
+    NOTIFY_KINDS,
+    PARSE_PROBLEMS_SHOWN,
+    QUEUE_PATTERN,
+    RESERVED_QUEUES,
+    TODO_STATES,
+    UNSAFE_TEXT,
+    VERB_PRESETS,
+    ApiError,
+    iso,
+    to_ms,
+)
+from switchboard.providers import PROVIDERS
+
+QueueName = Annotated[str, StringConstraints(pattern=QUEUE_PATTERN)]
+# Text that reaches SQLite never holds NUL (SQLite's text functions stop at it); one-line text no control bytes.
+ONE_LINE = rf"^[^{UNSAFE_TEXT}]*$"
+MULTI_LINE = r"^[^\x00]*$"
+TodoId = Annotated[str, StringConstraints(pattern=r"^td_[0-9a-f]{1,64}$")]
+EndpointId = Annotated[str, StringConstraints(pattern=r"^ep_[0-9a-f]{1,64}$")]
+ShortText = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=MULTI_LINE)]
+Note = Annotated[str, StringConstraints(max_length=4096, pattern=MULTI_LINE)]
+Label = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=ONE_LINE)]
+LeaseSeconds = Annotated[int, Field(ge=1, le=86400)]
+
+
+class Body(BaseModel):
+    """Every request body: unknown fields are refused and types are not coerced."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class EndpointCreate(Body):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+    queues: Annotated[list[QueueName], Field(min_length=1, max_length=64)]
+    verbs: Annotated[list[str], Field(min_length=1, max_length=64)] = ["drain"]
+    default_lease_seconds: Annotated[int, Field(ge=60, le=86400)] | None = None
+    webhook_max: Annotated[int, Field(ge=0, le=1000)] = 5
+
+    @model_validator(mode="after")
+    def _scope(self) -> EndpointCreate:
+        reserved = sorted(set(self.queues) & RESERVED_QUEUES)
+        if reserved:
+            raise ValueError(f"queue {reserved[0]!r} is reserved")
+        unknown = [v for v in self.verbs if v not in VERB_PRESETS and v not in ALL_VERBS]
+        if unknown:
+            raise ValueError(f"unknown verb {unknown[0]!r}")
+        return self
+
+    def expanded_verbs(self) -> list[str]:
+        verbs: list[str] = []
+        for name in self.verbs:
+            for verb in VERB_PRESETS.get(name, (name,)):
+                if verb not in verbs:
+                    verbs.append(verb)
+        return verbs
+
+
+class WorkItem(Body):
+    """Structured work attached to an operator-authored todo."""
+    schema_: Literal["switchboard.work_item.v1"] = Field(alias="schema")
+    objective: Annotated[str, StringConstraints(min_length=1, max_length=8192, pattern=MULTI_LINE)]
+    constraints: Annotated[list[ShortText], Field(max_length=64)] | None = None
+    definition_of_done: Annotated[list[ShortText], Field(max_length=64)] | None = None
+    validation_commands: Annotated[list[ShortText], Field(max_length=64)] | None = None
+    approval_gates: Annotated[list[Literal["review"]], Field(max_length=4)] | None = None
+    depends_on: Annotated[list[TodoId], Field(max_length=64)] | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=False)
+
+
+class TodoPush(Body):
+    title: Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=ONE_LINE)]
+    queue: QueueName
+    payload: Any = None
+    key: Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=ONE_LINE)] | None = None
+    priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
+    work_item: WorkItem | None = None
+
+
+class ClaimNext(Body):
+    queue: QueueName | None = None
+    queues: Annotated[list[QueueName], Field(min_length=1, max_length=64)] | None = None
+    lease_seconds: LeaseSeconds | None = None
+    wait_seconds: Annotated[float, Field(ge=0, le=60)] = 0
+    claimant: Label | None = None
+
+    @model_validator(mode="after")
+    def _one_filter(self) -> ClaimNext:
+        if self.queue is not None and self.queues is not None:
+            raise ValueError("give queue or queues, not both")
+        return self
+
+    def queue_filter(self) -> list[str] | None:
+        return [self.queue] if self.queue else self.queues
+
+
+class ClaimById(Body):
+    lease_seconds: LeaseSeconds | None = None
+    claimant: Label | None = None
+
+
+class Leased(Body):
+    lease_token: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+
+
+class Heartbeat(Leased):
+    note: Note | None = None
+    lease_seconds: LeaseSeconds | None = None
+
+
+class Complete(Leased):
+    result: Any = None
+    summary: Annotated[str, StringConstraints(pattern=MULTI_LINE)] | None = None
+    artifact: Annotated[str, StringConstraints(max_length=2048)] | None = None
+
+    @model_validator(mode="after")
+    def _artifact(self) -> Complete:
+        if self.artifact is not None and not re.match(r"^(https://[^\s/]+\S*|mcp://\S+)$", self.artifact):
+            raise ValueError("artifact must be an https URL or an mcp:// handle")
+        return self
+
+
+class Fail(Leased):
+    error: ShortText
+    retry: bool = True
+    retry_in_seconds: Annotated[int, Field(ge=0, le=86400)] | None = None
+
+
+class Release(Leased):
+    note: Note | None = None
+
+
+class NeedsInput(Leased):
+    question: ShortText
+
+
+class Block(Leased):
+    reason: ShortText
+
+
+class HumanNote(Body):
+    note: Note | None = None
+
+
+class RequestChanges(Body):
+    note: ShortText
+
+
+class Answer(Body):
+    answer: Annotated[str, StringConstraints(min_length=1, max_length=16384, pattern=MULTI_LINE)]
+
+
+class Defer(Body):
+    reason: ShortText
+    until: datetime | None = None
+
+    @model_validator(mode="after")
+    def _representable(self) -> Defer:
+        if self.until is not None:
+            try:
+                iso(to_ms(self.until))
+            except (OverflowError, ValueError):
+                raise ValueError("until is outside the years 1..9999 in UTC") from None
+        return self
+
+
+class Cancel(Body):
+    reason: ShortText
+
+
+class Reroute(Body):
+    queue: QueueName
+
+
+class TodoListQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    queue: QueueName | None = None
+    state: Literal[TODO_STATES] | None = None  # type: ignore[valid-type]
+    endpoint: EndpointId | None = None
+    limit: Annotated[int, Field(ge=1, le=200)] = 50
+
+
+PrintableSecret = Annotated[str, StringConstraints(min_length=16, max_length=512, pattern=r"^[\x20-\x7e]+$")]
+
+
+def _actor_name(value: str) -> str:
+    if not 1 <= len(value.encode("utf-8", "surrogatepass")) <= 128:
+        raise ValueError("a trusted actor is 1 to 128 bytes")
+    return value
+
+
+ActorName = Annotated[str, StringConstraints(pattern=ONE_LINE), AfterValidator(_actor_name)]
+
+
+class TrustLogins(Body):
+    """github, gitea: trusted logins, checked against the sender, the author, or both."""
+    logins: Annotated[list[ActorName], Field(max_length=256)]
+    match: Literal["sender", "author", "both"] = "sender"
+
+
+class TrustActorIds(Body):
+    """cairn: trusted actor ids."""
+    actor_ids: Annotated[list[ActorName], Field(max_length=256)]
+
+
+class TrustAll(Body):
+    """Every actor: the gate lets everything through to the rules."""
+    allow_all: Literal[True]
+
+
+class TrustedActors(RootModel[TrustLogins | TrustActorIds | TrustAll]):
+    """The trust gate's list for one webhook: one of the three shapes."""
+
+
+class TrustedActorsArgs(Body):
+    """The MCP tool's arguments (a tool's input is an object): the list under `trusted_actors`."""
+    trusted_actors: TrustLogins | TrustActorIds | TrustAll
+
+
+class WebhookCreate(Body):
+    provider: Literal[PROVIDERS]
+    queue: QueueName
+    secret: PrintableSecret | None = None
+    endpoint_id: EndpointId | None = None
+    trusted_actors: TrustLogins | TrustActorIds | TrustAll | None = None
+
+
+class WebhookSecret(Body):
+    secret: PrintableSecret
+
+
+class RouteAdd(Body):
+    endpoint_id: EndpointId
+
+
+class FriendRequest(Body):
+    human: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=ONE_LINE)]
+
+
+class QueueAction(Body):
+    queue: QueueName
+    endpoints: Annotated[list[EndpointId], Field(min_length=1, max_length=64)] | None = None
+    exclusive: bool = False
+    once: bool = False
+    work_order: bool = False
+
+
+class DropAction(Body):
+    drop: Literal[True]
+
+
+class QuarantineAction(Body):
+    quarantine: Literal[True]
+
+
+def _action_kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return "drop" if "drop" in value else "quarantine" if "quarantine" in value else "queue"
+    return "drop" if isinstance(value, DropAction) else "quarantine" if isinstance(value, QuarantineAction) else "queue"
+
+
+RuleAction = Annotated[Annotated[QueueAction, Tag("queue")] | Annotated[DropAction, Tag("drop")]
+                       | Annotated[QuarantineAction, Tag("quarantine")], Discriminator(_action_kind)]
+
+
+class Rule(Body):
+    id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    name: Label | None = None
+    expr: str
+    action: RuleAction
+
+
+class RuleSet(Body):
+    """A webhook's routing: `set` replaces rules and default, and params only when the field is present."""
+    rules: list[Rule] = []
+    default_action: RuleAction | None = None
+    params: dict[str, Any] | None = None
+
+
+class RulesTest(Body):
+    """A dry run: a payload (with headers) or a stored event, optionally against candidate rules."""
+    payload: Any = None
+    headers: dict[str, Annotated[str, StringConstraints(max_length=8192, pattern=ONE_LINE)]] | None = None
+    event_id: Annotated[str, StringConstraints(pattern=r"^ev_[0-9a-f]{1,64}$")] | None = None
+    rules: list[Rule] | None = None
+    default_action: RuleAction | None = None
+    params: dict[str, Any] | None = None
+    verified: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_document(self) -> RulesTest:
+        if (self.event_id is None) == ("payload" not in self.model_fields_set):
+            raise ValueError("give payload (with optional headers) or event_id")
+        return self
+
+
+class ReleaseQuarantine(Body):
+    """`queue` sends the held delivery there; `trust_actor` first adds its actor to the webhook's trusted
+    actors (for deliveries held by the trust gate)."""
+    queue: QueueName | None = None
+    note: Note | None = None
+    trust_actor: bool = False
+
+
+HttpUrl = Annotated[str, StringConstraints(max_length=2048, pattern=r"^https?://[^\s/?#]+[^\s]*$")]
+
+
+class NotifyCreate(Body):
+    """A notification channel: where (`url`), with what credential (`token`: ntfy access token, Gotify app
+    token), and for which events."""
+    kind: Literal[NOTIFY_KINDS]
+    url: HttpUrl
+    token: Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=ONE_LINE)] | None = None
+    events: Annotated[list[Literal[NOTIFY_EVENTS]], Field(min_length=1, max_length=len(NOTIFY_EVENTS))]
+
+    @model_validator(mode="after")
+    def _token_fits_kind(self) -> NotifyCreate:
+        try:
+            parts = urllib.parse.urlsplit(self.url)
+            parts.port  # noqa: B018 - raises on a port that is not a number or out of range
+        except ValueError:
+            raise ValueError("url: not a valid http(s) URL") from None
+        if not parts.hostname:
+            raise ValueError("url: names no host")
+        if self.kind == "gotify" and self.token is None:
+            raise ValueError("a gotify channel needs its app token")
+        if self.kind in ("slack", "discord", "webhook") and self.token is not None:
+            raise ValueError(f"a {self.kind} channel takes no token (its URL is the credential, or the secret is"
+                             " made for you)")
+        return self
+
+
+class ReplayOne(Body):
+    dry_run: bool = False
+
+
+class ReplayMany(Body):
+    """Which stored deliveries to evaluate again; a dry run (the default) only reports what would change."""
+    disposition: Literal["routed", "dropped", "repeat", "quarantined", "ping"] | None = None
+    kind: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=ONE_LINE)] | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    limit: Annotated[int, Field(ge=1, le=1000)] = 200
+    dry_run: bool = True
+
+
+class DoorbellQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    queue: QueueName | None = None
+
+
+class EventListQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    disposition: Literal["routed", "dropped", "repeat", "quarantined", "ping"] | None = None
+    limit: Annotated[int, Field(ge=1, le=200)] = 50
+
+
+# -- answers: what the API says back, documented in /api/v1/openapi.json and checked against real answers ----
+
+class AnswerModel(BaseModel):
+    """An answer's shape; extra fields are refused, so the document and the code cannot drift apart."""
+    model_config = ConfigDict(extra="forbid")
+
+
+Instant = Annotated[str | None, Field(description="ISO-8601 UTC, milliseconds, e.g. 2026-11-30T21:12:36.488Z")]
+
+
+class ErrorAnswer(AnswerModel):
+    error: Literal["invalid_argument", "unauthenticated", "forbidden", "not_found", "conflict", "too_large",
+                   "rate_limited", "unavailable", "internal"]
+    message: str
+
+
+class RingsAnswer(AnswerModel):
+    count: int
+    last_at: Instant
+    acked_at: Instant
+
+
+class AttemptAnswer(AnswerModel):
+    seq: int
+    claimant: str
+    claimed_at: Instant
+    lease_expires_at: Instant
+    heartbeats: int
+    ended_at: Instant
+    outcome: str | None
+    summary: str | None
+    artifact: str | None
+
+
+class HistoryAnswer(AnswerModel):
+    at: Instant
+    actor: str
+    from_: str | None = Field(alias="from")
+    to: str
+    evidence: Any
+
+
+class TodoAnswer(AnswerModel):
+    """A todo. `get_todo` adds attempts, history, depends_on and receipt; an operator push adds created."""
+    id: str
+    endpoint_id: str
+    queue: str
+    state: Literal[TODO_STATES]
+    outcome: Literal["completed", "approved", "absorbed", "discarded"] | None
+    title: str
+    source: str
+    kind: str | None
+    subject_key: str | None
+    priority: int
+    attempt: int
+    max_attempts: int
+    dead_letter: bool
+    lease_expires_at: Instant
+    available_at: Instant
+    created_at: Instant
+    updated_at: Instant
+    payload: Any
+    work_order: dict | None
+    work_item: dict | None
+    trace: dict | None
+    result: Any
+    last_error: str | None
+    key: str | None
+    state_reason: str | None
+    answer: str | None
+    deferred_until: Instant
+    event_id: str | None
+    rings: RingsAnswer
+    created: bool | None = None
+    attempts: list[AttemptAnswer] | None = None
+    history: list[HistoryAnswer] | None = None
+    depends_on: list[str] | None = None
+    receipt: dict | None = None
+
+
+class TodoListAnswer(AnswerModel):
+    todos: list[TodoAnswer]
+
+
+class ClaimAnswer(AnswerModel):
+    """A claim: the todo, its lease token (send it with every later verb), and what earlier attempts said; or
+    `{"empty": true}` when nothing was claimable."""
+    todo: TodoAnswer | None = None
+    lease_token: str | None = None
+    prior_attempts: list[AttemptAnswer] | None = None
+    empty: bool | None = None
+
+
+class MintedTodo(AnswerModel):
+    id: str
+    endpoint_id: str
+    queue: str
+    created: bool
+
+
+class DeliveryAnswer(AnswerModel):
+    """What a producer hears back (202)."""
+    event_id: str
+    disposition: Literal["routed", "dropped", "repeat", "quarantined", "ping"]
+    verified: bool
+    todos: list[MintedTodo]
+    created: int
+    duplicate: bool | None = None
+    repeat: bool | None = None
+    dropped: bool | None = None
+    held: bool | None = None
+    ping: bool | None = None
+    payload_error: Literal["empty", "not_json", "too_deep", "bad_form", "form_without_payload"] | None = None
+
+
+def parse_model(model: type[BaseModel], raw: bytes | str | dict) -> Any:
+    """Validate a body against its model; any failure is one-line 400 invalid_argument naming every wrong field,
+    unknown fields first (they are the likelier typo), whichever order pydantic reports them in."""
+    try:
+        if isinstance(raw, dict):
+            return model.model_validate(raw)
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        errors = exc.errors()
+        unknown = [e for e in errors if e.get("type") == "extra_forbidden" and len(e.get("loc", ())) == 1]
+        problems = [f"unknown field {e['loc'][0]}{_did_you_mean(str(e['loc'][0]), model)}" for e in unknown]
+        for error in errors:
+            if error not in unknown:
+                where = ".".join(str(part) for part in error.get("loc", ())) or "body"
+                problems.append(f"{where}: {error.get('msg', 'invalid').removeprefix('Value error, ')}")
+        raise ApiError("invalid_argument", "; ".join(problems[:PARSE_PROBLEMS_SHOWN])) from None
+
+
+def _did_you_mean(name: str, model: type[BaseModel]) -> str:
+    """`, did you mean endpoint_id?` when a field of the model is close to the unknown one, else the fields."""
+    fields = [info.alias or field_name for field_name, info in model.model_fields.items()]
+    close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6) or [f for f in fields if f.startswith(name)]
+    if close:
+        return f", did you mean {close[0]}?"
+    return f" (the fields are {', '.join(fields)})" if fields else ""

@@ -1,0 +1,180 @@
+"""What a human does to a todo (approve, answer, retry, defer, cancel, reroute) and the todos an operator
+or a human pushes."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from switchboard.configuration import RESERVED_QUEUES, TERMINAL_STATES, ApiError, iso, to_ms
+from switchboard.crypto import new_id
+from switchboard.database import Txn
+from switchboard.models import Answer, Cancel, Defer, HumanNote, RequestChanges, Reroute, TodoPush
+from switchboard.store.principals import Principal, _own_endpoint
+from switchboard.store.todos import _load_todo, _reload, dump_json, todo_view
+from switchboard.store.transitions import (
+    _end_attempt,
+    _let_go_of_absorbed,
+    _transition,
+    _write_receipt,
+    create_todo,
+    record_event,
+)
+from switchboard.store.webhooks import webhook_targets
+
+# -- human actions ----------------------------------------------------------------------------------
+
+def _human_todo(txn: Txn, principal: Principal, action: str, todo_id: str, allowed: tuple[str, ...]) -> sqlite3.Row:
+    principal.require_human(action)
+    todo = _load_todo(txn, principal, todo_id)
+    if todo["state"] not in allowed:
+        raise ApiError("conflict", f"cannot {action} a todo that is {todo['state']}")
+    return todo
+
+
+def approve(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+    todo = _human_todo(txn, principal, "approve", todo_id, ("review",))
+    _transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="approved", state_reason=None)
+    _write_receipt(txn, todo, principal.actor)
+    return todo_view(_reload(txn, todo_id))
+
+
+def request_changes(txn: Txn, principal: Principal, todo_id: str, body: RequestChanges) -> dict:
+    todo = _human_todo(txn, principal, "request changes on", todo_id, ("review",))
+    _transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=body.note)
+    _let_go_of_absorbed(txn, todo_id)
+    return todo_view(_reload(txn, todo_id))
+
+
+def answer(txn: Txn, principal: Principal, todo_id: str, body: Answer) -> dict:
+    todo = _human_todo(txn, principal, "answer", todo_id, ("needs_input",))
+    _transition(txn, todo, "pending", principal.actor, {"question": todo["state_reason"], "answer": body.answer},
+                answer=body.answer)
+    return todo_view(_reload(txn, todo_id))
+
+
+def resume(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+    todo = _human_todo(txn, principal, "resume", todo_id, ("blocked",))
+    _transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=None)
+    return todo_view(_reload(txn, todo_id))
+
+
+def retry(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+    todo = _human_todo(txn, principal, "retry", todo_id, ("failed",))
+    if txn.one("SELECT 1 FROM endpoints WHERE id = ? AND revoked_at IS NOT NULL", (todo["endpoint_id"],)):
+        raise ApiError("conflict", "the todo's endpoint is revoked; reroute it instead")
+    _transition(txn, todo, "pending", principal.actor, {"note": body.note}, attempt=0, dead_letter=0)
+    return todo_view(_reload(txn, todo_id))
+
+
+def defer(txn: Txn, principal: Principal, todo_id: str, body: Defer) -> dict:
+    todo = _human_todo(txn, principal, "defer", todo_id, ("pending",))
+    until = to_ms(body.until) if body.until else None
+    _transition(txn, todo, "deferred", principal.actor, {"reason": body.reason, "until": iso(until)},
+                state_reason=body.reason, deferred_until=until)
+    return todo_view(_reload(txn, todo_id))
+
+
+def undefer(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+    todo = _human_todo(txn, principal, "undefer", todo_id, ("deferred",))
+    _transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=None, deferred_until=None)
+    return todo_view(_reload(txn, todo_id))
+
+
+def cancel(txn: Txn, principal: Principal, todo_id: str, body: Cancel) -> dict:
+    """Cancel live work, or close a dead letter the human will not retry (it stops being a dead letter)."""
+    todo = _human_todo(txn, principal, "cancel", todo_id,
+                       ("pending", "claimed", "needs_input", "blocked", "review", "deferred", "failed"))
+    if todo["state"] == "claimed":
+        _end_attempt(txn, todo, "cancelled", body.reason)
+    _transition(txn, todo, "cancelled", principal.actor, {"reason": body.reason}, state_reason=body.reason,
+                dead_letter=0)
+    _let_go_of_absorbed(txn, todo_id)
+    return todo_view(_reload(txn, todo_id))
+
+
+def discard(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+    todo = _human_todo(txn, principal, "discard", todo_id, ("quarantined",))
+    _transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="discarded")
+    return todo_view(_reload(txn, todo_id))
+
+
+def _reroute_target(txn: Txn, todo: sqlite3.Row, queue: str) -> str:
+    """Choose the endpoint as exclusive delivery would: the first, in order, whose scope grants the queue,
+    among the originating webhook's targets; for operator-authored todos (or a deleted webhook), among the same
+    human's live endpoints in creation order."""
+    human_id = txn.one("SELECT human_id FROM endpoints WHERE id = ?", (todo["endpoint_id"],))["human_id"]
+    webhook = txn.one("SELECT w.* FROM events e JOIN webhooks w ON w.id = e.webhook_id WHERE e.id = ?",
+                      (todo["event_id"],))
+    if webhook is not None:
+        candidates = webhook_targets(txn, webhook)
+    else:
+        candidates = txn.all("SELECT * FROM endpoints WHERE human_id = ? AND revoked_at IS NULL"
+                             " ORDER BY created_at, rowid", (human_id,))
+    for row in candidates:
+        # A friend's route lets a webhook reach another human; a reroute never crosses humans.
+        if row["human_id"] == human_id and queue in json.loads(row["queues"]):
+            return row["id"]
+    raise ApiError("invalid_argument", f"queue: no live target endpoint is scoped to {queue}")
+
+
+def reroute(txn: Txn, principal: Principal, todo_id: str, body: Reroute) -> dict:
+    if body.queue in RESERVED_QUEUES:
+        raise ApiError("invalid_argument", f"queue: {body.queue} is reserved")
+    todo = _human_todo(txn, principal, "reroute", todo_id, ("pending", "needs_input", "blocked", "deferred", "failed"))
+    endpoint_id = _reroute_target(txn, todo, body.queue)
+    if todo["idempotency_key"] is not None:
+        twin = txn.one("SELECT id FROM todos WHERE endpoint_id = ? AND idempotency_key = ? AND id <> ?"
+                       " AND state NOT IN ('done', 'failed', 'cancelled')",
+                       (endpoint_id, todo["idempotency_key"], todo_id))
+        if twin is not None:
+            raise ApiError("conflict", f"todo {twin['id']} on {endpoint_id} already holds idempotency key"
+                                       f" {todo['idempotency_key']!r}; finish or cancel one of them first")
+    txn.execute("DELETE FROM absorptions WHERE absorbed_id = ?", (todo_id,))
+    _transition(txn, todo, "pending", principal.actor,
+                {"from_queue": todo["queue"], "to_queue": body.queue, "endpoint_id": endpoint_id},
+                queue=body.queue, endpoint_id=endpoint_id, attempt=0, dead_letter=0, state_reason=None,
+                deferred_until=None, answer=None)
+    return todo_view(_reload(txn, todo_id))
+
+
+# -- operator-authored todos ------------------------------------------------------------------------
+
+def push_todo(txn: Txn, principal: Principal, endpoint_id: str, body: TodoPush) -> dict:
+    """A todo written by a human or the operator, recorded as an event of trust mode `operator`."""
+    if principal.kind == "endpoint":
+        raise ApiError("forbidden", "pushing todos needs a human token")
+    endpoint = _own_endpoint(txn, principal, endpoint_id)
+    if endpoint["revoked_at"] is not None:
+        raise ApiError("conflict", f"endpoint {endpoint_id} is revoked")
+    if body.queue not in json.loads(endpoint["queues"]):
+        raise ApiError("invalid_argument", f"queue: {body.queue} is outside the endpoint's scope")
+    if body.key is not None:
+        existing = txn.one(f"SELECT * FROM todo_rows WHERE endpoint_id = ? AND idempotency_key = ?"
+                           f" AND state NOT IN {TERMINAL_STATES}", (endpoint_id, body.key))
+        if existing is not None:
+            return {**todo_view(existing), "created": False}
+    work_item = body.work_item
+    deps = list(dict.fromkeys(work_item.depends_on or [])) if work_item else []
+    human_id = endpoint["human_id"]
+    dep_states = []
+    for dep in deps:
+        row = txn.one("SELECT t.state FROM todos t JOIN endpoints e ON e.id = t.endpoint_id"
+                      " WHERE t.id = ? AND e.human_id = ?", (dep, human_id))
+        if row is None:
+            raise ApiError("not_found", f"work_item.depends_on: no todo {dep}")
+        dep_states.append((dep, row["state"]))
+    payload = dump_json(body.payload, "payload")
+    event_id, todo_id = new_id("ev"), new_id("td")
+    trace = json.dumps({"stage": "operator", "actor": principal.actor})
+    record_event(txn, event_id, human_id=human_id, source="operator", kind="todo", trust_mode="operator",
+                 verified=True, body=payload, disposition="routed", trace=trace)
+    dead = [(dep, state) for dep, state in dep_states if state in ("failed", "cancelled")]
+    create_todo(txn, todo_id, principal.actor, endpoint_id=endpoint_id, queue=body.queue, title=body.title,
+                source="operator", kind="todo", trace=trace, event_id=event_id,
+                work_item=work_item.model_dump_json(by_alias=True, exclude_none=True) if work_item else None,
+                idempotency_key=body.key, priority=body.priority,
+                gated=int(bool(work_item and "review" in (work_item.approval_gates or []))),
+                depends_on=[dep for dep, _ in dep_states],
+                **({"state": "blocked", "state_reason": f"dependency {dead[0][0]} {dead[0][1]}"} if dead else {}))
+    return {**todo_view(_reload(txn, todo_id)), "created": True}

@@ -1,0 +1,100 @@
+"""The trust gate's held deliveries: releasing (optionally trusting the actor) and discarding."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass
+
+from switchboard.configuration import ApiError, iso
+from switchboard.crypto import new_id
+from switchboard.database import Database, Txn
+from switchboard.envelope import ASCII_FOLD, actors_to_trust, stored_envelope
+from switchboard.evaluator import Evaluator
+from switchboard.models import ReleaseQuarantine
+from switchboard.store.deliveries import EVENT_WITH_BODY, _create_planned_todo, plan_delivery
+from switchboard.store.human_actions import _human_todo
+from switchboard.store.principals import Principal
+from switchboard.store.routing import decide_for_webhook, with_current_actor
+from switchboard.store.todos import _json, _reload, todo_view
+from switchboard.store.transitions import _transition, claim_once
+
+# -- quarantine -------------------------------------------------------------------------------------
+
+@dataclass
+class QuarantineRelease:
+    """A held delivery's re-evaluated decision, made outside the writer and applied inside it."""
+    todo_id: str
+    envelope: dict
+    action: dict
+    trace: dict
+    trusted_actors: dict | None = None  # the webhook's new list, when the human trusted the actor
+
+
+def _trusting(todo: sqlite3.Row, webhook: sqlite3.Row, envelope: dict) -> dict:
+    """The webhook's trusted actors with this held delivery's actor added."""
+    if todo["state_reason"] != "untrusted_actor":
+        raise ApiError("conflict", f"trust_actor is for deliveries the trust gate held; this one is held as"
+                                   f" {todo['state_reason']}")
+    trusted = _json(webhook["trusted_actors"]) or {}
+    names = actors_to_trust(envelope, trusted)
+    if trusted.get("allow_all") or not names:
+        raise ApiError("conflict", "there is no actor to trust on this delivery")
+    field_name = "actor_ids" if "actor_ids" in trusted else "logins"
+    known = {n.translate(ASCII_FOLD) if field_name == "logins" else n for n in trusted[field_name]}
+    added = [n for n in names if (n.translate(ASCII_FOLD) if field_name == "logins" else n) not in known]
+    return {**trusted, field_name: [*trusted[field_name], *added]}
+
+
+def _held_subject(txn: Txn, principal: Principal, todo_id: str) -> tuple[sqlite3.Row, sqlite3.Row | None, dict]:
+    todo = _human_todo(txn, principal, "release", todo_id, ("quarantined",))
+    event = txn.one(f"{EVENT_WITH_BODY} WHERE id = ?", (todo["event_id"],))
+    if event is None or event["envelope"] is None:
+        raise ApiError("conflict", "the held delivery was pruned; discard it")
+    webhook = txn.one("SELECT * FROM webhooks WHERE id = ?", (event["webhook_id"],))
+    return todo, webhook, stored_envelope(event["envelope"], event["headers"], event["body"])
+
+
+def prepare_quarantine_release(db: Database, evaluator: Evaluator, principal: Principal, todo_id: str,
+                    body: ReleaseQuarantine) -> QuarantineRelease:
+    """Re-evaluate a held delivery with `.release` set (the trust gate does not run again: a human released
+    it), or send it to a named queue; with `trust_actor`, first as if its actor were trusted."""
+    todo, webhook, envelope = db.read_sync(_held_subject, principal, todo_id)
+    if webhook is None:
+        raise ApiError("conflict", "the webhook of this delivery is gone; discard it")
+    trusted = _trusting(todo, webhook, envelope) if body.trust_actor else None
+    envelope = with_current_actor(envelope, webhook, trusted)
+    envelope["release"] = {"by": principal.actor, "at": iso(db.clock.now_ms())}
+    if body.queue is not None:
+        action = {"queue": body.queue, "exclusive": True}
+        trace = {"stage": "release", "cause": "named_queue", "action": action}
+    else:
+        action, trace = decide_for_webhook(evaluator, webhook, json.dumps(envelope).encode(), principal.human_id)
+    return QuarantineRelease(todo_id, envelope, action, trace, trusted)
+
+
+def apply_quarantine_release(txn: Txn, principal: Principal, release: QuarantineRelease, note: str | None = None) -> dict:
+    todo, webhook, _ = _held_subject(txn, principal, release.todo_id)
+    if webhook is None:
+        raise ApiError("conflict", "the webhook of this delivery is gone; discard it")
+    plan = plan_delivery(txn, webhook, release.envelope, release.action, release.trace)
+    evidence = {"release": release.envelope["release"], "disposition": plan.disposition, "note": note}
+    if plan.disposition == "quarantined":
+        if release.trace["stage"] == "release":
+            raise ApiError("invalid_argument", f"queue: no target of this webhook is scoped to {release.action['queue']}")
+        raise ApiError("conflict", f"the rules hold it again ({plan.trace['hold']}); nothing changed")
+    if plan.disposition != "routed":
+        _transition(txn, todo, "done", principal.actor, evidence, outcome="discarded", state_reason=plan.disposition)
+        return todo_view(_reload(txn, todo["id"]))
+    if plan.once_key:
+        claim_once(txn, webhook["id"], plan.once_key, todo["event_id"], release.action["queue"])
+    if release.trusted_actors is not None:
+        txn.execute("UPDATE webhooks SET trusted_actors = ? WHERE id = ?",
+                    (json.dumps(release.trusted_actors), webhook["id"]))
+    (endpoint_id, queue, _), *others = plan.targets
+    _transition(txn, todo, "pending", principal.actor, evidence, queue=queue, endpoint_id=endpoint_id,
+                trace=json.dumps(plan.trace_for(endpoint_id)), work_order=json.dumps(plan.work_order) if plan.work_order else None,
+                state_reason=None)
+    for target in others:
+        _create_planned_todo(txn, new_id("td"), target, release.envelope, plan, todo["event_id"], todo["title"])
+    return todo_view(_reload(txn, todo["id"]))

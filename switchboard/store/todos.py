@@ -1,0 +1,123 @@
+"""Todos as the API shows them, and who may see which."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import Any
+
+from switchboard.configuration import ApiError, iso
+from switchboard.database import Txn
+from switchboard.envelope import stored_payload
+from switchboard.models import TodoListQuery
+from switchboard.store.principals import Principal
+
+# -- todos: views and visibility --------------------------------------------------------------------
+
+def dump_json(value: Any, field_name: str) -> str | None:
+    """Producer JSON as stored text; NaN and Infinity are not JSON and are refused."""
+    if value is None:
+        return None
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        raise ApiError("invalid_argument", f"{field_name}: NaN and Infinity are not JSON") from None
+
+
+def _json(text: str | None) -> Any:
+    """Stored JSON, read back. Nothing stored may make a read fail: JSON nested too deep to read is null."""
+    try:
+        return None if text is None else json.loads(text)
+    except RecursionError:
+        return None
+
+
+def todo_view(row: sqlite3.Row) -> dict:
+    """A todo as the API shows it, from a row of the todo_rows view (which carries its event's body)."""
+    return {
+        "id": row["id"], "endpoint_id": row["endpoint_id"], "queue": row["queue"], "state": row["state"],
+        "outcome": row["outcome"], "title": row["title"], "source": row["source"], "kind": row["kind"],
+        "subject_key": row["subject_key"], "priority": row["priority"], "attempt": row["attempt"],
+        "max_attempts": row["max_attempts"], "dead_letter": bool(row["dead_letter"]),
+        "lease_expires_at": iso(row["lease_expires_at"]), "available_at": iso(row["available_at"]),
+        "created_at": iso(row["created_at"]), "updated_at": iso(row["updated_at"]),
+        "payload": (_json(row["payload"]) if row["payload"] is not None
+                    else stored_payload(row["event_body"], row["event_content_type"])),
+        "work_order": _json(row["work_order"]),
+        "work_item": _json(row["work_item"]), "trace": _json(row["trace"]), "result": _json(row["result"]),
+        "last_error": row["last_error"], "key": row["idempotency_key"], "state_reason": row["state_reason"],
+        "answer": row["answer"], "deferred_until": iso(row["deferred_until"]), "event_id": row["event_id"],
+        "rings": {"count": row["ring_count"], "last_at": iso(row["last_ring_at"]),
+                  "acked_at": iso(row["ring_acked_at"])},
+    }
+
+
+def attempt_view(row: sqlite3.Row) -> dict:
+    return {"seq": row["seq"], "claimant": row["claimant"], "claimed_at": iso(row["claimed_at"]),
+            "lease_expires_at": iso(row["lease_expires_at"]), "heartbeats": row["heartbeats"],
+            "ended_at": iso(row["ended_at"]), "outcome": row["outcome"], "summary": row["summary"],
+            "artifact": row["artifact"]}
+
+
+def _scope_clause(principal: Principal) -> tuple[str, tuple]:
+    """The WHERE fragment that confines a query on `todos` to what the principal may see."""
+    if principal.kind == "endpoint":
+        return "endpoint_id = ? AND state <> 'quarantined'", (principal.id,)
+    if principal.kind == "human":
+        return "endpoint_id IN (SELECT id FROM endpoints WHERE human_id = ?)", (principal.human_id,)
+    return "1 = 1", ()
+
+
+def _load_todo(txn: Txn, principal: Principal, todo_id: str, source: str = "todos") -> sqlite3.Row:
+    """A todo the principal may see; from `todo_rows` when it is to be shown (todo_view), else the bare row."""
+    clause, params = _scope_clause(principal)
+    row = txn.one(f"SELECT * FROM {source} WHERE id = ? AND {clause}", (todo_id, *params))
+    if row is None:
+        raise ApiError("not_found", f"no todo {todo_id}")
+    return row
+
+
+def _reload(txn: Txn, todo_id: str) -> sqlite3.Row:
+    """A todo as todo_view reads it."""
+    return txn.one("SELECT * FROM todo_rows WHERE id = ?", (todo_id,))
+
+
+def list_todos(txn: Txn, principal: Principal, query: TodoListQuery) -> dict:
+    if principal.kind == "endpoint":
+        principal.require_verb("list_todos")
+    clause, params = _scope_clause(principal)
+    sql, args = f"SELECT * FROM todo_rows WHERE {clause}", list(params)
+    for column, value in (("queue", query.queue), ("state", query.state), ("endpoint_id", query.endpoint)):
+        if value is not None:
+            sql += f" AND {column} = ?"
+            args.append(value)
+    sql += " ORDER BY created_at DESC, todo_rowid DESC LIMIT ?"
+    args.append(query.limit)
+    return {"todos": [todo_view(r) for r in txn.all(sql, args)]}
+
+
+def get_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
+    if principal.kind == "endpoint":
+        principal.require_verb("get_todo")
+    view = todo_view(_load_todo(txn, principal, todo_id, "todo_rows"))
+    view["attempts"] = [attempt_view(a) for a in txn.all(
+        "SELECT * FROM attempts WHERE todo_id = ? ORDER BY seq", (todo_id,))]
+    view["history"] = [
+        {"at": iso(h["at"]), "actor": h["actor"], "from": h["from_state"], "to": h["to_state"],
+         "evidence": _json(h["evidence"])}
+        for h in txn.all("SELECT * FROM todo_history WHERE todo_id = ? ORDER BY id", (todo_id,))]
+    view["depends_on"] = [d["depends_on_id"] for d in txn.all(
+        "SELECT depends_on_id FROM todo_deps WHERE todo_id = ? ORDER BY depends_on_id", (todo_id,))]
+    receipt = txn.one("SELECT id FROM receipts WHERE todo_id = ? ORDER BY written_at DESC, id DESC LIMIT 1",
+                      (todo_id,)) or txn.one("SELECT receipt_id AS id FROM receipt_items WHERE todo_id = ?", (todo_id,))
+    view["receipt"] = receipt_view(txn, receipt["id"]) if receipt else None
+    return view
+
+
+def receipt_view(txn: Txn, receipt_id: str) -> dict:
+    row = txn.one("SELECT * FROM receipts WHERE id = ?", (receipt_id,))
+    return {"id": row["id"], "todo_id": row["todo_id"], "attempt_seq": row["attempt_seq"],
+            "absorbed": [r["todo_id"] for r in txn.all(
+                "SELECT i.todo_id FROM receipt_items i JOIN todos t ON t.id = i.todo_id WHERE i.receipt_id = ?"
+                " ORDER BY t.created_at, t.rowid", (receipt_id,))],
+            "written_at": iso(row["written_at"])}

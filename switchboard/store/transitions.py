@@ -1,0 +1,456 @@
+"""A todo's transitions: create, claim, heartbeat, complete, fail, release, lease expiry, receipts."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+from collections.abc import Iterable
+from typing import Any
+
+from switchboard.configuration import (
+    BACKOFF_BASE_SECONDS,
+    BACKOFF_CAP_SECONDS,
+    DEFAULT_LEASE_SECONDS,
+    HOLD_QUEUE,
+    MAX_RESULT_BYTES,
+    MAX_SUMMARY_BYTES,
+    TERMINAL_STATES,
+    ApiError,
+    iso,
+    log,
+)
+from switchboard.crypto import hashes_match, new_id, token_hash
+from switchboard.database import Txn
+from switchboard.models import Block, ClaimById, ClaimNext, Complete, Fail, Heartbeat, Leased, NeedsInput, Release
+from switchboard.store.outbox import notify_todo
+from switchboard.store.principals import Principal, _own_endpoint, endpoint_view
+from switchboard.store.todos import _load_todo, _reload, attempt_view, dump_json, todo_view
+
+
+def revoke_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> dict:
+    """Revocation is immediate: the token stops working and every open todo fails `endpoint_revoked`."""
+    row = _own_endpoint(txn, principal, endpoint_id)
+    if row["revoked_at"] is not None:
+        return endpoint_view(row)
+    txn.execute("UPDATE endpoints SET revoked_at = ? WHERE id = ?", (txn.now, endpoint_id))
+    # Held deliveries stay held on the owner's quarantine queue: a human releases or discards them.
+    open_todos = txn.all(f"SELECT * FROM todos WHERE endpoint_id = ? AND state NOT IN {TERMINAL_STATES}"
+                         f" AND state <> 'quarantined'", (endpoint_id,))
+    for todo in open_todos:
+        if todo["state"] == "claimed":
+            _end_attempt(txn, todo, "failed", "endpoint revoked")
+        _transition(txn, todo, "failed", principal.actor, {"reason": "endpoint_revoked"},
+                    dead_letter=1, last_error="endpoint_revoked")
+    txn.logs.append(f"endpoint {endpoint_id} revoked; {len(open_todos)} open todos failed")
+    return endpoint_view(txn.one("SELECT * FROM endpoints WHERE id = ?", (endpoint_id,)))
+
+
+# -- todos: transitions -----------------------------------------------------------------------------
+
+_UNBLOCKED = ("NOT EXISTS (SELECT 1 FROM todo_deps d JOIN todos p ON p.id = d.depends_on_id"
+              " WHERE d.todo_id = todos.id AND p.state <> 'done')")
+
+
+# Claimable: a pending todo's dependencies are done and no live attempt (leased, or awaiting review) holds it
+# absorbed. The one `?` is the transaction's now; the text never changes, so SQLite reuses the prepared statement.
+_CLAIMABLE = (f"{_UNBLOCKED} AND NOT EXISTS (SELECT 1 FROM absorptions a JOIN todos h ON h.id = a.holder_id"
+              f" WHERE a.absorbed_id = todos.id AND (h.state = 'review'"
+              f" OR (h.state = 'claimed' AND h.lease_expires_at > ?)))")
+
+
+TODO_DEFAULTS = {"state": "pending", "subject_key": None, "work_order": None, "work_item": None,
+                 "idempotency_key": None, "priority": 0, "gated": 0, "state_reason": None, "silent": 0}
+_INSERT_TODO = (f"INSERT INTO todos (id, endpoint_id, queue, title, source, kind, trace, event_id,"
+                f" {', '.join(TODO_DEFAULTS)}, ring_count, last_ring_at, available_at, created_at, updated_at)"
+                f" VALUES ({', '.join('?' * (8 + len(TODO_DEFAULTS) + 5))})")
+
+
+def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: str, title: str, source: str,
+                kind: str | None, trace: str, event_id: str, depends_on: Iterable[str] = (),
+                **optional: Any) -> None:
+    """The one place a todo is born (the counterpart of _transition): its row, its dependencies, its first
+    history entry, the count, and a ring when it is claimable now. `optional` overrides TODO_DEFAULTS. Its payload
+    is its event's body."""
+    values = {**TODO_DEFAULTS, **optional}
+    # Born pending with nothing to wait for, and allowed to ring, a todo is claimable this moment (nothing can
+    # have absorbed an id just made): it is written rung already, instead of read back and updated.
+    rung = txn.inline_rings and values["state"] == "pending" and not depends_on and not values["silent"]
+    txn.execute(_INSERT_TODO, (todo_id, endpoint_id, queue, title, source, kind, trace, event_id,
+                               *values.values(), int(rung), txn.now if rung else None, txn.now, txn.now, txn.now))
+    for dependency in depends_on:
+        txn.execute("INSERT INTO todo_deps (todo_id, depends_on_id) VALUES (?, ?)", (todo_id, dependency))
+    txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence)"
+                " VALUES (?, ?, ?, NULL, ?, ?)", (todo_id, txn.now, actor, values["state"],
+                                                   json.dumps({"event_id": event_id})))
+    txn.logs.append(f"todo {todo_id} created on {endpoint_id} by {actor}")
+    txn.counts["created"] += 1
+    if values["state"] == "quarantined" or queue == HOLD_QUEUE:
+        notify_todo(txn, todo_id, "held")
+    if rung:
+        _queue_ring(txn, {"id": todo_id, "endpoint_id": endpoint_id, "queue": queue, "kind": kind, "source": source,
+                          "title": title})
+    elif values["state"] == "pending":
+        _became_pending(txn, todo_id)
+
+
+def record_event(txn: Txn, event_id: str, *, human_id: str, source: str, kind: str | None, trust_mode: str,
+                 verified: bool, body: bytes | str | None, disposition: str, trace: str, webhook_id: str | None = None,
+                 delivery_key: str | None = None, body_hash: str | None = None, headers: str = "{}",
+                 envelope: str | None = None, outcome: str | None = None) -> None:
+    """The one place an event (a delivery, or an operator-authored todo's provenance) is written."""
+    txn.execute("INSERT INTO events (id, webhook_id, human_id, source, kind, trust_mode, verified, delivery_key,"
+                " body_hash, headers, envelope, disposition, trace, outcome, received_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (event_id, webhook_id, human_id, source, kind, trust_mode, int(verified), delivery_key, body_hash,
+                 headers, envelope, disposition, trace, outcome, txn.now))
+    if body is not None:
+        txn.execute("INSERT INTO event_bodies (event_id, body) VALUES (?, ?)", (event_id, body))
+
+
+def claim_once(txn: Txn, webhook_id: str, key: str, event_id: str, queue: str) -> None:
+    """The one place a `once` claim is made: the subject is now taken for this queue, for good."""
+    txn.execute("INSERT INTO routing_once (webhook_id, once_key, event_id, queue, claimed_at) VALUES (?, ?, ?, ?, ?)",
+                (webhook_id, key, event_id, queue, txn.now))
+
+
+def _transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence: dict | None,
+                **changes: Any) -> dict:
+    """The one place a todo changes state: the row, its history line, the log line, and what follows. Returns
+    the columns it wrote (see _as_written)."""
+    columns = {"state": to_state, "updated_at": txn.now, **changes}
+    if to_state != "claimed":
+        columns.update(lease_expires_at=None, lease_token_hash=None)
+    if to_state == "pending":
+        columns.setdefault("available_at", txn.now)
+        columns.update(ring_count=0, last_ring_at=None, ring_acked_at=None)
+    assignments = ", ".join(f"{name} = ?" for name in columns)
+    txn.execute(f"UPDATE todos SET {assignments} WHERE id = ?", (*columns.values(), todo["id"]))
+    txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence) VALUES (?, ?, ?, ?, ?, ?)",
+                (todo["id"], txn.now, actor, todo["state"], to_state,
+                 json.dumps(evidence) if evidence is not None else None))
+    txn.logs.append(f"todo {todo['id']} {todo['state']} -> {to_state} by {actor}")
+    if to_state == "claimed":
+        txn.counts["claimed"] += 1
+    elif to_state == "done":
+        txn.counts[f"completed:{changes['outcome']}"] += 1
+    if to_state in ("needs_input", "review") or (to_state == "failed" and changes.get("dead_letter")):
+        notify_todo(txn, todo["id"], "dead_letter" if to_state == "failed" else to_state)
+    elif columns.get("queue") == HOLD_QUEUE and todo["queue"] != HOLD_QUEUE:
+        notify_todo(txn, todo["id"], "held")
+    if to_state == "pending":
+        _became_pending(txn, todo["id"])
+    elif to_state == "done":
+        for dependent in txn.all("SELECT todo_id FROM todo_deps WHERE depends_on_id = ?", (todo["id"],)):
+            _became_pending(txn, dependent["todo_id"])
+    elif to_state in ("failed", "cancelled"):
+        for dependent in txn.all(
+                "SELECT t.* FROM todo_deps d JOIN todos t ON t.id = d.todo_id"
+                " WHERE d.depends_on_id = ? AND t.state IN ('pending', 'deferred')", (todo["id"],)):
+            _transition(txn, dependent, "blocked", "system", {"dependency": todo["id"], "state": to_state},
+                        state_reason=f"dependency {todo['id']} {to_state}")
+    return columns
+
+
+def _as_written(todo: sqlite3.Row, written: dict) -> dict:
+    """A todo read from todo_rows with the columns just written over it: what _reload would read, without the
+    read (a call into SQLite fewer on the hottest answers: claim, heartbeat, complete)."""
+    return {**dict(todo), **written}
+
+
+def _became_pending(txn: Txn, todo_id: str) -> None:
+    """Ring now for a todo that is claimable now; the scheduler rings the rest when they come due."""
+    if not txn.inline_rings:
+        return
+    row = txn.one(f"SELECT * FROM todos WHERE id = ? AND state = 'pending' AND available_at <= ? AND silent = 0"
+                  f" AND {_CLAIMABLE}", (todo_id, txn.now, txn.now))
+    if row is not None:
+        _mark_rung(txn, row)
+
+
+def _mark_rung(txn: Txn, row: sqlite3.Row) -> dict:
+    """Count a ring on the todo and queue it for the doorbell."""
+    txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ?", (txn.now, row["id"]))
+    return _queue_ring(txn, row)
+
+
+def _queue_ring(txn: Txn, todo: sqlite3.Row | dict) -> dict:
+    """The ring the doorbell sends after COMMIT."""
+    ring = {"todo_id": todo["id"], "endpoint_id": todo["endpoint_id"], "queue": todo["queue"], "kind": todo["kind"],
+            "source": todo["source"], "title": todo["title"]}
+    txn.rings.append(ring)
+    return ring
+
+
+def _end_attempt(txn: Txn, todo: sqlite3.Row, outcome: str, summary: str | None, artifact: str | None = None) -> None:
+    """Close the open attempt. Anything but completion lets go of what the attempt absorbed (fail open)."""
+    txn.execute("UPDATE attempts SET ended_at = ?, outcome = ?, summary = ?, artifact = ?"
+                " WHERE todo_id = ? AND ended_at IS NULL", (txn.now, outcome, summary, artifact, todo["id"]))
+    if outcome != "completed":
+        _let_go_of_absorbed(txn, todo["id"])
+
+
+def _let_go_of_absorbed(txn: Txn, holder_id: str) -> None:
+    held = txn.all("SELECT absorbed_id FROM absorptions WHERE holder_id = ?", (holder_id,))
+    if not held:
+        return
+    txn.execute("DELETE FROM absorptions WHERE holder_id = ?", (holder_id,))
+    txn.logs.append(f"todo {holder_id} let go of {len(held)} absorbed todos")
+    for row in held:
+        _became_pending(txn, row["absorbed_id"])
+
+
+def _write_receipt(txn: Txn, holder: sqlite3.Row, actor: str) -> None:
+    """On the holder's outright success: one receipt naming the still-pending todos the server handed to this
+    attempt, each closed as done/absorbed. If writing fails, they are simply let go (fail open)."""
+    if not txn.one("SELECT 1 FROM absorptions WHERE holder_id = ? LIMIT 1", (holder["id"],)):
+        return
+    seq = txn.one("SELECT MAX(seq) FROM attempts WHERE todo_id = ?", (holder["id"],))[0]
+    absorbed = [r["id"] for r in txn.all(
+        "SELECT t.id FROM absorptions a JOIN todos t ON t.id = a.absorbed_id"
+        " WHERE a.holder_id = ? AND a.holder_seq = ? AND t.state = 'pending' AND t.endpoint_id = ? AND t.queue = ?"
+        " AND t.subject_key = ? ORDER BY t.created_at, t.rowid",
+        (holder["id"], seq, holder["endpoint_id"], holder["queue"], holder["subject_key"]))]
+    if not absorbed:
+        txn.execute("DELETE FROM absorptions WHERE holder_id = ?", (holder["id"],))
+        return
+    txn.execute("SAVEPOINT receipt")
+    try:
+        receipt_id = new_id("rc")
+        txn.execute("INSERT INTO receipts (id, todo_id, attempt_seq, written_at) VALUES (?, ?, ?, ?)",
+                    (receipt_id, holder["id"], seq, txn.now))
+        for todo_id in absorbed:
+            txn.execute("INSERT INTO receipt_items (todo_id, receipt_id) VALUES (?, ?)", (todo_id, receipt_id))
+            _transition(txn, _reload(txn, todo_id), "done", actor, {"absorbed_by": holder["id"], "receipt": receipt_id},
+                        outcome="absorbed",
+                        result=json.dumps({"absorbed_by": holder["id"], "receipt": receipt_id}))
+        txn.execute("DELETE FROM absorptions WHERE holder_id = ?", (holder["id"],))
+        txn.execute("RELEASE receipt")
+    except sqlite3.Error as exc:
+        txn.execute("ROLLBACK TO receipt")
+        txn.execute("RELEASE receipt")
+        log.error("receipt for %s not written (%s); its absorbed todos run as usual", holder["id"], exc)
+        _let_go_of_absorbed(txn, holder["id"])
+        return
+    txn.logs.append(f"receipt {receipt_id}: {holder['id']} absorbed {len(absorbed)} todos")
+
+
+def absorb(txn: Txn, principal: Principal, todo_id: str, body: Leased) -> dict:
+    """Fold the pending follow-ups about the same subject into the run this lease holds."""
+    holder = _fenced(txn, principal, "absorb", todo_id, body.lease_token)
+    seq = txn.one("SELECT seq FROM attempts WHERE todo_id = ? AND ended_at IS NULL", (todo_id,))["seq"]
+    if holder["subject_key"] is not None:
+        fresh = txn.all(
+            f"SELECT id FROM todos WHERE endpoint_id = ? AND queue = ? AND subject_key = ? AND state = 'pending'"
+            f" AND id <> ? AND created_at <= ? AND {_CLAIMABLE}",
+            (holder["endpoint_id"], holder["queue"], holder["subject_key"], todo_id, txn.now, txn.now))
+        for row in fresh:
+            txn.execute("INSERT OR REPLACE INTO absorptions (absorbed_id, holder_id, holder_seq, absorbed_at)"
+                        " VALUES (?, ?, ?, ?)", (row["id"], todo_id, seq, txn.now))
+        if fresh:
+            txn.logs.append(f"todo {todo_id} absorbed {len(fresh)} todos")
+    rows = txn.all("SELECT t.* FROM absorptions a JOIN todo_rows t ON t.id = a.absorbed_id WHERE a.holder_id = ?"
+                   " ORDER BY t.created_at, t.todo_rowid", (todo_id,))
+    return {"absorbed": [todo_view(r) for r in rows]}
+
+
+def _expire_lease(txn: Txn, todo: sqlite3.Row) -> None:
+    """A lapsed lease is a failed attempt (lease_expired), retried at once or dead-lettered at the cap."""
+    _end_attempt(txn, todo, "lease_expired", None)
+    txn.counts["lease_expired"] += 1
+    evidence = {"attempt": todo["attempt"], "outcome": "lease_expired"}
+    if todo["attempt"] >= todo["max_attempts"]:
+        _transition(txn, todo, "failed", "system", evidence, dead_letter=1, last_error="lease_expired")
+    else:
+        _transition(txn, todo, "pending", "system", evidence, last_error="lease_expired")
+
+
+def _reap_endpoint(txn: Txn, endpoint_id: str) -> int:
+    """Expire the endpoint's lapsed leases; how many there were."""
+    lapsed = txn.all("SELECT * FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at <= ?",
+                     (endpoint_id, txn.now))
+    for todo in lapsed:
+        _expire_lease(txn, todo)
+    return len(lapsed)
+
+
+# A todo's last five attempts, oldest first, as one JSON array (what attempt_view reads), for the claim's answer and
+# its next `seq`; `t` is the todo.
+_PRIOR_ATTEMPTS = ("SELECT json_group_array(json_object('seq', seq, 'claimant', claimant, 'claimed_at', claimed_at,"
+                   " 'lease_expires_at', lease_expires_at, 'heartbeats', heartbeats, 'ended_at', ended_at,"
+                   " 'outcome', outcome, 'summary', summary, 'artifact', artifact)) FROM (SELECT * FROM attempts"
+                   " WHERE todo_id = t.id ORDER BY seq DESC LIMIT 5)")
+
+
+def _prior_attempts(text: str) -> list[dict]:
+    """_PRIOR_ATTEMPTS's array, oldest first."""
+    return sorted(json.loads(text), key=lambda attempt: attempt["seq"])
+
+
+def _claim_row(txn: Txn, principal: Principal, todo: sqlite3.Row, prior: list[dict], lease_seconds: int | None,
+               claimant: str | None) -> dict:
+    """Claim `todo`, a row of todo_rows whose last attempts are `prior`."""
+    lease = lease_seconds or principal.default_lease_seconds or DEFAULT_LEASE_SECONDS
+    lease_token = secrets.token_urlsafe(16)
+    # `attempt` counts against the retry budget (a release refunds it, a human retry resets it);
+    # `seq` numbers attempt rows for the todo's whole life.
+    seq = prior[-1]["seq"] + 1 if prior else 1
+    expires = txn.now + lease * 1000
+    who = claimant or principal.actor
+    written = _transition(txn, todo, "claimed", principal.actor,
+                          {"attempt": todo["attempt"] + 1, "seq": seq, "claimant": who},
+                          attempt=todo["attempt"] + 1, lease_expires_at=expires,
+                          lease_token_hash=token_hash(lease_token),
+                          ring_acked_at=txn.now if todo["ring_count"] else None)
+    txn.execute("INSERT INTO attempts (todo_id, seq, endpoint_id, claimant, claimed_at, lease_expires_at, lease_seconds)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)", (todo["id"], seq, principal.id, who, txn.now, expires, lease))
+    return {"todo": todo_view(_as_written(todo, written)), "lease_token": lease_token,
+            "prior_attempts": [attempt_view(a) for a in prior]}
+
+
+def _claim_queues(principal: Principal, wanted: list[str] | None) -> list[str]:
+    if wanted is None:
+        return list(principal.queues)
+    outside = [q for q in wanted if q not in principal.queues]
+    if outside:
+        raise ApiError("forbidden", f"queue {outside[0]} is outside this endpoint's scope")
+    return wanted
+
+
+def claim_next(txn: Txn, principal: Principal, body: ClaimNext) -> dict:
+    """Claim the best claimable todo of the caller's endpoint: highest priority, then oldest. Lapsed leases of the
+    endpoint are expired first, so their todos count; one statement reads the best todo, its prior attempts and
+    whether any lease has lapsed (then the claim reaps and reads again)."""
+    principal.require_verb("claim_next")
+    queues = _claim_queues(principal, body.queue_filter())
+    marks = ",".join("?" * len(queues))
+    best = (f"SELECT t.*, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at <= ?"
+            f" LIMIT 1) AS lapsed, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id = (SELECT id"
+            f" FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks}) AND available_at <= ?"
+            f" AND {_CLAIMABLE} ORDER BY priority DESC, created_at, rowid LIMIT 1)")
+    params = (principal.id, txn.now, principal.id, *queues, txn.now, txn.now)
+    row = txn.one(best, params)
+    if (row is None or row["lapsed"]) and _reap_endpoint(txn, principal.id):
+        row = txn.one(best, params)
+    if row is None:
+        return {"empty": True}
+    return _claim_row(txn, principal, row, _prior_attempts(row["prior_attempts"]), body.lease_seconds,
+                      body.claimant)
+
+
+def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) -> dict:
+    principal.require_verb("claim")
+    todo = _load_todo(txn, principal, todo_id, "todo_rows")
+    if todo["queue"] not in principal.queues:
+        raise ApiError("forbidden", f"queue {todo['queue']} is outside this endpoint's scope")
+    if todo["state"] == "claimed" and todo["lease_expires_at"] <= txn.now:
+        _expire_lease(txn, todo)
+        todo = _reload(txn, todo_id)
+    if todo["state"] != "pending":
+        raise ApiError("conflict", f"todo is {todo['state']}, not claimable")
+    if todo["available_at"] > txn.now:
+        raise ApiError("conflict", f"todo is not available until {iso(todo['available_at'])}")
+    if txn.one(f"SELECT 1 FROM todos WHERE id = ? AND NOT ({_CLAIMABLE})", (todo_id, txn.now)):
+        raise ApiError("conflict", "todo waits for its dependencies or is held by a run that absorbed it")
+    prior = _prior_attempts(txn.one(f"SELECT ({_PRIOR_ATTEMPTS}) FROM todos t WHERE t.id = ?", (todo_id,))[0])
+    return _claim_row(txn, principal, todo, prior, body.lease_seconds, body.claimant)
+
+
+def _fenced(txn: Txn, principal: Principal, verb: str, todo_id: str, lease_token: str,
+            source: str = "todos") -> sqlite3.Row:
+    """Fencing: the todo must be claimed under this exact, unexpired lease token. Read from `source`."""
+    principal.require_verb(verb)
+    todo = _load_todo(txn, principal, todo_id, source)
+    if todo["state"] != "claimed" or not hashes_match(todo["lease_token_hash"], lease_token):
+        raise ApiError("conflict", "lease token is stale or wrong for this todo")
+    if todo["lease_expires_at"] <= txn.now:
+        raise ApiError("conflict", "lease has expired")
+    return todo
+
+
+def heartbeat(txn: Txn, principal: Principal, todo_id: str, body: Heartbeat) -> dict:
+    todo = _fenced(txn, principal, "heartbeat", todo_id, body.lease_token, "todo_rows")
+    attempt = txn.one("SELECT * FROM attempts WHERE todo_id = ? AND ended_at IS NULL", (todo_id,))
+    lease = body.lease_seconds or attempt["lease_seconds"]
+    expires = txn.now + lease * 1000
+    written = {"lease_expires_at": expires, "updated_at": txn.now}
+    txn.execute("UPDATE todos SET lease_expires_at = ?, updated_at = ? WHERE id = ?", (*written.values(), todo_id))
+    txn.execute("UPDATE attempts SET lease_expires_at = ?, heartbeats = heartbeats + 1, lease_seconds = ?,"
+                " summary = COALESCE(?, summary) WHERE todo_id = ? AND seq = ?",
+                (expires, lease, body.note, todo_id, attempt["seq"]))
+    return todo_view(_as_written(todo, written))
+
+
+def _truncate_utf8(text: str | None, limit: int) -> str | None:
+    if text is None:
+        return None
+    return text.encode()[:limit].decode("utf-8", "ignore")
+
+
+def complete(txn: Txn, principal: Principal, todo_id: str, body: Complete) -> dict:
+    todo = _fenced(txn, principal, "complete", todo_id, body.lease_token, "todo_rows")
+    result = dump_json(body.result, "result")
+    if result is not None and len(result.encode()) > MAX_RESULT_BYTES:
+        raise ApiError("too_large", f"result is over {MAX_RESULT_BYTES} bytes")
+    summary = _truncate_utf8(body.summary, MAX_SUMMARY_BYTES)
+    evidence = {"attempt": todo["attempt"], "summary": summary, "artifact": body.artifact}
+    if todo["gated"]:
+        if not summary:
+            raise ApiError("invalid_argument", "summary: a gated todo needs a summary for its reviewer")
+        _end_attempt(txn, todo, "completed", summary, body.artifact)
+        written = _transition(txn, todo, "review", principal.actor, evidence, result=result, state_reason=summary)
+    else:
+        _end_attempt(txn, todo, "completed", summary, body.artifact)
+        written = _transition(txn, todo, "done", principal.actor, evidence, result=result, outcome="completed")
+        _write_receipt(txn, todo, principal.actor)
+    return todo_view(_as_written(todo, written))
+
+
+def backoff_ms(attempt: int) -> int:
+    return min(BACKOFF_BASE_SECONDS * 2 ** max(attempt - 1, 0), BACKOFF_CAP_SECONDS) * 1000
+
+
+def fail(txn: Txn, principal: Principal, todo_id: str, body: Fail) -> dict:
+    todo = _fenced(txn, principal, "fail", todo_id, body.lease_token)
+    _end_attempt(txn, todo, "failed", _truncate_utf8(body.error, MAX_SUMMARY_BYTES))
+    evidence = {"attempt": todo["attempt"], "error": body.error, "retry": body.retry}
+    if body.retry and todo["attempt"] < todo["max_attempts"]:
+        delay = body.retry_in_seconds * 1000 if body.retry_in_seconds is not None else backoff_ms(todo["attempt"])
+        _transition(txn, todo, "pending", principal.actor, evidence, last_error=body.error,
+                    available_at=txn.now + delay)
+    else:
+        _transition(txn, todo, "failed", principal.actor, evidence, last_error=body.error, dead_letter=1)
+    return todo_view(_reload(txn, todo_id))
+
+
+def release(txn: Txn, principal: Principal, todo_id: str, body: Release) -> dict:
+    """Hand the todo back untouched: pending at once, and the attempt does not count."""
+    return _hand_back(txn, principal, _fenced(txn, principal, "release", todo_id, body.lease_token), body.note)
+
+
+def hand_back_unheard(txn: Txn, principal: Principal, todo_id: str, lease_token: str) -> dict:
+    """A waiting claim whose asker left before hearing the answer: the claim is undone as a release."""
+    todo = _fenced(txn, principal, "claim_next", todo_id, lease_token)
+    return _hand_back(txn, principal, todo, "the waiting client went away before the answer")
+
+
+def _hand_back(txn: Txn, principal: Principal, todo: sqlite3.Row, note: str | None) -> dict:
+    _end_attempt(txn, todo, "released", note)
+    _transition(txn, todo, "pending", principal.actor, {"attempt": todo["attempt"], "note": note},
+                attempt=todo["attempt"] - 1)
+    return todo_view(_reload(txn, todo["id"]))
+
+
+def needs_input(txn: Txn, principal: Principal, todo_id: str, body: NeedsInput) -> dict:
+    todo = _fenced(txn, principal, "needs_input", todo_id, body.lease_token)
+    _end_attempt(txn, todo, "needs_input", body.question)
+    _transition(txn, todo, "needs_input", principal.actor, {"question": body.question},
+                state_reason=body.question)
+    return todo_view(_reload(txn, todo_id))
+
+
+def block(txn: Txn, principal: Principal, todo_id: str, body: Block) -> dict:
+    todo = _fenced(txn, principal, "block", todo_id, body.lease_token)
+    _end_attempt(txn, todo, "blocked", body.reason)
+    _transition(txn, todo, "blocked", principal.actor, {"reason": body.reason}, state_reason=body.reason)
+    return todo_view(_reload(txn, todo_id))

@@ -1,0 +1,228 @@
+"""Webhooks, their secrets, trusted actors and routes."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+
+from switchboard.configuration import RESERVED_QUEUES, ApiError, iso
+from switchboard.crypto import SecretBox, new_id, token_hash
+from switchboard.database import Txn
+from switchboard.models import (
+    RouteAdd,
+    TrustActorIds,
+    TrustAll,
+    TrustedActors,
+    TrustLogins,
+    WebhookCreate,
+    WebhookSecret,
+)
+from switchboard.providers import PROVIDER_TABLE
+from switchboard.store.principals import Principal, _own_endpoint
+from switchboard.store.todos import _json
+
+# -- webhooks and routes ----------------------------------------------------------------------------
+
+def webhook_view(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "endpoint_id": row["endpoint_id"], "provider": row["provider"], "queue": row["queue"],
+            "trust_mode": row["trust_mode"], "secret_set": row["secret_sealed"] is not None,
+            "trusted_actors": _json(row["trusted_actors"]), "pinged_at": iso(row["pinged_at"]),
+            "created_at": iso(row["created_at"]), "rotated_at": iso(row["rotated_at"])}
+
+
+def _visible_webhook(txn: Txn, principal: Principal, webhook_id: str, verb: str) -> sqlite3.Row:
+    if principal.kind == "endpoint":
+        principal.require_verb(verb)
+        row = txn.one("SELECT * FROM webhooks WHERE id = ? AND endpoint_id = ?", (webhook_id, principal.id))
+    elif principal.kind == "human":
+        row = txn.one("SELECT w.* FROM webhooks w JOIN endpoints e ON e.id = w.endpoint_id"
+                      " WHERE w.id = ? AND e.human_id = ?", (webhook_id, principal.human_id))
+    else:
+        row = txn.one("SELECT * FROM webhooks WHERE id = ?", (webhook_id,))
+    if row is None:
+        raise ApiError("not_found", f"no webhook {webhook_id}")
+    return row
+
+
+def _human_grants_queue(txn: Txn, human_id: str, queue: str) -> bool:
+    return any(queue in json.loads(r["queues"]) for r in txn.all(
+        "SELECT queues FROM endpoints WHERE human_id = ? AND revoked_at IS NULL", (human_id,)))
+
+
+def _ingest_url(base_url: str, token: str) -> str:
+    return f"{base_url.rstrip('/')}/hooks/{token}"
+
+
+def _initial_secret(provider: str, supplied: str | None) -> str | None:
+    if provider == "generic":
+        if supplied is not None:
+            raise ApiError("invalid_argument", "secret: a generic webhook has no secret; its URL is the credential")
+        return None
+    if provider == "stripe" and supplied is not None and not supplied.startswith("whsec_"):
+        raise ApiError("invalid_argument", "secret: a Stripe signing secret starts with whsec_")
+    if supplied is None and PROVIDER_TABLE[provider].mints_secret:
+        return "whsec_" + secrets.token_hex(32)
+    return supplied
+
+
+def create_webhook(txn: Txn, principal: Principal, box: SecretBox, spec: WebhookCreate, base_url: str) -> dict:
+    if principal.kind == "endpoint":
+        principal.require_verb("create_webhook")
+        if spec.endpoint_id not in (None, principal.id):
+            raise ApiError("forbidden", "an endpoint creates webhooks only for itself")
+        owner = txn.one("SELECT * FROM endpoints WHERE id = ?", (principal.id,))
+    elif spec.endpoint_id is None:
+        raise ApiError("invalid_argument", "endpoint_id: name the owner endpoint")
+    else:
+        owner = _own_endpoint(txn, principal, spec.endpoint_id)
+    if owner["revoked_at"] is not None:
+        raise ApiError("conflict", f"endpoint {owner['id']} is revoked")
+    if spec.queue in RESERVED_QUEUES:
+        raise ApiError("invalid_argument", f"queue: {spec.queue} is reserved")
+    if not _human_grants_queue(txn, owner["human_id"], spec.queue):
+        raise ApiError("invalid_argument", f"queue: no endpoint of the owner is scoped to {spec.queue}")
+    count = txn.one("SELECT count(*) FROM webhooks WHERE endpoint_id = ?", (owner["id"],))[0]
+    if count >= owner["webhook_max"]:
+        raise ApiError("conflict", f"endpoint {owner['id']} already has its {owner['webhook_max']} webhooks")
+    secret = _initial_secret(spec.provider, spec.secret)
+    webhook_id = new_id("wh")
+    token = secrets.token_urlsafe(16)
+    trusted = trust_list(spec.provider, spec.trusted_actors)
+    txn.execute("INSERT INTO webhooks (id, endpoint_id, provider, queue, trust_mode, token_hash, secret_sealed,"
+                " trusted_actors, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (webhook_id, owner["id"], spec.provider, spec.queue,
+                 "token" if spec.provider == "generic" else "signed", token_hash(token),
+                 box.seal(secret, webhook_id) if secret else None, json.dumps(trusted) if trusted else None,
+                 txn.now))
+    txn.logs.append(f"webhook {webhook_id} ({spec.provider}) created on {owner['id']}")
+    made = {"id": webhook_id, "url": _ingest_url(base_url, token), "secret": secret, "provider": spec.provider,
+            "queue": spec.queue, "trust_mode": "token" if spec.provider == "generic" else "signed",
+            "endpoint_id": owner["id"], "trusted_actors": trusted}
+    if trusted is not None and not trusted.get("allow_all") and not (trusted.get("logins") or
+                                                                      trusted.get("actor_ids")):
+        made["warning"] = ("no trusted actors yet: every delivery is held until you name them (PUT"
+                           f" /api/v1/webhooks/{webhook_id}/trusted-actors, or `webhook trust {webhook_id}`)")
+    return made
+
+
+def trust_list(provider: str, spec: TrustLogins | TrustActorIds | TrustAll | None) -> dict | None:
+    """The trusted actors a webhook of `provider` keeps: its own shape, or allow_all. A forge or cairn webhook
+    without a list trusts no one (secure by default); the other providers have no gate at all."""
+    kind = PROVIDER_TABLE[provider].trust
+    if kind is None:
+        if spec is not None:
+            raise ApiError("invalid_argument", f"trusted_actors: a {provider} webhook has no trust gate"
+                                               " (github, gitea and cairn have one)")
+        return None
+    if spec is None:
+        return {"logins": [], "match": "sender"} if kind == "logins" else {"actor_ids": []}
+    if not isinstance(spec, TrustAll) and not isinstance(spec, TrustLogins if kind == "logins" else TrustActorIds):
+        raise ApiError("invalid_argument", f"trusted_actors: a {provider} webhook trusts {kind}, or allow_all")
+    return spec.model_dump()
+
+
+def set_trusted_actors(txn: Txn, principal: Principal, webhook_id: str, body: TrustedActors) -> dict:
+    row = _visible_webhook(txn, principal, webhook_id, "set_trusted_actors")
+    trusted = trust_list(row["provider"], body.root)
+    if trusted is None:
+        raise ApiError("invalid_argument", f"trusted_actors: a {row['provider']} webhook has no trust gate")
+    txn.execute("UPDATE webhooks SET trusted_actors = ? WHERE id = ?", (json.dumps(trusted), webhook_id))
+    txn.logs.append(f"webhook {webhook_id} trusted actors set")
+    return webhook_view(txn.one("SELECT * FROM webhooks WHERE id = ?", (webhook_id,)))
+
+
+def list_webhooks(txn: Txn, principal: Principal) -> dict:
+    if principal.kind == "endpoint":
+        principal.require_verb("list_webhooks")
+        rows = txn.all("SELECT * FROM webhooks WHERE endpoint_id = ? ORDER BY created_at, rowid", (principal.id,))
+    elif principal.kind == "human":
+        rows = txn.all("SELECT w.* FROM webhooks w JOIN endpoints e ON e.id = w.endpoint_id WHERE e.human_id = ?"
+                       " ORDER BY w.created_at, w.id", (principal.human_id,))
+    else:
+        rows = txn.all("SELECT * FROM webhooks ORDER BY created_at, rowid")
+    return {"webhooks": [webhook_view(r) for r in rows]}
+
+
+def get_webhook(txn: Txn, principal: Principal, webhook_id: str) -> dict:
+    return webhook_view(_visible_webhook(txn, principal, webhook_id, "list_webhooks"))
+
+
+def rotate_webhook(txn: Txn, principal: Principal, box: SecretBox, webhook_id: str, base_url: str) -> dict:
+    """A new URL (the old one is 404 at once) and a new secret: minted for the providers whose secrets we mint,
+    cleared for Stripe and Slack, whose new secret the owner sets once the producer issued it."""
+    row = _visible_webhook(txn, principal, webhook_id, "rotate_webhook")
+    token = secrets.token_urlsafe(16)
+    secret = _initial_secret(row["provider"], None)
+    txn.execute("UPDATE webhooks SET token_hash = ?, secret_sealed = ?, rotated_at = ? WHERE id = ?",
+                (token_hash(token), box.seal(secret, webhook_id) if secret else None, txn.now, webhook_id))
+    txn.logs.append(f"webhook {webhook_id} rotated")
+    return {"id": webhook_id, "url": _ingest_url(base_url, token), "secret": secret, "provider": row["provider"],
+            "queue": row["queue"], "trust_mode": row["trust_mode"], "endpoint_id": row["endpoint_id"]}
+
+
+def set_webhook_secret(txn: Txn, principal: Principal, box: SecretBox, webhook_id: str, body: WebhookSecret) -> dict:
+    row = _visible_webhook(txn, principal, webhook_id, "set_webhook_secret")
+    secret = _initial_secret(row["provider"], body.secret)
+    txn.execute("UPDATE webhooks SET secret_sealed = ? WHERE id = ?", (box.seal(secret, webhook_id), webhook_id))
+    txn.logs.append(f"webhook {webhook_id} secret set")
+    return webhook_view(txn.one("SELECT * FROM webhooks WHERE id = ?", (webhook_id,)))
+
+
+def delete_webhook(txn: Txn, principal: Principal, webhook_id: str) -> dict:
+    """The webhook and its routes go; its events stay for audit until retention prunes them."""
+    _visible_webhook(txn, principal, webhook_id, "delete_webhook")
+    txn.execute("DELETE FROM webhooks WHERE id = ?", (webhook_id,))
+    txn.logs.append(f"webhook {webhook_id} deleted")
+    return {"id": webhook_id, "deleted": True}
+
+
+def route_view(row: sqlite3.Row) -> dict:
+    return {"webhook_id": row["webhook_id"], "endpoint_id": row["endpoint_id"], "granted_at": iso(row["granted_at"]),
+            "granted_by": row["granted_by"]}
+
+
+def add_route(txn: Txn, principal: Principal, webhook_id: str, body: RouteAdd) -> dict:
+    """Another target for a webhook. Another human's endpoint needs that human's approved friend edge."""
+    hook = _visible_webhook(txn, principal, webhook_id, "add_webhook_route")
+    owner_human = txn.one("SELECT human_id FROM endpoints WHERE id = ?", (hook["endpoint_id"],))["human_id"]
+    target = txn.one("SELECT * FROM endpoints WHERE id = ?", (body.endpoint_id,))
+    if target is None:
+        raise ApiError("not_found", f"no endpoint {body.endpoint_id}")
+    if target["human_id"] != owner_human and not txn.one(
+            "SELECT 1 FROM friend_edges WHERE requester_id = ? AND approver_id = ? AND approved_at IS NOT NULL",
+            (owner_human, target["human_id"])):
+        raise ApiError("forbidden", "routing to another human's endpoint needs that human's approved friend edge")
+    if target["revoked_at"] is not None:
+        raise ApiError("conflict", f"endpoint {body.endpoint_id} is revoked")
+    if target["id"] == hook["endpoint_id"]:
+        raise ApiError("conflict", "the owner endpoint is always the first target")
+    txn.execute("INSERT OR IGNORE INTO webhook_routes (webhook_id, endpoint_id, granted_at, granted_by)"
+                " VALUES (?, ?, ?, ?)", (webhook_id, target["id"], txn.now, principal.actor))
+    txn.logs.append(f"webhook {webhook_id} routes to {target['id']}")
+    return route_view(txn.one("SELECT * FROM webhook_routes WHERE webhook_id = ? AND endpoint_id = ?",
+                              (webhook_id, target["id"])))
+
+
+def list_routes(txn: Txn, principal: Principal, webhook_id: str) -> dict:
+    _visible_webhook(txn, principal, webhook_id, "list_webhook_routes")
+    return {"routes": [route_view(r) for r in txn.all(
+        "SELECT * FROM webhook_routes WHERE webhook_id = ? ORDER BY granted_at, endpoint_id", (webhook_id,))]}
+
+
+def remove_route(txn: Txn, principal: Principal, webhook_id: str, endpoint_id: str) -> dict:
+    _visible_webhook(txn, principal, webhook_id, "remove_webhook_route")
+    if txn.execute("DELETE FROM webhook_routes WHERE webhook_id = ? AND endpoint_id = ?",
+                   (webhook_id, endpoint_id)).rowcount == 0:
+        raise ApiError("not_found", f"no route from {webhook_id} to {endpoint_id}")
+    txn.logs.append(f"webhook {webhook_id} no longer routes to {endpoint_id}")
+    return {"webhook_id": webhook_id, "endpoint_id": endpoint_id, "removed": True}
+
+
+def webhook_targets(txn: Txn, webhook: sqlite3.Row) -> list[sqlite3.Row]:
+    """The fixed target order: the owner endpoint, then routes by grant time and endpoint id; live ones only."""
+    return txn.all(
+        "SELECT e.* FROM (SELECT ? AS endpoint_id, 0 AS tier, 0 AS granted_at UNION ALL"
+        " SELECT endpoint_id, 1, granted_at FROM webhook_routes WHERE webhook_id = ?) t"
+        " JOIN endpoints e ON e.id = t.endpoint_id WHERE e.revoked_at IS NULL"
+        " ORDER BY t.tier, t.granted_at, e.id", (webhook["endpoint_id"], webhook["id"]))

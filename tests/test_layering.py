@@ -1,0 +1,90 @@
+"""The package's layering, read from its import graph: each module imports only modules in the layers below it
+(the order of LAYERS, the same as the package docstring's), so no cycle and no upward import can creep in. Every
+import counts, at the top of a module or inside a function. The package's size is held here too."""
+
+from __future__ import annotations
+
+import ast
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "switchboard"
+
+# Lowest first. A module may import any module listed before it, never one after it.
+LAYERS = [
+    "configuration", "migrations", "database", "crypto", "providers", "models", "envelope", "evaluator",
+    "store.principals", "store.outbox", "store.todos", "store.transitions", "store.webhooks", "store.human_actions",
+    "store.deliveries", "store.rules", "store.routing", "store.quarantine", "store.replay", "store.upkeep",
+    "doorbell", "notifier", "limits", "metrics", "flows",
+    "http.common", "http.streams", "http.rest", "http.mcp",
+    "board.queries", "board.pages", "app", "server",
+    "worker", "triage",
+    "cli.output", "cli.commands", "cli.parser",
+]
+# Package markers (docstrings only) and the entry point, which sits above everything.
+OUTSIDE_THE_LAYERS = {"__init__", "store.__init__", "http.__init__", "board.__init__", "cli.__init__", "__main__"}
+MAX_MODULE_LINES = 1500
+
+
+def module_names() -> list[str]:
+    return sorted(".".join(path.relative_to(PACKAGE).with_suffix("").parts) for path in PACKAGE.rglob("*.py"))
+
+
+def imports_of(module: str) -> set[str]:
+    """The package's modules that `module` imports, wherever in it the import statement stands."""
+    path = PACKAGE.joinpath(*module.split(".")).with_suffix(".py")
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("switchboard."):
+            target = node.module.removeprefix("switchboard.")
+            # `from switchboard.store import todos` names a module; `from switchboard.store.todos import x` a name.
+            found |= {f"{target}.{alias.name}" for alias in node.names
+                      if f"{target}.{alias.name}" in LAYERS} or {target}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.removeprefix("switchboard.") for alias in node.names
+                      if alias.name.startswith("switchboard.")}
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every edge of `graph` (module -> the modules it imports) that does not point strictly down LAYERS."""
+    rank = {name: index for index, name in enumerate(LAYERS)}
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if target not in rank:
+                wrong.append(f"{module} imports {target}, which has no place in LAYERS")
+            elif rank[target] >= rank[module]:
+                wrong.append(f"{module} imports {target}, which is not below it")
+    return wrong
+
+
+def test_every_module_has_a_layer():
+    unplaced = [m for m in module_names() if m not in LAYERS and m not in OUTSIDE_THE_LAYERS]
+    assert not unplaced, f"add these to LAYERS (and the package docstring): {unplaced}"
+
+
+def test_every_import_points_down_the_layers():
+    graph = {m: imports_of(m) for m in module_names() if m in LAYERS}
+    assert upward_imports(graph) == []
+
+
+def test_the_check_catches_an_upward_import_and_a_cycle():
+    """The checker itself: a store module reaching up into HTTP, and two modules importing each other."""
+    assert upward_imports({"store.todos": {"http.rest"}}) == ["store.todos imports http.rest, which is not below it"]
+    cycle = upward_imports({"limits": {"metrics"}, "metrics": {"limits"}})
+    assert cycle == ["limits imports metrics, which is not below it"]
+
+
+def test_the_store_knows_nothing_of_http():
+    """The store is transaction bodies over a connection: the seam another storage engine plugs into."""
+    for module in (m for m in module_names() if m.startswith("store.")):
+        source = PACKAGE.joinpath(*module.split(".")).with_suffix(".py").read_text()
+        for word in ("starlette", "uvicorn", "httpx", "switchboard.http", "switchboard.board"):
+            assert word not in source, f"{module} mentions {word}"
+
+
+def test_no_module_is_over_the_size_limit():
+    sizes = {m: len(PACKAGE.joinpath(*m.split(".")).with_suffix(".py").read_text().splitlines())
+             for m in module_names()}
+    assert max(sizes.values()) <= MAX_MODULE_LINES, max(sizes.items(), key=lambda item: item[1])
