@@ -3,7 +3,6 @@ group-commits the bodies that arrive together; readers run on their own connecti
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import contextlib
@@ -12,9 +11,11 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anyio.to_thread
+if TYPE_CHECKING:
+    from asyncio import AbstractEventLoop
+
 
 from switchboard.configuration import (
     CHECKPOINTS_PER_SECOND,
@@ -81,7 +82,7 @@ class Database:
         self.inline_rings = inline_rings
         self.on_rings: Callable[[list[dict]], None] | None = None
         self.on_outbox: Callable[[], None] | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop: AbstractEventLoop | None = None
         # What committed transactions counted (todos created, claimed, completed, lease expiries), for /metrics.
         self.counts: collections.Counter = collections.Counter()
         self.counts_lock = threading.Lock()
@@ -122,6 +123,8 @@ class Database:
         return result
 
     async def write(self, fn: Callable, *args) -> Any:
+        import asyncio  # here, not at the top: the CLI's commands never wait on a loop, and start faster without it
+
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._jobs.put((fn, args, future))
         result, rings = await asyncio.wrap_future(future)
@@ -316,6 +319,8 @@ class Database:
         return fn(Txn(self._reader(), self.clock.now_ms(), False), *args)
 
     async def read(self, fn: Callable, *args) -> Any:
+        import anyio.to_thread  # as in write()
+
         return await anyio.to_thread.run_sync(self.read_sync, fn, *args)
 
     def alive(self) -> bool:

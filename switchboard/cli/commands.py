@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -37,7 +36,6 @@ from switchboard.models import (
     WebhookSecret,
     parse_model,
 )
-from switchboard.notifier import Notifier
 from switchboard.providers import PROVIDER_TABLE
 from switchboard.store.deliveries import list_events
 from switchboard.store.human_actions import push_todo
@@ -259,6 +257,10 @@ def _cli_notify_remove(args: argparse.Namespace, db: Database) -> dict:
 
 def _cli_notify_test(args: argparse.Namespace, db: Database) -> dict:
     """Send one test message from here, now, and say how it went."""
+    import asyncio
+
+    from switchboard.notifier import Notifier  # httpx and the senders, for this one command
+
     notifier = Notifier(db, _secret_box(args, db), _base_url(args))
     return asyncio.run(notifier.send_now(db.write_sync(queue_test_message, OPERATOR, args.id)))
 

@@ -58,7 +58,14 @@ from switchboard.configuration import (
 )
 from switchboard.database import Database
 from switchboard.providers import PROVIDERS
-from switchboard.server import _cli_serve
+
+
+def _cli_serve(args: argparse.Namespace) -> int:
+    """`serve`: the web stack (uvicorn, Starlette, the Board) is imported here, so that the commands that only
+    touch the database start without it."""
+    from switchboard.server import _cli_serve as serve
+
+    return serve(args)
 
 
 def _subcommand(group: argparse._SubParsersAction, name: str, handler: Callable, help_text: str,
