@@ -1,0 +1,93 @@
+"""`pip install .` gives a working program with no source tree beside it: the wheel carries the package's data
+(schema.sql, the Board's templates and static files, the packs) and the `switchboard` console script, and the
+installed copy, run from another directory, initialises a database, serves /healthz and renders the Board."""
+
+from __future__ import annotations
+
+import configparser
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ROOT, free_port
+
+BOOT = ("import sys; sys.path.insert(0, sys.argv.pop(1)); import switchboard; "
+        "assert switchboard.__file__.startswith(sys.path[0]), switchboard.__file__; "
+        "from switchboard.cli.parser import main; sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """The wheel `pip install .` would install, unpacked into a directory of its own (no checkout on its path).
+    It is built from a copy of just what the Docker context lets through, so the build leaves nothing in the
+    checkout and needs nothing else."""
+    source = tmp_path_factory.mktemp("source")
+    shutil.copytree(ROOT / "switchboard", source / "switchboard", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    wheels = tmp_path_factory.mktemp("wheels")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                            "--wheel-dir", str(wheels), str(source)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = wheels.glob("switchboard-*.whl")
+    site = tmp_path_factory.mktemp("site")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    return site
+
+
+def run_installed(site: Path, cwd: Path, *args: str, **kwargs) -> subprocess.Popen | subprocess.CompletedProcess:
+    """The installed package's CLI, with -I so neither the checkout nor the current directory is on the path."""
+    command = [sys.executable, "-I", "-c", BOOT, str(site), *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+    if kwargs.pop("background", False):
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_wheel_carries_the_data_files_and_the_console_script(installed):
+    package = installed / "switchboard"
+    for data in ("schema.sql", "packs/fleet.json", "packs/pool-review.json", "packs/README.md",
+                 "board/templates/base.html", "board/templates/inbox.html", "board/static/board.css",
+                 "board/static/board.js"):
+        assert (package / data).is_file(), f"{data} is not in the wheel"
+    (dist_info,) = installed.glob("switchboard-*.dist-info")
+    entry_points = configparser.ConfigParser()
+    entry_points.read(dist_info / "entry_points.txt")
+    assert entry_points["console_scripts"]["switchboard"] == "switchboard.cli.parser:main"
+
+
+def test_the_installed_copy_serves_from_another_directory(installed, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = run_installed(installed, elsewhere, "init", "--json")
+    assert done.returncode == 0, done.stderr
+    assert (elsewhere / "switchboard.db").is_file()
+    shipped = run_installed(installed, elsewhere, "rules", "set", "wh_00", "--pack", "fleet", "--json")
+    assert "not_found" in shipped.stdout, shipped.stdout + shipped.stderr  # the pack was read; the webhook is unknown
+    port = free_port()
+    server = run_installed(installed, elsewhere, "serve", "--port", str(port), background=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                health = httpx.get(f"{url}/healthz", timeout=1)
+                break
+            except httpx.HTTPError:
+                assert server.poll() is None, server.stderr.read().decode()
+                assert time.monotonic() < deadline, "the installed copy did not start"
+                time.sleep(0.05)
+        assert health.status_code == 200 and health.text.startswith("ok ")
+        login = httpx.get(f"{url}/board/login", timeout=5)
+        assert login.status_code == 200 and "<form" in login.text
+        assert httpx.get(f"{url}/board/static/board.css", timeout=5).status_code == 200
+    finally:
+        server.terminate()
+        assert server.wait(timeout=30) == 0
