@@ -48,6 +48,7 @@ DEPLOY = ROOT / "deploy"
 SERVICE = DEPLOY / "switchboard.service"
 BACKUP_SERVICE = DEPLOY / "switchboard-backup.service"
 BACKUP_TIMER = DEPLOY / "switchboard-backup.timer"
+WORKER_SERVICE = DEPLOY / "switchboard-worker@.service"
 UNITS = (SERVICE, BACKUP_SERVICE, BACKUP_TIMER)
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
@@ -397,7 +398,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
     assert done.returncode == 0 and not ours, f"systemd-analyze verify:\n{done.stdout}{done.stderr}"
 
 
-@pytest.mark.parametrize("unit", [SERVICE, BACKUP_SERVICE], ids=lambda p: p.name)
+@pytest.mark.parametrize("unit", [SERVICE, BACKUP_SERVICE, WORKER_SERVICE], ids=lambda p: p.name)
 def test_unit_exposure_is_low(unit):
     done = run([systemd_analyze(), "security", "--offline=yes", str(unit)], cwd=DEPLOY)
     found = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", done.stdout)
@@ -754,3 +755,25 @@ def test_the_deployed_backup_command_writes_a_dated_copy_and_keeps_fourteen(tmp_
     done = run([*unit_sandbox(BACKUP_SERVICE), "-m", "switchboard", "backup", *args], env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(list(sandboxed.glob("switchboard-*.db"))) == 1
+
+
+def test_worker_template_unit_verifies_as_an_instance_and_runs_the_worker(tmp_path):
+    """`switchboard-worker@lane-s.service`: the template passes `systemd-analyze verify` as an instance, takes its
+    token as a credential (never in the environment), reads its lane's env file, and shares one state directory
+    across instances so a quota park is seen by every worker of the host."""
+    analyze = systemd_analyze()
+    text = WORKER_SERVICE.read_text()
+    assert INSTALLED_PYTHON in text
+    instance = tmp_path / "switchboard-worker@lane-s.service"
+    instance.write_text(text.replace(INSTALLED_PYTHON, sys.executable))
+    done = run([analyze, "verify", "--man=no", str(instance)], cwd=tmp_path)
+    ours = [line for line in (done.stdout + done.stderr).splitlines() if instance.name in line or str(tmp_path) in line]
+    assert done.returncode == 0 and not ours, f"systemd-analyze verify:\n{done.stdout}{done.stderr}"
+    unit = unit_settings(WORKER_SERVICE)["Service"]
+    assert unit["ExecStart"] == [f"{INSTALLED_PYTHON} {INSTALLED_SCRIPT} worker --token-file %d/token"
+                                 " --state-dir /var/lib/switchboard-worker"]
+    assert unit["LoadCredential"] == ["token:/etc/switchboard/worker-%i.token"]
+    assert unit["EnvironmentFile"] == ["/etc/switchboard/worker-%i.env"]
+    assert unit["StateDirectory"] == ["switchboard-worker"] and unit["DynamicUser"] == ["yes"]
+    assert unit["KillSignal"] == ["SIGTERM"] and unit["Restart"] == ["on-failure"]
+    assert not any("TOKEN" in value for value in unit.get("Environment", [])), "the token is a credential"
