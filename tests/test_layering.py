@@ -18,7 +18,7 @@ LAYERS = [
     "doorbell", "notifier", "limits", "metrics", "flows",
     "http.common", "http.streams", "http.rest", "http.mcp",
     "board.queries", "board.pages", "app", "server",
-    "worker", "triage",
+    "worker_job", "worker_park", "worker_exec", "triage", "worker",
     "cli.output", "cli.commands", "cli.parser",
 ]
 # Package markers (docstrings only) and the entry point, which sits above everything.

@@ -103,6 +103,13 @@ def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
                        default=_env("trust-proxy", False),
                        help="a reverse proxy in front sets X-Forwarded-Proto: `https` there makes the Board's"
                             " session cookie Secure")
+    serve.add_argument("--notify-allow-private", dest="notify_allow_private", action="store_true",
+                       default=_env("notify-allow-private", False),
+                       help="let notification channels reach loopback, link-local and unspecified addresses"
+                            " (refused by default; LAN addresses are always allowed)")
+    serve.add_argument("--notify-allow", dest="notify_allow", default=_env("notify-allow", None),
+                       help="comma-separated addresses or networks, each with an optional :port, that notification"
+                            " channels may reach although loopback or link-local (e.g. 127.0.0.1:8090)")
     serve.add_argument("--log-format", dest="log_format", choices=["plain", "json"],
                        default=_env("log-format", "plain"), help="plain lines (default) or one JSON object per line")
 
@@ -312,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_webhooks(commands, common)
     _add_events(commands, common)
     _add_notify(commands, common)
+    commands.add_parser("worker", help="work an endpoint's queues over REST: `worker --help` lists its flags",
+                        add_help=False)
     return parser
 
 
@@ -329,6 +338,13 @@ def _fail(args: argparse.Namespace, body: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     # Every file this process creates (database, WAL, backups, credentials) is the owner's alone.
     os.umask(0o077)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:
+        # A process of its own that talks to a server over REST: it opens no database and takes none of the
+        # operator's options, so it has its own parser (and imports none of the server's modules).
+        from switchboard.worker import main as worker_main
+
+        return worker_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.db = getattr(args, "db", None) or default_db_path()
     args.json = getattr(args, "json", False)

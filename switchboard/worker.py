@@ -1,0 +1,612 @@
+"""`switchboard worker` (SPEC section 15): a process of its own that works one endpoint's queues over the REST API,
+exactly as a third-party worker would, so it needs no database and runs on any machine that reaches the server.
+
+Each of `--concurrency` slots claims with a waiting claim (the doorbell wakes it at once), works the todo as a job
+under the claim's own lease, heartbeating every third of it, and reports the job's outcome. What a job does is a
+runner's business (switchboard.worker_job): `--exec -- CMD …` runs a child process per todo
+(switchboard.worker_exec); another kind, such as triage, plugs in through `run_jobs`. The worker keeps the lease,
+stops a job whose lease is lost, enforces `--timeout`, parks the quota group (switchboard.worker_park) and shuts
+down cleanly.
+
+It imports only the standard library, httpx, pydantic and its own worker_* modules: it starts fast and shares no
+code with the server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import re
+import shlex
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from switchboard.worker_exec import ExecRunner
+from switchboard.worker_job import ConfigError, Fail, Job, JobRunner, Outcome, Park
+from switchboard.worker_park import QUOTA_GROUP_PATTERN, QuotaPark
+
+log = logging.getLogger("switchboard.worker")
+
+DEFAULT_SERVER = "http://127.0.0.1:8080"
+CLAIM_WAIT_SECONDS = 30.0  # one waiting claim; the server allows up to MAX_CLAIM_WAIT_SECONDS
+MAX_CLAIM_WAIT_SECONDS = 60.0
+PARK_POLL_SECONDS = 2.0  # how often the park file is read again: another worker of the group may park it
+RETRY_FIRST_SECONDS = 0.5  # pauses between tries while the server cannot be reached ...
+RETRY_LONGEST_SECONDS = 30.0  # ... doubling up to this
+RELEASE_PAUSE_SECONDS = 5.0  # a slot whose job released its todo waits this long before claiming again
+MESSAGE_CHARS = 2048  # the worker's own error texts (a job that raised, an answer refused) are cut to this
+
+
+# -- the server, over REST -----------------------------------------------------------------------------------------
+
+class Unanswered(Exception):
+    """The server could not be reached, was busy (429, 5xx) or gave no readable answer: worth trying again."""
+
+
+class Refused(Exception):
+    """The server answered with an error: trying again would get the same answer."""
+
+    def __init__(self, status: int, body: dict):
+        self.status = status
+        self.message = str(body.get("message") or body.get("error") or "")
+        super().__init__(f"{status} {body.get('error', '')}: {self.message}")
+
+
+class ServerApi:
+    """The REST calls the worker makes, with the endpoint token (only ever in the Authorization header)."""
+
+    def __init__(self, server: str, token: str, connections: int):
+        self.http = httpx.AsyncClient(base_url=f"{server}/api/v1", headers={"Authorization": f"Bearer {token}"},
+                                      timeout=10, limits=httpx.Limits(max_connections=connections,
+                                                                      max_keepalive_connections=connections))
+
+    async def post(self, path: str, body: dict, timeout: httpx.Timeout | float = 10) -> dict:
+        try:
+            answer = await self.http.post(path, json=body, timeout=timeout)
+            content = answer.json()
+        except (httpx.TransportError, ValueError) as exc:
+            raise Unanswered(f"{type(exc).__name__}: {exc}") from None
+        if answer.status_code == 429 or answer.status_code >= 500:
+            raise Unanswered(f"{answer.status_code} {content.get('error', '') if isinstance(content, dict) else ''}")
+        if answer.status_code >= 400:
+            raise Refused(answer.status_code, content if isinstance(content, dict) else {})
+        return content
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+class Backoff:
+    """Pauses between tries: RETRY_FIRST_SECONDS doubling to RETRY_LONGEST_SECONDS, each up to a quarter longer at
+    random, so workers that lost the server together do not come back in step."""
+
+    def __init__(self) -> None:
+        self.pause = RETRY_FIRST_SECONDS
+
+    def next(self) -> float:
+        pause, self.pause = self.pause, min(self.pause * 2, RETRY_LONGEST_SECONDS)
+        return pause * (1 + random.random() / 4)
+
+
+@dataclass
+class Lease:
+    """A claim's lease as this worker must assume it: `deadline` (loop time) counts from when the claim or the
+    last heartbeat that renewed it was sent, so it never ends later than the server's."""
+    todo_id: str
+    token: str
+    seconds: float
+    renewed_at: float
+
+    @property
+    def deadline(self) -> float:
+        return self.renewed_at + self.seconds
+
+
+@dataclass(eq=False)
+class RunningJob:
+    job: Job
+    lease: Lease
+    task: asyncio.Task
+    stopped: str | None = None  # why the worker stopped it: "timeout", "shutdown" or "lease_lost"
+
+    def stop(self, reason: str) -> None:
+        """Cancel the job (its runner kills what it started); the first reason given is the one that counts."""
+        if self.stopped is None and not self.task.done():
+            self.stopped = reason
+            self.task.cancel()
+
+
+# -- the worker ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Settings:
+    server: str
+    token: str
+    queues: list[str] | None
+    name: str
+    concurrency: int
+    once: bool
+    wait: float
+    state_dir: Path
+    quota_group: str
+    lease: int | None
+    timeout: float | None
+
+
+class Worker:
+    def __init__(self, settings: Settings, runner: JobRunner):
+        self.settings = settings
+        self.runner = runner
+        self.api = ServerApi(settings.server, settings.token, 2 * settings.concurrency + 2)
+        self.park = QuotaPark(settings.state_dir, settings.quota_group)
+        self.parked_until: float | None = None
+        self.stopping = False
+        self.exit_code = 0
+        self.unreachable = False  # the outage is logged once, and its end
+        self.waiting_claims: set[asyncio.Task] = set()
+        self.running: set[RunningJob] = set()
+        self._changed = asyncio.Event()  # set (and replaced) when the park or shutdown state changes
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.shut_down)
+        s = self.settings
+        log.info("worker %s on %s: queues %s, concurrency %d, quota group %s", s.name, s.server,
+                 ",".join(s.queues) if s.queues else "(all of the endpoint's)", s.concurrency, s.quota_group)
+        self._set_parked(self.park.until(time.time()))
+        watcher = asyncio.create_task(self._watch_park())
+        try:
+            await asyncio.gather(*(self._slot() for _ in range(1 if s.once else s.concurrency)))
+        finally:
+            watcher.cancel()
+            await self.api.close()
+        log.info("worker %s stopped", s.name)
+        return self.exit_code
+
+    def shut_down(self) -> None:
+        """SIGTERM or SIGINT: claim nothing more and give running jobs their lease to finish (a second signal
+        stops them at once); what they leave unfinished is released."""
+        if self.stopping:
+            log.info("stopping the running jobs now")
+            for running in list(self.running):
+                running.stop("shutdown")
+            return
+        log.info("stopping: no more claims; %d running job(s) have their lease to finish", len(self.running))
+        self.stopping = True
+        # A claim the server answers as it is cancelled stays claimed until its lease lapses: delayed, not lost.
+        for claim in list(self.waiting_claims):
+            claim.cancel()
+        loop = asyncio.get_running_loop()
+        for running in list(self.running):
+            loop.call_later(running.lease.seconds, running.stop, "shutdown")
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake everything waiting for the park or the shutdown state to change; each looks again."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _set_parked(self, until: float | None) -> None:
+        if until == self.parked_until:
+            return
+        self.parked_until = until
+        if until is None:
+            log.info("quota group %s: the park is over", self.settings.quota_group)
+        else:
+            log.info("quota group %s parked until %s: claiming nothing", self.settings.quota_group, iso(until))
+            for claim in list(self.waiting_claims):
+                claim.cancel()
+        self._notify()
+
+    async def _watch_park(self) -> None:
+        while True:
+            await asyncio.sleep(PARK_POLL_SECONDS)
+            self._set_parked(self.park.until(time.time()))
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, ending early when the park or shutdown state changes (at once when stopping already)."""
+        if self.stopping:
+            return
+        try:
+            await asyncio.wait_for(self._changed.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    async def _claimable(self, deadline: float | None) -> bool:
+        """Wait while the group is parked; False when the worker stops (or --once's wait ends) first."""
+        loop = asyncio.get_running_loop()
+        while not self.stopping and self.parked_until is not None:
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                return False
+        return not self.stopping
+
+    async def _slot(self) -> None:
+        """Claim and work todos one at a time until the worker stops (with --once: one todo, or none in --wait)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.wait if self.settings.once else None
+        retry = Backoff()
+        while await self._claimable(deadline):
+            wait = CLAIM_WAIT_SECONDS if deadline is None else max(0.0, min(MAX_CLAIM_WAIT_SECONDS,
+                                                                            deadline - loop.time()))
+            try:
+                claimed = await self._claim(wait)
+            except Unanswered as exc:
+                self._lost_server(exc)
+                await self._pause(retry.next())
+                continue
+            except Refused as exc:
+                log.error("the server refused the claim: %s", exc)
+                self.exit_code = 1
+                self.shut_down()
+                return
+            self._found_server()
+            retry = Backoff()
+            if claimed is not None:
+                job, lease = claimed
+                if self.stopping or self.park.until(time.time()) is not None:
+                    await self._hand_back(lease, "the worker is stopping" if self.stopping else
+                                          f"quota group {self.settings.quota_group} is parked")
+                    continue
+                if await self._work(job, lease) == "release":
+                    # Not straight back to the queue: the todo it handed back would be its own next claim.
+                    await self._pause(RELEASE_PAUSE_SECONDS)
+            if deadline is not None and (claimed is not None or loop.time() >= deadline):
+                return
+
+    async def _claim(self, wait: float) -> tuple[Job, Lease] | None:
+        """One waiting claim; None when nothing came (or the claim was called off: park or shutdown)."""
+        body: dict[str, Any] = {"claimant": self.settings.name, "wait_seconds": wait}
+        if self.settings.queues:
+            body["queues"] = self.settings.queues
+        if self.settings.lease is not None:
+            body["lease_seconds"] = self.settings.lease
+        claim = asyncio.create_task(self.api.post("/todos/claim", body, httpx.Timeout(10, read=wait + 10)))
+        self.waiting_claims.add(claim)
+        try:
+            await asyncio.wait([claim])
+        finally:
+            self.waiting_claims.discard(claim)
+        if claim.cancelled():
+            return None
+        answer = claim.result()
+        if answer.get("empty"):
+            return None
+        todo = answer["todo"]
+        granted = (datetime.fromisoformat(todo["lease_expires_at"]) -
+                   datetime.fromisoformat(todo["updated_at"])).total_seconds()  # both the server's clock
+        # The lease began when the server claimed, just before it answered (a waiting claim may have waited long
+        # before that, so the time the claim was sent says nothing).
+        received = asyncio.get_running_loop().time()
+        return Job(todo, self.settings.name), Lease(todo["id"], answer["lease_token"], granted, received)
+
+    async def _work(self, job: Job, lease: Lease) -> str:
+        """Run the job under its lease and report how it ended; returns the outcome its log line names."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        running = RunningJob(job, lease, asyncio.create_task(self.runner.run(job)))
+        self.running.add(running)
+        timeout = (loop.call_later(self.settings.timeout, running.stop, "timeout")
+                   if self.settings.timeout else None)
+        keeper = asyncio.create_task(self._keep_lease(running))
+        try:
+            await asyncio.wait([running.task])
+        finally:
+            self.running.discard(running)
+            if timeout is not None:
+                timeout.cancel()
+            keeper.cancel()
+            await asyncio.wait([keeper])
+        outcome = await self._finish(running)
+        seconds = loop.time() - started
+        log.info("todo %s queue %s outcome %s in %.2f s", job.id, job.queue, outcome, seconds,
+                 extra={"job": {"todo": job.id, "queue": job.queue, "outcome": outcome, "seconds": round(seconds, 3)}})
+        return outcome
+
+    async def _keep_lease(self, running: RunningJob) -> None:
+        """Heartbeat every third of the lease with the job's latest note; a lease lost (409, or the server
+        unreachable until the lease would lapse) stops the job, and nothing more is reported for it."""
+        loop = asyncio.get_running_loop()
+        lease = running.lease
+        sent_note = None
+        while True:
+            await asyncio.sleep(max(0.0, lease.renewed_at + lease.seconds / 3 - loop.time()))
+            note = running.job.note
+            sent = loop.time()
+            try:
+                await self._call_leased(lease, "heartbeat", {"note": note} if note and note != sent_note else {})
+            except (Refused, Unanswered) as exc:
+                log.warning("todo %s: lease lost (%s): stopping its job", lease.todo_id,
+                            exc if isinstance(exc, Refused) else "the server was unreachable until it lapsed")
+                running.stop("lease_lost")
+                return
+            lease.renewed_at = sent
+            sent_note = note
+
+    async def _finish(self, running: RunningJob) -> str:
+        """Report how the job ended; the outcome as the job's log line names it."""
+        if running.stopped == "lease_lost":
+            return "lease_lost"
+        if running.stopped == "shutdown":
+            await self._hand_back(running.lease, "the worker stopped before the job finished")
+            return "shutdown"
+        if running.stopped == "timeout":
+            return await self._report(running.lease, Fail(error="timeout"), name="timeout")
+        failure = running.task.exception()
+        if failure is not None:
+            log.error("todo %s: the job failed in the worker", running.job.id, exc_info=failure)
+            error = f"the worker's job failed: {failure!r}"[:MESSAGE_CHARS]
+            return await self._report(running.lease, Fail(error=error), fallback=True)
+        return await self._report(running.lease, running.task.result())
+
+    async def _report(self, lease: Lease, outcome: Outcome, *, name: str | None = None,
+                      fallback: bool = False) -> str:
+        """Send the outcome (a park parks the group and releases the todo); returns the name the job's log line
+        gives it. An outcome the server refuses (other than for a lost lease) fails the todo saying why, unless it
+        is that failure (`fallback`) being refused."""
+        now = time.time()
+        if isinstance(outcome, Park):
+            until = self.park.park(outcome.retry_after, now)
+            self._set_parked(until)
+            verb, body = "release", {"note": f"quota group {self.settings.quota_group} parked until {iso(until)}"}
+        else:
+            self.park.served(now)
+            verb = outcome.outcome.replace("_", "-")
+            body = outcome.model_dump(exclude={"outcome"}, exclude_none=True)
+        try:
+            await self._call_leased(lease, verb, body)
+        except Refused as exc:
+            if exc.status == 409:
+                log.warning("todo %s: lease lost before the %s was reported (%s)", lease.todo_id, outcome.outcome, exc)
+                return "lease_lost"
+            if fallback:
+                log.error("todo %s: the server refused the %s: %s", lease.todo_id, verb, exc)
+                return "unreported"
+            return await self._report(lease, Fail(error=f"the server refused the {outcome.outcome}: "
+                                                        f"{exc.message}"[:MESSAGE_CHARS]), fallback=True)
+        except Unanswered:
+            log.error("todo %s: the server was unreachable until the lease lapsed; the %s is lost and the todo will"
+                      " be claimed again", lease.todo_id, outcome.outcome)
+            return "unreported"
+        return name or outcome.outcome
+
+    async def _hand_back(self, lease: Lease, note: str) -> None:
+        try:
+            await self._call_leased(lease, "release", {"note": note})
+        except (Refused, Unanswered) as exc:
+            log.warning("todo %s: could not release it (%s); its lease will lapse", lease.todo_id, exc)
+
+    async def _call_leased(self, lease: Lease, verb: str, body: dict) -> dict:
+        """A fenced call on the lease's todo, tried again while the server cannot be reached and the lease may
+        still hold; Unanswered once it cannot."""
+        loop = asyncio.get_running_loop()
+        retry = Backoff()
+        while True:
+            try:
+                answer = await self.api.post(f"/todos/{lease.todo_id}/{verb}", {"lease_token": lease.token, **body},
+                                             max(1.0, min(10.0, lease.deadline - loop.time())))
+            except Unanswered as exc:
+                self._lost_server(exc)
+                pause = min(retry.next(), lease.deadline - loop.time())
+                if pause <= 0:
+                    raise
+                await asyncio.sleep(pause)
+                continue
+            self._found_server()
+            return answer
+
+    def _lost_server(self, exc: Exception) -> None:
+        if not self.unreachable:
+            self.unreachable = True
+            log.warning("server %s unreachable (%s): trying again with backoff", self.settings.server, exc)
+
+    def _found_server(self) -> None:
+        if self.unreachable:
+            self.unreachable = False
+            log.info("server %s reachable again", self.settings.server)
+
+
+def iso(unix_seconds: float) -> str:
+    return datetime.fromtimestamp(unix_seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+# -- configuration: flags, environment, token file, logging ------------------------------------------------------
+
+def _env(flag: str, default: Any) -> Any:
+    """A flag's default from SWITCHBOARD_<FLAG> (argparse converts and checks it like a value on the command line)."""
+    return os.environ.get("SWITCHBOARD_" + flag.upper().replace("-", "_"), default)
+
+
+def _bounded_int(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number in {low}..{high}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, 0 or more")
+    return value
+
+
+def _pattern(pattern: str, what: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if not re.fullmatch(pattern, text):
+            raise argparse.ArgumentTypeError(f"not a {what}")
+        return text
+    return parse
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `switchboard worker` (SPEC section 15), each defaulting to SWITCHBOARD_<FLAG>. The job kind
+    comes last: `--exec -- CMD [ARG …]` (or SWITCHBOARD_EXEC="CMD ARG …")."""
+    parser.add_argument("--server", metavar="URL", default=_env("server", DEFAULT_SERVER),
+                        type=_pattern(r"https?://[^\s/]+(/\S*)?", "http(s) URL"),
+                        help=f"the Switchboard server (default {DEFAULT_SERVER})")
+    parser.add_argument("--token-file", metavar="PATH", dest="token_file", default=_env("token-file", None),
+                        help="a file holding the endpoint's token (sbk_…), readable by its owner only (required)")
+    parser.add_argument("--queue", metavar="Q", dest="queues", action="append",
+                        help="a queue to work, repeatable (SWITCHBOARD_QUEUE: comma-separated; default every queue"
+                             " of the endpoint)")
+    parser.add_argument("--name", metavar="NAME", default=_env("name", None),
+                        type=_pattern(r"[^\x00-\x1f\x7f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]{1,128}",
+                                      "name (one line of up to 128 characters, no control characters)"),
+                        help="the claimant shown on the Board (default HOST-PID)")
+    parser.add_argument("--concurrency", metavar="N", type=_bounded_int(1, 64), default=_env("concurrency", "1"),
+                        help="jobs at a time, each under its own lease (1..64, default 1)")
+    parser.add_argument("--once", action="store_true", default=_env("once", False),
+                        help="handle at most one todo, waiting up to --wait for it, then exit")
+    parser.add_argument("--wait", metavar="SECONDS", type=_seconds, default=_env("wait", "30"),
+                        help="with --once: how long to wait for a todo (default 30 s)")
+    parser.add_argument("--state-dir", metavar="DIR", dest="state_dir", default=_env("state-dir", None),
+                        help="where quota parks are kept (default $XDG_STATE_HOME/switchboard or"
+                             " ~/.local/state/switchboard)")
+    parser.add_argument("--quota-group", metavar="NAME", dest="quota_group", default=_env("quota-group", None),
+                        type=_pattern(QUOTA_GROUP_PATTERN, "quota group (letters, digits, . _ -)"),
+                        help="workers on this host sharing a provider quota: a park stops them all (default: the"
+                             " workers running the same command)")
+    parser.add_argument("--lease", metavar="SECONDS", type=_bounded_int(1, 86400), default=_env("lease", None),
+                        help="lease seconds asked for on each claim (default the endpoint's)")
+    parser.add_argument("--timeout", metavar="SECONDS", type=_seconds, default=_env("timeout", None),
+                        help="seconds a job may run before it is killed and failed with error 'timeout' (default"
+                             " and 0: no limit)")
+    parser.add_argument("--log-format", dest="log_format", choices=["plain", "json"],
+                        default=_env("log-format", "plain"), help="plain lines (default) or one JSON object per line")
+    job = parser.add_argument_group("job")
+    job.add_argument("--exec", dest="exec", action="store_true",
+                     help="run CMD per todo: the todo as JSON on stdin, the outcome from its last stdout line or"
+                          " its exit status (0 complete, 75 park, else fail)")
+    job.add_argument("command", nargs="*", metavar="CMD", help="after --exec --: the command and its arguments")
+
+
+def _switch(flag: str, value: bool | str) -> bool:
+    """A switch given on the command line, else SWITCHBOARD_<FLAG> as 1/true/yes/on or 0/false/no/off."""
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"SWITCHBOARD_{flag.upper()} must be 1/true/yes/on or 0/false/no/off")
+
+
+def read_token(path: str | None) -> str:
+    """The endpoint token, from a file no one but its owner may read. Messages name the file, never its content."""
+    if not path:
+        raise ConfigError("--token-file (or SWITCHBOARD_TOKEN_FILE) is required: a file holding the endpoint token")
+    try:
+        mode = os.stat(path).st_mode
+        if mode & 0o077:
+            raise ConfigError(f"the token file {path} is open to group or others (mode {mode & 0o777:04o}): run"
+                              f" chmod 600 {path}")
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the token file {path}: {exc.strerror}") from None
+    if not re.fullmatch(r"sbk_[A-Za-z0-9_-]+", token):
+        raise ConfigError(f"the token file {path} holds no endpoint token (sbk_…)")
+    return token
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "switchboard"
+
+
+def settings_from(args: argparse.Namespace, default_quota_group: str) -> Settings:
+    token = read_token(args.token_file)
+    once = _switch("once", args.once)
+    queues = [q.strip() for q in args.queues or _env("queue", "").split(",") if q.strip()]
+    state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
+    try:  # last: a worker refused for another reason leaves nothing behind
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot make the state directory {state_dir}: {exc.strerror}") from None
+    return Settings(server=args.server.rstrip("/"), token=token, queues=queues or None,
+                    name=args.name or f"{socket.gethostname()}-{os.getpid()}", concurrency=args.concurrency,
+                    once=once, wait=args.wait, state_dir=state_dir, quota_group=args.quota_group or default_quota_group,
+                    lease=args.lease, timeout=args.timeout or None)
+
+
+class JsonLines(logging.Formatter):
+    """One JSON object per line, as the server writes them (time, level, logger, event), plus a job line's
+    fields (todo, queue, outcome, seconds)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"time": iso(record.created), "level": record.levelname.lower(), "logger": record.name,
+                "event": record.getMessage(), **getattr(record, "job", {})}
+        if record.exc_info:
+            line["error"] = type(record.exc_info[1]).__name__
+        return json.dumps(line, ensure_ascii=False)
+
+
+def configure_logging(log_format: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLines() if log_format == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def run_jobs(args: argparse.Namespace, make_runner: Callable[[], JobRunner]) -> int:
+    """Run the worker with the runner `make_runner` builds (a ConfigError from it refuses to start): the entry for
+    every job kind. Exit status 0 after a shutdown, 1 when the server refused the worker, 2 when misconfigured."""
+    configure_logging(args.log_format)
+    try:
+        runner = make_runner()
+        settings = settings_from(args, runner.quota_group)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    return asyncio.run(Worker(settings, runner).run())
+
+
+def exec_command(args: argparse.Namespace) -> list[str]:
+    if args.command and not args.exec:
+        raise ConfigError("the command needs --exec before it: --exec -- CMD [ARG …]")
+    command = args.command or shlex.split(_env("exec", ""))
+    if not command:
+        raise ConfigError("give the job to run: --exec -- CMD [ARG …] (or SWITCHBOARD_EXEC)")
+    return command
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """`switchboard worker … --exec -- CMD [ARG …]`."""
+    return run_jobs(args, lambda: ExecRunner(exec_command(args)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="switchboard worker",
+                                     description="Work an endpoint's queues: claim, run, heartbeat, report.")
+    add_worker_arguments(parser)
+    return run_worker(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
