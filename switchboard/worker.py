@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from switchboard.triage import add_triage_arguments, make_triage_runner
 from switchboard.worker_exec import ExecRunner
 from switchboard.worker_job import ConfigError, Fail, Job, JobRunner, Outcome, Park
 from switchboard.worker_park import QUOTA_GROUP_PATTERN, QuotaPark
@@ -184,6 +185,11 @@ class Worker:
             for running in list(self.running):
                 running.stop("shutdown")
             return
+        self._stop_claiming()
+
+    def _stop_claiming(self) -> None:
+        if self.stopping:
+            return
         log.info("stopping: no more claims; %d running job(s) have their lease to finish", len(self.running))
         self.stopping = True
         # A claim the server answers as it is cancelled stays claimed until its lease lapses: delayed, not lost.
@@ -255,7 +261,7 @@ class Worker:
             except Refused as exc:
                 log.error("the server refused the claim: %s", exc)
                 self.exit_code = 1
-                self.shut_down()
+                self._stop_claiming()
                 return
             self._found_server()
             retry = Backoff()
@@ -503,7 +509,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--exec", dest="exec", action="store_true",
                      help="run CMD per todo: the todo as JSON on stdin, the outcome from its last stdout line or"
                           " its exit status (0 complete, 75 park, else fail)")
+    job.add_argument("--triage", action="store_true", default=_env("triage", False),
+                     help="size issues with a model behind an OpenAI-compatible API and label them (the flags below)")
     job.add_argument("command", nargs="*", metavar="CMD", help="after --exec --: the command and its arguments")
+    add_triage_arguments(parser.add_argument_group("triage"))
 
 
 def _switch(flag: str, value: bool | str) -> bool:
@@ -597,8 +606,22 @@ def exec_command(args: argparse.Namespace) -> list[str]:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    """`switchboard worker … --exec -- CMD [ARG …]`."""
+    """`switchboard worker … --exec -- CMD [ARG …]` or `switchboard worker … --triage`."""
+    try:
+        triage = _switch("triage", args.triage)
+    except ConfigError as exc:
+        configure_logging(args.log_format)
+        log.error("%s", exc)
+        return 2
+    if triage:
+        return run_jobs(args, lambda: triage_runner(args))
     return run_jobs(args, lambda: ExecRunner(exec_command(args)))
+
+
+def triage_runner(args: argparse.Namespace) -> JobRunner:
+    if args.exec or args.command:
+        raise ConfigError("give one job kind: --exec -- CMD … or --triage, not both")
+    return make_triage_runner(args)
 
 
 def main(argv: list[str] | None = None) -> int:
