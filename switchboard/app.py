@@ -21,15 +21,19 @@ from switchboard.http.mcp import Mcp, _api_error, _http_error, _unexpected
 from switchboard.http.rest import MCP_ROUTES, Api
 from switchboard.limits import RateLimiter
 from switchboard.metrics import Metrics
-from switchboard.notifier import Notifier
+from switchboard.notifier import Addresses, Notifier
 
 # -- the app: every part put together ----------------------------------------------------------------
 
 def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None = None, background: bool = True,
                ingest_rate: float = DEFAULT_INGEST_RATE, ingest_burst: int = DEFAULT_INGEST_BURST,
-               base_url: str | None = None, allowed_origins: str | None = None, trust_proxy: bool = False) -> Starlette:
+               base_url: str | None = None, allowed_origins: str | None = None, trust_proxy: bool = False,
+               notify_allow_private: bool | None = None, notify_allow: str | None = None) -> Starlette:
     """The ASGI app. `background=False` leaves the scheduler to the caller (tests drive it by hand).
-    `trust_proxy`: X-Forwarded-Proto from a reverse proxy counts (the Board's cookie is Secure behind https)."""
+    `trust_proxy`: X-Forwarded-Proto from a reverse proxy counts (the Board's cookie is Secure behind https).
+    `notify_allow_private` / `notify_allow`: notification channels may reach loopback, link-local and unspecified
+    addresses (all, or those listed); not given, SWITCHBOARD_NOTIFY_ALLOW_PRIVATE / SWITCHBOARD_NOTIFY_ALLOW say."""
+    addresses = Addresses.configured(notify_allow_private, notify_allow)
     db = Database(db_path, synchronous=synchronous, clock=clock)
     try:
         box = SecretBox.for_database(db_path, db.read_sync(sealed_sample))
@@ -44,7 +48,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     evaluator.on_death = vitals.died
     base_url = base_url or os.environ.get("SWITCHBOARD_BASE_URL")
     metrics = Metrics(db, doorbell)
-    notifier = Notifier(db, box, base_url, metrics.notify_failures, metrics.notify_sent)
+    notifier = Notifier(db, box, base_url, metrics.notify_failures, metrics.notify_sent, addresses)
     db.on_outbox = notifier.wake
     flows = Flows(db, doorbell, evaluator, box, RateLimiter(ingest_rate, ingest_burst), metrics, vitals, notifier)
     origins = allowed_origins if allowed_origins is not None else os.environ.get("SWITCHBOARD_ALLOWED_ORIGINS", "")

@@ -63,6 +63,8 @@ QUEUE_PATTERN = r"^[a-z0-9][a-z0-9._:-]{0,63}$"
 # Where a human hears they are needed, and about what.
 NOTIFY_KINDS = ("ntfy", "gotify", "slack", "discord", "webhook")
 NOTIFY_EVENTS = ("needs_input", "review", "held", "dead_letter", "verification_failures")
+# Channels one human may have: each due message is a send, and every send costs the server a socket and a slot.
+NOTIFY_MAX_CHANNELS = 20
 # The lane where rules put work that waits for a human (packs/fleet.json's `hold`): like quarantine, it notifies.
 HOLD_QUEUE = "hold"
 RESERVED_QUEUES = frozenset({"quarantine"})

@@ -353,6 +353,9 @@ class NotifyCreate(Body):
         if self.kind in ("slack", "discord", "webhook") and self.token is not None:
             raise ValueError(f"a {self.kind} channel takes no token (its URL is the credential, or the secret is"
                              " made for you)")
+        if self.kind == "ntfy" and self.token is not None and (parts.username is not None or parts.password is not None):
+            raise ValueError("an ntfy URL with a user and password takes no token (the one would replace the other):"
+                             " give one or the other")
         return self
 
 

@@ -189,6 +189,10 @@ def configure_logging(log_format: str) -> Iterator[None]:
     root = logging.getLogger()
     root.handlers[:] = [_HandOver(records)]
     root.setLevel(logging.INFO)
+    # httpx logs every request's URL at INFO, and a notification channel's URL is a credential (the path of a
+    # Slack, Discord or ntfy URL, the user and password in one): only their warnings reach the log.
+    for talkative in ("httpx", "httpcore"):
+        logging.getLogger(talkative).setLevel(logging.WARNING)
     writer.start()
     try:
         yield

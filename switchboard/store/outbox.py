@@ -4,13 +4,15 @@ the change that calls for it."""
 from __future__ import annotations
 
 import base64
+import collections
 import json
 import secrets
 import sqlite3
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from switchboard.configuration import BACKOFF_BASE_SECONDS, ApiError, iso
+from switchboard.configuration import BACKOFF_BASE_SECONDS, NOTIFY_MAX_CHANNELS, ApiError, iso
 from switchboard.crypto import SecretBox, new_id
 from switchboard.database import Txn
 from switchboard.models import NotifyCreate
@@ -35,10 +37,15 @@ def channel_view(row: sqlite3.Row) -> dict:
 
 
 def add_channel(txn: Txn, principal: Principal, box: SecretBox, body: NotifyCreate, human_id: str | None = None) -> dict:
-    """A human's new channel. For `webhook` a signing secret is made and shown once; all credentials are sealed."""
+    """A human's new channel. For `webhook` a signing secret is made and shown once; all credentials are sealed.
+    A human has at most NOTIFY_MAX_CHANNELS channels."""
     owner = human_id or principal.human_id
     if principal.kind != "operator":
         principal.require_human("notification channels")
+    held = txn.one("SELECT count(*) AS n FROM notify_channels WHERE human_id = ?", (owner,))["n"]
+    if held >= NOTIFY_MAX_CHANNELS:
+        raise ApiError("conflict", f"this human already has {held} notification channels, the most one may have:"
+                                   " remove one before adding another")
     channel_id = new_id("nc")
     secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode() if body.kind == "webhook" else None
     token = secret or body.token
@@ -120,23 +127,40 @@ class Outgoing:
         return len(self.rows) > 1
 
 
-def due_messages(txn: Txn, rate_ms: int, busy: frozenset[str]) -> tuple[list[Outgoing], int | None]:
+def due_messages(txn: Txn, rate_ms: int, busy: frozenset[str], sending: Mapping[str, int] | None = None,
+                 room: int | None = None, per_human: int | None = None) -> tuple[list[Outgoing], int | None]:
     """What to send now, one message per channel (a digest formed earlier is sent again exactly as formed, so
-    its id stays true), and when the next one falls due."""
-    due: list[Outgoing] = []
+    its id stays true), and when the next one falls due. At most `room` messages, and for each human no more
+    than brings their sends in flight (`sending`, by human id) to `per_human`: humans take turns, the one with
+    the fewest sends in flight first, then the longest waiting. A due channel left out now is sent when a send
+    ends (the sender looks again then)."""
     # A channel whose last send failed waits out its backoff before anything else goes to it.
-    # A test message is sent by its own request, never by the loop.
-    pending = txn.all("SELECT c.*, coalesce(max(CASE WHEN o.attempts > 0 THEN o.next_at END), min(o.next_at))"
-                      " AS due_at FROM notify_outbox o JOIN notify_channels c ON c.id = o.channel_id"
-                      " WHERE o.sent_at IS NULL AND o.gave_up_at IS NULL AND o.event <> 'test' GROUP BY c.id")
+    # A test message is sent by its own request, never by the loop, and is not counted in the window.
+    # Grouped in the outbox's by-channel index first, then joined: no temporary b-tree of channel rows (a round
+    # runs after every send that ends, so it stays cheap with thousands of channels waiting).
+    pending = txn.all("SELECT c.*, d.due_at FROM (SELECT channel_id, coalesce(max(CASE WHEN attempts > 0 THEN next_at"
+                      " END), min(next_at)) AS due_at FROM notify_outbox WHERE sent_at IS NULL AND gave_up_at IS NULL"
+                      " AND event <> 'test' GROUP BY channel_id) d JOIN notify_channels c ON c.id = d.channel_id")
     next_due: int | None = None
+    ready: list[tuple[int, sqlite3.Row]] = []
     for channel in pending:
         if channel["id"] in busy:
             continue  # its send in flight wakes the loop when it ends
-        when = max(channel["due_at"], (channel["last_sent_at"] or -rate_ms) + rate_ms)
+        when = max(channel["due_at"], (channel["last_sent_at"] or -rate_ms) + rate_ms)  # the last alert's window
         if when > txn.now:
             next_due = when if next_due is None else min(next_due, when)
             continue
+        ready.append((when, channel))
+    ready.sort(key=lambda pair: (pair[0], pair[1]["id"]))
+    in_flight = collections.Counter(sending or {})
+    turns: list[tuple[int, int, str, sqlite3.Row]] = []
+    for when, channel in ready:
+        turns.append((in_flight[channel["human_id"]], when, channel["id"], channel))
+        in_flight[channel["human_id"]] += 1
+    turns.sort(key=lambda turn: turn[:3])
+    chosen = [channel for place, _, _, channel in turns if per_human is None or place < per_human]
+    due: list[Outgoing] = []
+    for channel in chosen[:room]:
         rows = txn.all("SELECT * FROM notify_outbox WHERE channel_id = ? AND sent_at IS NULL AND gave_up_at IS NULL"
                        " AND event <> 'test' ORDER BY digest_id IS NULL, attempts = 0, created_at, id LIMIT 1000",
                        (channel["id"],))
@@ -156,12 +180,15 @@ def due_messages(txn: Txn, rate_ms: int, busy: frozenset[str]) -> tuple[list[Out
 
 def record_sending(txn: Txn, message: Outgoing, error: str | None) -> None:
     """After a send: the rows are sent, or wait to be tried again with backoff (and are given up after
-    NOTIFY_MAX_ATTEMPTS); the channel keeps its last error for the Board and /metrics."""
+    NOTIFY_MAX_ATTEMPTS); the channel keeps its last error for the Board and /metrics. A sent alert starts the
+    channel's rate window (`last_sent_at`); a sent test message does not: it is no alert, and the next real one
+    must not wait for it."""
     ids = [r["id"] for r in message.rows]
     marks = ", ".join("?" * len(ids))
     if error is None:
         txn.execute(f"UPDATE notify_outbox SET sent_at = ? WHERE id IN ({marks})", (txn.now, *ids))
-        txn.execute("UPDATE notify_channels SET last_sent_at = ? WHERE id = ?", (txn.now, message.channel["id"]))
+        if message.rows[0]["event"] != "test":
+            txn.execute("UPDATE notify_channels SET last_sent_at = ? WHERE id = ?", (txn.now, message.channel["id"]))
         return
     attempt = message.rows[0]["attempts"] + 1
     retry_at = txn.now + min(BACKOFF_BASE_SECONDS * 1000 * 2 ** (attempt - 1), 3_600_000)
