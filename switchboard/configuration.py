@@ -51,6 +51,9 @@ BODY_SECONDS = 10.0
 HEADER_SECONDS = 10.0
 KEEPALIVE_IDLE_SECONDS = 5
 MAX_CONNECTIONS = 2048
+# File descriptors kept out of the connection cap (at start, the cap is lowered to fit the file limit): the
+# database's reader connections (one per thread), the evaluator's pipes, the log, and notification sends.
+FD_RESERVE = 256
 # Bytes of delivery bodies buffered at once, across every in-flight delivery (each is capped at 5 MiB).
 INGEST_BUFFER_BYTES = 64 << 20
 # A payload nested deeper than this is kept as its raw body with `payload: null` (reason `too_deep`).

@@ -34,6 +34,10 @@ EVAL_POOL_SIZE = 3
 EVAL_PROGRAMS_PER_CHILD = 128  # compiled rule sets a child keeps (and the pool the same count of keys)
 # Deliveries of one owner waiting for the evaluator beyond this are refused (503) rather than queued.
 EVAL_QUEUE_PER_TENANT = 256
+# A delivery waits at most this long for a sandbox child (its owner's share of them, then a free one). Past it,
+# ingress answers 503 with Retry-After and stores nothing: producers give up on an answer within about 10 s,
+# and their redelivery is evaluated then (dedup keeps one).
+EVAL_WAIT_SECONDS = 5.0
 EVAL_THREADS = 16
 # A webhook failing its signature check this many times within the window tells its human (at most hourly).
 VERIFICATION_ALERT_COUNT = 5
@@ -188,6 +192,10 @@ class EvaluatorUnavailable(Exception):
     """No child could be started or reached: ingress answers 503 and stores nothing."""
 
 
+class EvaluatorBusy(EvaluatorUnavailable):
+    """No child came free in time (the owner's share of them, or every one, busy): retry later."""
+
+
 class EvaluatorDied(EvaluatorUnavailable):
     """A running child went away mid-request (its memory cap, or a crash): for a delivery, a rule fault."""
 
@@ -289,19 +297,23 @@ class Evaluator:
         self._compiled_clean: dict[str, None] = {}
         self.on_death: Callable[[str], None] | None = None
 
-    def _wait(self, ready: Callable[[], bool], why: str) -> None:
-        """Under the lock: wait until `ready()`, at most as long as a stuck child can live."""
+    def _wait(self, ready: Callable[[], bool], why: str, until: float | None = None) -> None:
+        """Under the lock: wait until `ready()`, at most as long as a stuck child can live, and never past `until`
+        (time.monotonic()) when given."""
         deadline = time.monotonic() + self.kill_after + 1
+        if until is not None:
+            deadline = min(deadline, until)
         while not ready():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise EvaluatorUnavailable(why)
+                raise EvaluatorBusy(why)
             self._changed.wait(remaining)
 
-    def _enter(self, tenant: str | None) -> None:
+    def _enter(self, tenant: str | None, until: float | None = None) -> None:
         if tenant is not None:
             with self._changed:
-                self._wait(lambda: self._tenant_load[tenant] < self.per_tenant, "this owner's rules are all busy")
+                self._wait(lambda: self._tenant_load[tenant] < self.per_tenant, "this owner's rules are all busy",
+                           until)
                 self._tenant_load[tenant] += 1
 
     def _exit(self, tenant: str | None) -> None:
@@ -312,11 +324,11 @@ class Evaluator:
                     del self._tenant_load[tenant]
                 self._changed.notify_all()
 
-    def _acquire(self) -> _Child:
+    def _acquire(self, until: float | None = None) -> _Child:
         with self._changed:
             self._wait(lambda: bool(self._idle) or (
                 self._count < self.size and self._overrunning < self.size * self.MAX_OVERRUNNING_PER_SLOT),
-                "every evaluator is busy")
+                "every evaluator is busy", until)
             if self._idle:
                 return self._idle.pop()
             self._count += 1
@@ -364,12 +376,13 @@ class Evaluator:
         self._exit(tenant)
 
     def _call(self, header: dict, doc: bytes, compile_only: bool = False, tenant: str | None = None,
-              program: str | None = None) -> dict | None:
+              program: str | None = None, until: float | None = None) -> dict | None:
         """The child's reply; None when it overran (and has left the pool, still counting for its tenant). An
-        evaluation names its compiled `program` by the header's key; a child that lacks it loads it first."""
-        self._enter(tenant)
+        evaluation names its compiled `program` by the header's key; a child that lacks it loads it first. With
+        `until`, waiting for a child ends then (EvaluatorBusy)."""
+        self._enter(tenant, until)
         try:
-            child = self._acquire()
+            child = self._acquire(until)
         except BaseException:
             self._exit(tenant)
             raise
@@ -427,14 +440,17 @@ class Evaluator:
                     del self._compiled_clean[next(iter(self._compiled_clean))]
         return errors
 
-    def run(self, exprs: list[str], params: dict, doc: bytes, tenant: str | None = None) -> dict:
+    def run(self, exprs: list[str], params: dict, doc: bytes, tenant: str | None = None,
+            until: float | None = None) -> dict:
         """Evaluate a rule set over one envelope: {"match": i}, {"none": True} or {"fault": cause, "rule_index",
         "detail"}. A fault the child could not pin on one rule has rule_index None. The child's reply is
-        untrusted: anything but a well-formed reply is a fault."""
+        untrusted: anything but a well-formed reply is a fault. With `until` (time.monotonic()), no child free
+        by then raises EvaluatorBusy."""
         program = combined_program(tuple(exprs))
         key = hashlib.sha256(program.encode() + b"\x00" + json.dumps(params, sort_keys=True).encode()).hexdigest()
         try:
-            reply = self._call({"op": "eval", "key": key, "params": params}, doc, tenant=tenant, program=program)
+            reply = self._call({"op": "eval", "key": key, "params": params}, doc, tenant=tenant, program=program,
+                               until=until)
         except EvaluatorDied:
             # It started and then died mid-evaluation: the memory cap, or a crash in jq. A fault, not an outage.
             return {"fault": "budget_exhausted", "rule_index": None,

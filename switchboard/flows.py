@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import hashlib
 import json
 import math
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio.to_thread
@@ -32,9 +34,11 @@ from switchboard.envelope import build_envelope, decode_payload, envelope_docume
 from switchboard.evaluator import (
     EVAL_QUEUE_PER_TENANT,
     EVAL_THREADS,
+    EVAL_WAIT_SECONDS,
     VERIFICATION_ALERT_COUNT,
     VERIFICATION_ALERT_WINDOW,
     Evaluator,
+    EvaluatorBusy,
     EvaluatorUnavailable,
 )
 from switchboard.limits import RateLimited, RateLimiter, TenantGate
@@ -46,7 +50,14 @@ from switchboard.store.deliveries import Delivery, duplicate_of, find_webhook, r
 from switchboard.store.outbox import notify_verification_failures, queue_test_message
 from switchboard.store.principals import Principal
 from switchboard.store.quarantine import apply_quarantine_release, prepare_quarantine_release
-from switchboard.store.replay import apply_replays, decide_again, replay_events, replay_subjects, replay_summary
+from switchboard.store.replay import (
+    apply_replays,
+    decide_again,
+    replay_batches,
+    replay_events,
+    replay_subjects,
+    replay_summary,
+)
 from switchboard.store.routing import decide_for_webhook, dry_run_rules, gate, set_rules
 from switchboard.store.todos import _json
 from switchboard.store.transitions import _claim_queues, claim_next, hand_back_unheard
@@ -141,6 +152,24 @@ class WaitingClaim:
             self.owed = None
 
 
+class EvaluationShed(ApiError):
+    """A delivery whose rules found no sandbox child within EVAL_WAIT_SECONDS: 503 with Retry-After (the HTTP layer
+    sends `retry_after`), and nothing stored, so the producer's redelivery is evaluated then."""
+
+    def __init__(self, waited: float):
+        super().__init__("unavailable", f"this owner's rules are all busy: not evaluated within {waited:g} s and"
+                                        " not stored; retry later")
+        self.retry_after = max(1, math.ceil(waited))
+
+
+@dataclass
+class Shedding:
+    """Deliveries to one webhook shed since the server started, and the last one's time (ms)."""
+    count: int = 0
+    last: int = 0
+    logged: float = -math.inf
+
+
 class Flows:
     """The shared flows, over one database, doorbell, evaluator and secret box."""
 
@@ -159,22 +188,35 @@ class Flows:
         # Evaluator calls get threads of their own, so reads, claims and /healthz never queue behind rules.
         self.eval_threads = concurrent.futures.ThreadPoolExecutor(EVAL_THREADS, thread_name_prefix="switchboard-eval")
         self.tenant_gates: dict[str, TenantGate] = {}
+        self.shed: dict[str, Shedding] = {}  # by webhook id: what the Board's webhook page shows
 
     # -- the evaluator's fair share ------------------------------------------------------------------
-    async def evaluate(self, tenant: str, fn: Callable, *args) -> Any:
+    async def evaluate(self, tenant: str, fn: Callable, *args, wait: float | None = None) -> Any:
         """Run `fn` (which talks to the evaluator) on the evaluator's threads, at most `per_tenant` at once per
         tenant: the others wait in line here, on the event loop, holding no thread. A tenant with
-        EVAL_QUEUE_PER_TENANT already waiting is refused (503) at once."""
+        EVAL_QUEUE_PER_TENANT already waiting is refused (503) at once. With `wait`, the whole wait for a child
+        (this line, then the pool's) ends after that many seconds with EvaluationShed; `fn` then takes `until`."""
         gate = self.tenant_gates.setdefault(tenant, TenantGate(asyncio.Semaphore(self.evaluator.per_tenant)))
         if gate.waiting >= EVAL_QUEUE_PER_TENANT:
+            if wait is not None:
+                raise EvaluationShed(wait)
             raise ApiError("unavailable", "this owner's deliveries are queued too deep; retry later")
+        until = time.monotonic() + wait if wait is not None else None
         gate.waiting += 1
         try:
-            await gate.slots.acquire()
+            async with asyncio.timeout(wait):
+                await gate.slots.acquire()
+        except TimeoutError:
+            raise EvaluationShed(wait) from None
         finally:
             gate.waiting -= 1
+        call = functools.partial(fn, *args, until=until) if until is not None else functools.partial(fn, *args)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.eval_threads, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self.eval_threads, call)
+        except EvaluatorBusy as exc:
+            if wait is not None:
+                raise EvaluationShed(wait) from None
+            raise ApiError("unavailable", f"the rule evaluator is busy ({exc}); retry later") from None
         except EvaluatorUnavailable as exc:
             log.error("rules not evaluated: %s", exc)
             raise ApiError("unavailable", f"the rule evaluator cannot run ({exc}); retry later") from None
@@ -232,8 +274,25 @@ class Flows:
         if not webhook["rules"]:
             return decide_for_webhook(self.evaluator, webhook, b"")
         document = envelope_document(record, headers_json, payload_text(envelope["payload"], body)).encode()
-        return await self.evaluate(webhook["human_id"], decide_for_webhook, self.evaluator, webhook, document,
-                                   webhook["human_id"])
+        try:
+            return await self.evaluate(webhook["human_id"], decide_for_webhook, self.evaluator, webhook, document,
+                                       webhook["human_id"], wait=EVAL_WAIT_SECONDS)
+        except EvaluationShed:
+            self._count_shed(webhook)
+            raise
+
+    def _count_shed(self, webhook: sqlite3.Row) -> None:
+        """A shed delivery, counted for /metrics and the Board's webhook page, and logged at most once a minute
+        per webhook."""
+        self.metrics.shed.labels(webhook["provider"]).inc()
+        shed = self.shed.setdefault(webhook["id"], Shedding())
+        shed.count += 1
+        shed.last = self.db.clock.now_ms()
+        now = time.monotonic()
+        if now - shed.logged >= 60:
+            shed.logged = now
+            log.warning("delivery to webhook %s shed: its owner's rules found no evaluator within %g s (503, not"
+                        " stored; %d shed since start)", webhook["id"], EVAL_WAIT_SECONDS, shed.count)
 
     async def accept_delivery(self, webhook: sqlite3.Row, headers: dict[str, str], body: bytes,
                               source: str) -> tuple[int, dict]:
@@ -311,19 +370,27 @@ class Flows:
         return await self.db.write(apply_quarantine_release, principal, release, body.note)
 
     # -- replay ---------------------------------------------------------------------------------------
-    async def replay(self, principal: Principal, event_ids: list[str], dry_run: bool) -> list[dict]:
-        subjects = await self.db.read(replay_subjects, principal, event_ids)
-        replays = await self.evaluate(principal.human_id, decide_again, self.evaluator, subjects, principal.human_id)
+    async def replay(self, principal: Principal, events: list[tuple[str, int]], dry_run: bool) -> list[dict]:
+        """Replay events (id, body size) a batch at a time under REPLAY_BATCH_BYTES of bodies: each batch is read,
+        decided and applied (one transaction each) before the next is read. Each replay stands alone (a dry run
+        judges each event alone; applying is idempotent), so batches answer what one pass over all would."""
+        results: list[dict] = []
         run = self.db.read if dry_run else self.db.write
-        return await run(apply_replays, principal, replays, dry_run)
+        for batch in replay_batches(events):
+            subjects = await self.db.read(replay_subjects, principal, batch)
+            replays = await self.evaluate(principal.human_id, decide_again, self.evaluator, subjects,
+                                          principal.human_id)
+            del subjects  # the batch's documents go before the next batch is read
+            results += await run(apply_replays, principal, replays, dry_run)
+        return results
 
     async def replay_one(self, principal: Principal, event_id: str, body: ReplayOne) -> dict:
-        [result] = await self.replay(principal, [event_id], body.dry_run)
+        [result] = await self.replay(principal, [(event_id, 0)], body.dry_run)
         return result
 
     async def replay_webhook(self, principal: Principal, webhook_id: str, body: ReplayMany) -> dict:
-        event_ids = await self.db.read(replay_events, principal, webhook_id, body)
-        return {**replay_summary(await self.replay(principal, event_ids, body.dry_run)), "dry_run": body.dry_run}
+        events = await self.db.read(replay_events, principal, webhook_id, body)
+        return {**replay_summary(await self.replay(principal, events, body.dry_run)), "dry_run": body.dry_run}
 
     # -- notifications -------------------------------------------------------------------------------
     async def test_channel(self, principal: Principal, channel_id: str) -> dict:

@@ -33,6 +33,8 @@ class Metrics:
                                ["stage", "disposition"], registry=self.registry)
         self.faults = Counter("switchboard_rule_faults", "Rule faults that held a delivery, by cause", ["cause"],
                               registry=self.registry)
+        self.shed = Counter("switchboard_deliveries_shed", "Deliveries answered 503 (Retry-After) and not stored:"
+                            " their owner's rules found no evaluator in time", ["provider"], registry=self.registry)
         self.notify_sent = Counter("switchboard_notify_sent", "Notifications delivered, by channel kind", ["kind"],
                                    registry=self.registry)
         self.notify_failures = Counter("switchboard_notify_failures", "Notification sends that failed, by channel"

@@ -23,6 +23,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from switchboard.app import create_app
 from switchboard.configuration import (
+    FD_RESERVE,
     HEADER_SECONDS,
     KEEPALIVE_IDLE_SECONDS,
     LOG_BATCH_SECONDS,
@@ -39,13 +40,21 @@ from switchboard.configuration import (
 class _HeaderDeadline(HttpToolsProtocol):
     """uvicorn's httptools protocol, plus a deadline for request headers: a connection that sends no complete
     header block within HEADER_SECONDS of opening (or of starting its next request) is closed, so half-sent
-    requests cannot hold sockets open forever."""
+    requests cannot hold sockets open forever.
+
+    And the connection cap (uvicorn's limit_concurrency, fitted to the file limit at start) sheds the idle first:
+    a connection that brings the count to the cap closes the one that has waited longest for request headers (a
+    half-sent request, or a keep-alive connection between requests). A flood of half-sent requests therefore
+    holds at most the cap's descriptors and never /healthz's way in; only when every connection is busy with a
+    request does a newcomer get uvicorn's 503."""
 
     _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
+        if self.limit_concurrency is not None and len(self.connections) >= self.limit_concurrency:
+            self._shed_longest_waiting()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -53,14 +62,46 @@ class _HeaderDeadline(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self._waiting().pop(self, None)
+        if self.limit_concurrency is not None and len(self.connections) >= self.limit_concurrency:
+            self._shed_longest_waiting()  # a whole request goes before a half-sent one
         super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and not self.pipeline:
+            self._wait_for_headers()  # idle until the next request
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._waiting().pop(self, None)
         super().connection_lost(exc)
+
+    def _waiting(self) -> dict[_HeaderDeadline, None]:
+        """The server's connections waiting for request headers, longest-waiting first."""
+        waiting = getattr(self.server_state, "waiting_for_headers", None)
+        if waiting is None:
+            waiting = self.server_state.waiting_for_headers = {}  # type: ignore[attr-defined]
+        return waiting
+
+    def _wait_for_headers(self) -> None:
+        waiting = self._waiting()
+        waiting.pop(self, None)
+        waiting[self] = None
+
+    def _shed_longest_waiting(self) -> None:
+        waiting = self._waiting()
+        victim = next((c for c in waiting if c is not self), None)
+        if victim is not None:
+            del waiting[victim]
+            victim._disarm()
+            victim.transport.close()
+            # Counted out now, not when its close completes: connections that arrive meanwhile see the room.
+            self.connections.discard(victim)
 
     def _arm(self) -> None:
         self._disarm()
+        self._wait_for_headers()
         self._header_timer = self.loop.call_later(HEADER_SECONDS, self._expire)
 
     def _disarm(self) -> None:
@@ -201,13 +242,26 @@ def configure_logging(log_format: str) -> Iterator[None]:
         root.handlers[:] = [handler]
 
 
-def _raise_file_limit() -> None:
-    """Many open connections need many descriptors; take what the hard limit allows."""
+def _raise_file_limit() -> int:
+    """Many open connections need many descriptors: raise the soft limit to the hard one (65536 when the hard
+    one is unlimited). Returns the soft limit in effect."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = hard if hard != resource.RLIM_INFINITY else 65536
-    if soft < wanted:
+    if soft != resource.RLIM_INFINITY and soft < wanted:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+def connection_limits(file_limit: int) -> tuple[int, int]:
+    """(connection cap, listen backlog) that fit `file_limit` descriptors. FD_RESERVE stay for the database, the
+    evaluator, the log and notification sends. Of the rest, at most three quarters (and MAX_CONNECTIONS) are
+    open connections, and the remainder is the listen backlog: connections that arrive together are all accepted
+    before the cap sheds any, so that many descriptors must be free at the cap."""
+    usable = max(file_limit - FD_RESERVE, 32)
+    cap = min(MAX_CONNECTIONS, usable * 3 // 4)
+    return cap, min(MAX_CONNECTIONS, usable - cap)
 
 
 def _cli_serve(args: argparse.Namespace) -> int:
@@ -220,15 +274,21 @@ def _cli_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    _raise_file_limit()
+    file_limit = _raise_file_limit()
+    cap, backlog = connection_limits(file_limit)
+    if cap < MAX_CONNECTIONS:
+        log.warning("the file limit is %d descriptors: at most %d connections at once (raise LimitNOFILE or"
+                    " ulimit -n for %d)", file_limit, cap, MAX_CONNECTIONS)
     app = create_app(args.db, synchronous=args.synchronous, ingest_rate=args.ingest_rate,
                      ingest_burst=args.ingest_burst, base_url=args.base_url, allowed_origins=args.allowed_origins,
-                     trust_proxy=_yes("trust-proxy", args.trust_proxy))
+                     trust_proxy=_yes("trust-proxy", args.trust_proxy),
+                     notify_allow_private=_yes("notify-allow-private", args.notify_allow_private),
+                     notify_allow=args.notify_allow or "")
     # The access log is off because ingest URLs carry credentials; Switchboard logs its own lines. uvicorn's
     # own lines go through the handler above (log_config=None), so they share its format.
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_config=None,
                             timeout_graceful_shutdown=30, timeout_keep_alive=KEEPALIVE_IDLE_SECONDS,
-                            limit_concurrency=MAX_CONNECTIONS, http=_HeaderDeadline)
+                            limit_concurrency=cap, backlog=backlog, http=_HeaderDeadline)
     shown_host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("switchboard %s: database %s, listening on http://%s:%d, board at %s/board/", VERSION,
              Path(args.db).resolve(), shown_host, args.port, (args.base_url or f"http://{shown_host}:{args.port}").rstrip("/"))

@@ -50,7 +50,14 @@ from switchboard.store.principals import (
     vend_endpoint,
 )
 from switchboard.store.quarantine import apply_quarantine_release, prepare_quarantine_release
-from switchboard.store.replay import apply_replays, decide_again, replay_events, replay_subjects, replay_summary
+from switchboard.store.replay import (
+    apply_replays,
+    decide_again,
+    replay_batches,
+    replay_events,
+    replay_subjects,
+    replay_summary,
+)
 from switchboard.store.routing import dry_run_rules, set_rules
 from switchboard.store.rules import get_rules
 from switchboard.store.todos import get_todo, list_todos
@@ -228,16 +235,37 @@ def _cli_events_replay(args: argparse.Namespace, db: Database) -> dict:
         raise ApiError("invalid_argument", "give EVENT or --webhook ID (not both)")
     dry_run = not args.apply
     if args.event is not None:
-        event_ids = [args.event]
+        events = [(args.event, 0)]
     else:
         fields = {k: v for k, v in (("disposition", args.disposition), ("kind", args.kind), ("since", args.since),
                                     ("until", args.until), ("limit", args.limit)) if v is not None}
-        event_ids = db.read_sync(replay_events, OPERATOR, args.webhook,
-                                 parse_model(ReplayMany, json.dumps({**fields, "dry_run": dry_run})))
+        events = db.read_sync(replay_events, OPERATOR, args.webhook,
+                              parse_model(ReplayMany, json.dumps({**fields, "dry_run": dry_run})))
+    results: list[dict] = []
     with _evaluator() as evaluator:
-        replays = decide_again(evaluator, db.read_sync(replay_subjects, OPERATOR, event_ids), None)
-    results = (db.read_sync if dry_run else db.write_sync)(apply_replays, OPERATOR, replays, dry_run)
-    return results[0] if args.event is not None else {**replay_summary(results), "dry_run": dry_run}
+        for batch in replay_batches(events):  # as the server does: a batch of bodies at a time
+            replays = decide_again(evaluator, db.read_sync(replay_subjects, OPERATOR, batch), None)
+            results += (db.read_sync if dry_run else db.write_sync)(apply_replays, OPERATOR, replays, dry_run)
+    answer = results[0] if args.event is not None else {**replay_summary(results), "dry_run": dry_run}
+    if not getattr(args, "json", False):  # people read first what it did (--json keeps the API's shape)
+        answer = {"result": _replay_wording(answer, args.event is not None), **answer}
+    return answer
+
+
+def _replay_wording(answer: dict, one: bool) -> str:
+    """What a replay did, or (a dry run, this command's default, unlike REST's) would do and that it did not."""
+    if one:
+        after = answer["after"]
+        where = f" to {after['queue']}" if after.get("queue") else ""
+        if answer["dry_run"]:
+            return (f"dry run, nothing changed: it would be {after['disposition']}{where} (now"
+                    f" {answer['before']['disposition']}) and create {len(answer['todos'])} todo(s); --apply acts")
+        return (f"replayed: {answer['before']['disposition']} -> {after['disposition']}{where},"
+                f" {answer['created']} todo(s) created")
+    if answer["dry_run"]:
+        return (f"dry run, nothing changed: {answer['changed']} of {answer['matched']} deliveries would change;"
+                f" --apply acts")
+    return f"replayed {answer['matched']} deliveries: {answer['changed']} changed, {answer['created']} todo(s) created"
 
 
 def _cli_notify_add(args: argparse.Namespace, db: Database) -> dict:
@@ -319,6 +347,9 @@ def _cli_backup(args: argparse.Namespace, db: Database) -> dict:
     """One file (OUT), or a dated file in --dir keeping the newest --keep of them."""
     if (args.out is None) == (args.dir is None):
         raise ApiError("invalid_argument", "give OUT.db or --dir DIR (not both)")
+    if args.keep is not None and args.keep < 1:
+        # --keep counts the backup this run makes: 0 would delete it and still name it.
+        raise ApiError("invalid_argument", f"--keep must be at least 1 (got {args.keep})")
     if args.dir is None:
         out = Path(args.out)
     else:

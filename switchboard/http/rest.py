@@ -22,8 +22,15 @@ from starlette.routing import Route
 
 from switchboard.configuration import INGEST_BUFFER_BYTES, MAX_DELIVERY_BYTES, MAX_REQUEST_BYTES, VERSION, ApiError
 from switchboard.envelope import lower_headers
-from switchboard.flows import Flows
-from switchboard.http.common import BodyBudget, JsonResponse, gone_future, read_capped, sse_response
+from switchboard.flows import EvaluationShed, Flows
+from switchboard.http.common import (
+    BodyBudget,
+    JsonResponse,
+    error_response,
+    gone_future,
+    read_capped,
+    sse_response,
+)
 from switchboard.http.streams import sse_frame
 from switchboard.models import (
     ClaimAnswer,
@@ -326,7 +333,11 @@ class Api:
         source = request.client.host if request.client else "unknown"
         webhook = await self.flows.open_webhook(request.path_params["token"], source)
         body = await read_capped(request, MAX_DELIVERY_BYTES, self.ingest_buffer)
-        status, answer = await self.flows.accept_delivery(webhook, lower_headers(request.headers.raw), body, source)
+        try:
+            status, answer = await self.flows.accept_delivery(webhook, lower_headers(request.headers.raw), body,
+                                                              source)
+        except EvaluationShed as shed:
+            return error_response(shed, {"Retry-After": str(shed.retry_after)})
         return JsonResponse(answer, status_code=status)
 
     async def metrics_text(self, request: Request) -> Response:

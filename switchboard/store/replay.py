@@ -10,14 +10,20 @@ from dataclasses import dataclass
 from switchboard.configuration import ApiError, to_ms
 from switchboard.crypto import new_id
 from switchboard.database import Txn
-from switchboard.envelope import envelope_title, stored_envelope
+from switchboard.envelope import envelope_document, envelope_record, envelope_title, payload_text, stored_envelope
 from switchboard.evaluator import Evaluator
 from switchboard.models import ReplayMany
 from switchboard.store.deliveries import EVENT_WITH_BODY, _create_planned_todo, plan_delivery
 from switchboard.store.principals import Principal
 from switchboard.store.routing import decide_for_webhook, gate, with_current_actor
+from switchboard.store.rules import rules_view
+from switchboard.store.todos import _json
 from switchboard.store.transitions import _transition, claim_once
 from switchboard.store.webhooks import _visible_webhook
+
+# Bytes of stored bodies a replay holds at once: a bulk replay reads, evaluates and applies its deliveries in
+# batches whose bodies add up to at most this (a larger body is a batch of its own), never all of them together.
+REPLAY_BATCH_BYTES = 16 << 20
 
 # -- replay: stored deliveries through the current rules ------------------------------------------------
 
@@ -35,17 +41,46 @@ def replay_subject(txn: Txn, principal: Principal, event_id: str) -> tuple[sqlit
     return event, webhook, with_current_actor(stored_envelope(event["envelope"], event["headers"], event["body"]), webhook)
 
 
-def replay_events(txn: Txn, principal: Principal, webhook_id: str, body: ReplayMany) -> list[str]:
+def replay_events(txn: Txn, principal: Principal, webhook_id: str, body: ReplayMany) -> list[tuple[str, int]]:
+    """The matching events of a webhook, newest first, each with its body's size (SQLite reads a blob's length
+    without reading the blob)."""
     principal.require_human("replaying deliveries")
     _visible_webhook(txn, principal, webhook_id, "replay")
-    sql, args = "SELECT id FROM events WHERE webhook_id = ?", [webhook_id]
-    for clause, value in (("disposition = ?", body.disposition), ("kind = ?", body.kind),
-                          ("received_at >= ?", to_ms(body.since) if body.since else None),
-                          ("received_at < ?", to_ms(body.until) if body.until else None)):
+    sql = ("SELECT e.id, coalesce(length(b.body), 0) AS size FROM events e"
+           " LEFT JOIN event_bodies b ON b.event_id = e.id WHERE e.webhook_id = ?")
+    args: list = [webhook_id]
+    for clause, value in (("e.disposition = ?", body.disposition), ("e.kind = ?", body.kind),
+                          ("e.received_at >= ?", to_ms(body.since) if body.since else None),
+                          ("e.received_at < ?", to_ms(body.until) if body.until else None)):
         if value is not None:
             sql += f" AND {clause}"
             args.append(value)
-    return [r["id"] for r in txn.all(sql + " ORDER BY received_at DESC, id DESC LIMIT ?", (*args, body.limit))]
+    rows = txn.all(sql + " ORDER BY e.received_at DESC, e.id DESC LIMIT ?", (*args, body.limit))
+    return [(r["id"], r["size"]) for r in rows]
+
+
+def replay_batches(events: list[tuple[str, int]]) -> list[list[str]]:
+    """Event ids (with their bodies' sizes), in order, cut into batches of at most REPLAY_BATCH_BYTES of bodies."""
+    batches: list[list[str]] = []
+    held = 0
+    for event_id, size in events:
+        if not batches or (held + size > REPLAY_BATCH_BYTES and batches[-1]):
+            batches.append([])
+            held = 0
+        batches[-1].append(event_id)
+        held += size
+    return batches
+
+
+@dataclass
+class ReplaySubject:
+    """A stored delivery ready to be decided again: the gate's decision when the gate stops it, else the envelope
+    as rules read it (its text only: the parsed envelope is dropped at once, so a batch holds about its bodies'
+    bytes). No document when the webhook has no rules (the default action needs none)."""
+    event_id: str
+    webhook: sqlite3.Row
+    gated: tuple[dict, dict] | None
+    document: bytes | None
 
 
 @dataclass
@@ -56,16 +91,23 @@ class Replay:
     trace: dict
 
 
-def decide_again(evaluator: Evaluator, subjects: list[tuple[str, sqlite3.Row, dict]], tenant: str | None
-                 ) -> list[Replay]:
-    """The current gate's and rules' decisions for stored deliveries (event id, webhook, envelope)."""
-    return [Replay(event_id, *(gate(envelope) or decide_for_webhook(evaluator, webhook, json.dumps(envelope).encode(),
-                                                                     tenant)))
-            for event_id, webhook, envelope in subjects]
+def decide_again(evaluator: Evaluator, subjects: list[ReplaySubject], tenant: str | None) -> list[Replay]:
+    """The current gate's and rules' decisions for stored deliveries."""
+    return [Replay(s.event_id, *(s.gated or decide_for_webhook(evaluator, s.webhook, s.document or b"", tenant)))
+            for s in subjects]
 
 
-def replay_subjects(txn: Txn, principal: Principal, event_ids: list[str]) -> list[tuple[str, sqlite3.Row, dict]]:
-    return [(event_id, *replay_subject(txn, principal, event_id)[1:]) for event_id in event_ids]
+def replay_subjects(txn: Txn, principal: Principal, event_ids: list[str]) -> list[ReplaySubject]:
+    subjects = []
+    for event_id in event_ids:
+        event, webhook, envelope = replay_subject(txn, principal, event_id)
+        gated = gate(envelope)
+        document = None
+        if gated is None and rules_view(webhook)["rules"]:
+            document = envelope_document(envelope_record(envelope), event["headers"],
+                                         payload_text(envelope["payload"], event["body"] or b"")).encode()
+        subjects.append(ReplaySubject(event_id, webhook, gated, document))
+    return subjects
 
 
 def apply_replays(txn: Txn, principal: Principal, replays: list[Replay], dry_run: bool) -> list[dict]:
@@ -74,13 +116,15 @@ def apply_replays(txn: Txn, principal: Principal, replays: list[Replay], dry_run
 
 def apply_replay(txn: Txn, principal: Principal, replay: Replay, dry_run: bool) -> dict:
     """Act on a replayed decision as a fresh delivery would, except that `once` claims hold (a subject already
-    routed to the queue is a repeat) and a todo the event already minted on a target is never minted again;
-    a held todo of the event is closed once its delivery routes. The event's first answer stays as it was."""
+    routed to the queue is a repeat) and a target the event already minted a todo on (wherever the todo went
+    since) is never minted again; a held todo of the event is closed once its delivery routes. The event's first
+    answer stays as it was."""
     event, webhook, envelope = replay_subject(txn, principal, replay.event_id)
     plan = plan_delivery(txn, webhook, envelope, replay.action, replay.trace)
     minted = txn.all("SELECT * FROM todos WHERE event_id = ?", (event["id"],))
-    known = {(m["endpoint_id"], m["queue"]) for m in minted}
-    fresh = [t for t in plan.targets if (t[0], t[1]) not in known]
+    covered = _covered_targets(txn, event, minted)
+    fresh = [] if covered is None else [t for t in plan.targets
+                                        if (t[0], t[1]) not in covered and (None, t[1]) not in covered]
     before = {"disposition": event["disposition"]}
     after = {"disposition": plan.disposition, "queue": plan.targets[0][1] if plan.targets else None,
              "rule_id": replay.trace.get("rule_id"), "stage": replay.trace["stage"]}
@@ -104,6 +148,35 @@ def apply_replay(txn: Txn, principal: Principal, replay: Replay, dry_run: bool) 
                            len(todos)))
     txn.logs.append(f"delivery {event['id']} replayed by {principal.actor}: {plan.disposition}, {len(todos)} todos")
     return {**answer, "todos": todos, "created": len(todos)}
+
+
+# A move a human made: a reroute (its evidence names the queue it left) or a release from hold.
+_MOVES = ("SELECT todo_id, from_state, json_extract(evidence, '$.from_queue') AS from_queue FROM todo_history"
+          " WHERE todo_id IN (SELECT id FROM todos WHERE event_id = ?) AND (json_extract(evidence, '$.from_queue')"
+          " IS NOT NULL OR (from_state = 'quarantined' AND to_state = 'pending')) ORDER BY id")
+
+
+def _covered_targets(txn: Txn, event: sqlite3.Row, minted: list[sqlite3.Row]) -> set[tuple[str | None, str]] | None:
+    """The (endpoint, queue) targets the event's todos cover: where each was minted, wherever a human moved it
+    since, and where it is now. A todo minted by the delivery itself names its target in the event's first
+    answer; one minted later and since rerouted left the queue its reroute names, from the endpoint its trace
+    names when it names one (else it covers that queue on every endpoint: `None`). None when a human released
+    one of them from hold: the release routed the delivery, so its work is placed and no target gets another."""
+    first = {t["id"]: (t["endpoint_id"], t["queue"]) for t in (_json(event["outcome"]) or {}).get("todos", [])}
+    left: dict[str, str] = {}
+    for move in txn.all(_MOVES, (event["id"],)):
+        if move["from_state"] == "quarantined" and move["from_queue"] is None:
+            return None
+        left.setdefault(move["todo_id"], move["from_queue"])
+    covered: set[tuple[str | None, str]] = set()
+    for todo in minted:
+        covered.add((todo["endpoint_id"], todo["queue"]))
+        if todo["id"] in first:
+            covered.add(first[todo["id"]])
+        elif todo["id"] in left:
+            named = (_json(todo["trace"]) or {}).get("endpoints") or []
+            covered.add((named[0] if len(named) == 1 else None, left[todo["id"]]))
+    return covered
 
 
 def replay_summary(results: list[dict]) -> dict:

@@ -39,12 +39,13 @@ def gate(envelope: dict) -> tuple[dict, dict] | None:
 
 
 def decide(evaluator: Evaluator, rules: list[dict], default: dict | None, params: dict, fallback_queue: str,
-           doc: bytes, tenant: str | None = None) -> tuple[dict, dict]:
-    """The action for one envelope and the trace saying why. No rules: the child is never touched."""
+           doc: bytes, tenant: str | None = None, until: float | None = None) -> tuple[dict, dict]:
+    """The action for one envelope and the trace saying why. No rules: the child is never touched. `until`
+    bounds the wait for a child (Evaluator.run)."""
     fallback = default or {"queue": fallback_queue}
     if not rules:
         return fallback, {"stage": "default", "cause": "no_rules", "action": fallback}
-    result = evaluator.run([r["expr"] for r in rules], params, doc, tenant)
+    result = evaluator.run([r["expr"] for r in rules], params, doc, tenant, until)
     if "match" in result:
         rule = rules[result["match"]]
         return rule["action"], {"stage": "rule", "rule_index": result["match"], "rule_id": rule["id"],
@@ -59,11 +60,11 @@ def decide(evaluator: Evaluator, rules: list[dict], default: dict | None, params
                     "action": action, "faults": [fault]}
 
 
-def decide_for_webhook(evaluator: Evaluator, webhook: sqlite3.Row, doc: bytes, tenant: str | None = None
-                       ) -> tuple[dict, dict]:
+def decide_for_webhook(evaluator: Evaluator, webhook: sqlite3.Row, doc: bytes, tenant: str | None = None,
+                       until: float | None = None) -> tuple[dict, dict]:
     stored = rules_view(webhook)
     return decide(evaluator, stored["rules"], stored["default_action"], stored["params"], webhook["queue"], doc,
-                  tenant)
+                  tenant, until)
 
 
 def _first_faulting_rule(evaluator: Evaluator, rules: list[dict], params: dict, doc: bytes,
