@@ -166,6 +166,18 @@ def actors_to_trust(envelope: dict, trusted_actors: dict) -> list[str]:
     return [n for n in dict.fromkeys(names) if n]
 
 
+def untrusted_names(envelope: dict, trusted_actors: dict | None) -> list[str]:
+    """Of actors_to_trust, those the list does not name yet (logins compare ASCII case-insensitively): what
+    "trust this actor" would add."""
+    if not trusted_actors or trusted_actors.get("allow_all"):
+        return []
+    if "actor_ids" in trusted_actors:
+        known, fold = set(trusted_actors["actor_ids"]), (lambda name: name)
+    else:
+        known, fold = {n.translate(ASCII_FOLD) for n in trusted_actors["logins"]}, (lambda n: n.translate(ASCII_FOLD))
+    return [n for n in actors_to_trust(envelope, trusted_actors) if fold(n) not in known]
+
+
 def artifact_view(payload: Any) -> dict | None:
     data = _get(payload, "data")
     if not isinstance(data, dict) or not isinstance(data.get("id"), str):
@@ -193,26 +205,31 @@ def _deeper_than(value: Any, limit: int) -> bool:
 def decode_payload(headers: dict[str, str], body: bytes) -> tuple[Any, str | None]:
     """The body as one JSON value, or None and why not. GitHub's form encoding (its default content type)
     carries the JSON in the `payload` field; the signature covers the raw form bytes, verified before this."""
+    return parse_payload(headers, body)[:2]
+
+
+def parse_payload(headers: dict[str, str], body: bytes) -> tuple[Any, str | None, str | None]:
+    """decode_payload, with the parser's own words when the body gives no payload (shown to the human)."""
     media_type = headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type == "application/x-www-form-urlencoded":
         try:
             fields = urllib.parse.parse_qs(body, keep_blank_values=True, strict_parsing=True, max_num_fields=64)
-        except ValueError:
-            return None, "bad_form"
+        except ValueError as exc:
+            return None, "bad_form", f"not a form: {exc}"
         if len(fields.get(b"payload", ())) != 1:
-            return None, "form_without_payload"
+            return None, "form_without_payload", "a form without exactly one payload field"
         body = fields[b"payload"][0]
     if not body.strip():
-        return None, "empty"
+        return None, "empty", "the body is empty"
     try:
         payload = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
-        return None, "too_deep"
-    except ValueError:
-        return None, "not_json"
+        return None, "too_deep", f"JSON nested deeper than {MAX_PAYLOAD_DEPTH} levels"
+    except ValueError as exc:
+        return None, "not_json", f"not JSON: {exc}"
     if body.count(b"[") + body.count(b"{") > MAX_PAYLOAD_DEPTH and _deeper_than(payload, MAX_PAYLOAD_DEPTH):
-        return None, "too_deep"
-    return payload, None
+        return None, "too_deep", f"JSON nested deeper than {MAX_PAYLOAD_DEPTH} levels"
+    return payload, None, None
 
 
 def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified: bool, headers: dict[str, str],

@@ -45,6 +45,9 @@ MIGRATIONS: dict[int, Migration] = {
         "release 3: the global index of leases goes (the per-endpoint one serves the reaper too, over the few"
         " claimed todos), so a claim and a completion each write one page fewer",
         before=("DROP INDEX IF EXISTS todos_lapsed",)),
+    4: Migration(
+        "webhooks gain a name their human may set (existing webhooks have none until then)",
+        rebuild=("webhooks",)),
 }
 
 # Columns that moved to a table of their own: (table, column) -> (new table, the copy). Whichever migration first

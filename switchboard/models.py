@@ -243,12 +243,22 @@ class TrustedActorsArgs(Body):
     trusted_actors: TrustLogins | TrustActorIds | TrustAll
 
 
+# A webhook's name, for the human telling two of the same provider and queue apart ("github → hold" twice).
+WebhookName = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=ONE_LINE)]
+
+
 class WebhookCreate(Body):
     provider: Literal[PROVIDERS]
     queue: QueueName
     secret: PrintableSecret | None = None
     endpoint_id: EndpointId | None = None
     trusted_actors: TrustLogins | TrustActorIds | TrustAll | None = None
+    name: WebhookName | None = None
+
+
+class WebhookUpdate(Body):
+    """What a webhook's human may change in place: its name (null clears it)."""
+    name: WebhookName | None
 
 
 class WebhookSecret(Body):

@@ -71,6 +71,8 @@ CREATE TABLE IF NOT EXISTS webhooks (
                                   OR (json_valid(trusted_actors) AND json_type(trusted_actors) = 'object')),
     -- When the producer last proved it holds the secret with a ping (GitHub's first delivery).
     pinged_at         INTEGER,
+    -- A name its human chose, to tell apart webhooks of the same provider and queue (NULL: none yet).
+    name              TEXT CHECK (name IS NULL OR length(name) BETWEEN 1 AND 64),
     CHECK ((provider IN ('github', 'gitea', 'cairn')) = (trusted_actors IS NOT NULL)),
     CHECK ((trust_mode = 'token') = (provider = 'generic')),
     CHECK (provider <> 'generic' OR secret_sealed IS NULL)

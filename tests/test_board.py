@@ -225,7 +225,7 @@ def test_scripts_off_the_whole_loop_is_post_redirect_get_through_the_store(clien
     _, held = held_delivery(world, alice, lane)
     sign_in(client, alice)
     inbox = client.get("/board").text
-    for needle in ("Which disk?", "did it", "boom", "untrusted_actor", "Trust this actor and release"):
+    for needle in ("Which disk?", "did it", "boom", "untrusted_actor", "Trust alice-agent and release"):
         assert needle in inbox, needle
     assert re.search(r'data-count="held">1<', inbox) and re.search(r'data-count="review">1<', inbox)
 
@@ -243,8 +243,9 @@ def test_scripts_off_the_whole_loop_is_post_redirect_get_through_the_store(clien
         assert seen["state"] == wanted and seen["history"][-1]["actor"] == f"human:{alice.id}", seen
     assert state_of(world, alice, question["id"])["answer"] == "sdb"
     assert state_of(world, alice, held)["queue"] == "lane-s"
-    conflict = post(client, f"/board/todos/{held}/discard", back="/board")
-    assert conflict.status_code == 303 and "cannot discard a todo that is pending" in client.get("/board").text
+    conflict = post(client, f"/board/todos/{held}/discard", back="/board/inbox/held")
+    assert conflict.status_code == 409 and "cannot discard a todo that is pending" in conflict.text
+    assert 'href="/board/inbox/held">Back to the page you were on' in conflict.text
 
 
 def test_trust_this_actor_and_release_adds_the_actor(client, world, alice, lane):
@@ -269,14 +270,14 @@ def test_a_second_human_sees_none_of_the_first_ones_work(client, world, alice, l
                  f"/board/deliveries/{state_of(world, alice, held)['event_id']}", f"/board/endpoints/{lane.id}/revoke"):
         assert client.get(path).status_code == 404, path
     token = csrf(client)
-    assert post(client, f"/board/todos/{review['id']}/approve", token=token).status_code == 303
-    assert post(client, f"/board/endpoints/{lane.id}/revoke", token=token, confirm="yes").status_code == 303
-    assert post(client, f"/board/webhooks/{hook['id']}/rotate", token=token).status_code == 303
+    approve = post(client, f"/board/todos/{review['id']}/approve", token=token)
+    revoke = post(client, f"/board/endpoints/{lane.id}/revoke", token=token, confirm="yes")
+    rotate = post(client, f"/board/webhooks/{hook['id']}/rotate", token=token)
+    assert [approve.status_code, revoke.status_code, rotate.status_code] == [404] * 3
     assert state_of(world, alice, review["id"])["state"] == "review"
     assert world.client.get("/api/v1/me", headers=lane.auth).status_code == 200, "alice's endpoint still works"
-    notices = client.get("/board").text
-    assert f"no todo {review['id']}" in notices and f"no endpoint {lane.id}" in notices
-    assert f"no webhook {hook['id']}" in notices
+    assert f"no todo {review['id']}" in approve.text and f"no endpoint {lane.id}" in revoke.text
+    assert f"no webhook {hook['id']}" in rotate.text
 
 
 def test_producer_text_is_escaped_everywhere(client, world, alice, lane):
@@ -362,12 +363,12 @@ def test_vend_shows_the_token_once_and_revoke_asks_first(client, world, alice):
     endpoint_id = re.search(r"/board/endpoints/(ep_[0-9a-f]+)/revoke", page).group(1)
     confirm = client.get(f"/board/endpoints/{endpoint_id}/revoke")
     assert confirm.status_code == 200 and "cannot be undone" in confirm.text
-    assert post(client, f"/board/endpoints/{endpoint_id}/revoke").status_code == 303, "no confirm: a notice"
+    assert post(client, f"/board/endpoints/{endpoint_id}/revoke").status_code == 400, "no confirm: refused"
     assert world.client.get("/api/v1/me", headers={"Authorization": f"Bearer {token}"}).status_code == 200
     assert post(client, f"/board/endpoints/{endpoint_id}/revoke", confirm="yes").status_code == 303
     assert world.client.get("/api/v1/me", headers={"Authorization": f"Bearer {token}"}).status_code == 401
     bad = post(client, "/board/endpoints/vend", name="x", queues="quarantine")
-    assert bad.status_code == 303 and "reserved" in client.get("/board/endpoints").text
+    assert bad.status_code == 400 and "reserved" in bad.text
 
 
 def test_queues_show_counts_running_work_and_connected_sessions(client, world, alice, lane):

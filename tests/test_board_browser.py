@@ -338,6 +338,72 @@ def test_the_inbox_updates_live_without_a_reload(page, site):
     assert page.evaluate("window.__same_page") is True, "updated in place, not reloaded"
 
 
+def test_trusting_names_the_login_and_the_banner_says_what_the_rules_then_did(page, site):
+    """Issue 25 (1, 2) and 26: the button names whom it trusts, the Release list offers the webhook's own queues
+    with the rules deciding unless the human picks one, and after a trusted release that the rules drop, the
+    actor is trusted all the same and the banner says so."""
+    hook = make_webhook(site.http, site.alice, site.router.id, "github", "triage",
+                        trusted_actors={"logins": ["alice"]})
+    assert add_route(site.http, site.alice.auth, hook["id"], site.lane.id).status_code == 201
+    rules = {"rules": [{"id": "drop-everything", "expr": "true", "action": {"drop": True}}]}
+    assert site.http.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=site.alice.auth, json=rules).status_code == 200
+    raw, headers = producers.github("issues.opened", hook["secret"])
+    held = post_delivery(site.http, hook, raw, headers).json()["todos"][0]["id"]
+    sign_in(page, site.alice)
+    card = item(page, held)
+    release_to = card.get_by_label("Release to")
+    assert release_to.input_value() == "" and release_to.locator("option:checked").inner_text().startswith(
+        "the rules decide")
+    assert release_to.locator("option").evaluate_all("options => options.map(o => o.value)") == [
+        "", "lane-s", "triage"], "only the queues this webhook's targets take"
+    card.get_by_role("button", name="Trust Codertocat and release").click()
+    page.wait_for_url("**/board")
+    assert page.locator(".notice").inner_text().startswith(
+        "Trusted Codertocat; the rules dropped it: rule drop-everything")
+    trusted = site.http.get(f"/api/v1/webhooks/{hook['id']}", headers=site.alice.auth).json()["trusted_actors"]
+    assert trusted["logins"] == ["alice", "Codertocat"]
+    assert site.todo(site.alice, held)["state"] == "done"
+
+
+def test_on_a_phone_the_queues_and_deliveries_tables_cut_nothing_off(browser, site):
+    """Issue 25 (5) at 390 px: the page never scrolls sideways; the queues' counts scroll inside their box with
+    the queue column staying in view, every column reachable; each delivery is a card with every field in view."""
+    wide = site.endpoint(site.alice, "many-lanes", ["alpha-lane", "beta-lane", "gamma-lane"])
+    hook = make_webhook(site.http, site.alice, wide.id, "github", "alpha-lane")
+    for event in ("issues.opened", "pull_request.opened"):
+        assert post_delivery(site.http, hook, *producers.github(event, hook["secret"])).status_code == 202
+    context = browser.new_context(viewport=PHONE, base_url=site.url)
+    phone = context.new_page()
+    try:
+        sign_in(phone, site.alice)
+        phone.goto("/board/queues")
+        assert phone.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
+        box = phone.locator("section.endpoint").filter(has_text="many-lanes").locator(".table-wrap")
+        assert box.evaluate("el => el.scrollWidth > el.clientWidth"), "10 columns do not fit 390 px: they scroll"
+        box.evaluate("el => { el.scrollLeft = el.scrollWidth; }")
+        edge = box.bounding_box()
+        for cell in box.locator("tr > :first-child").all():
+            shown = cell.bounding_box()
+            assert shown["x"] >= edge["x"] - 1 and shown["width"] > 30, "the queue column stays in view"
+            assert cell.inner_text() in ("QUEUE", "alpha-lane", "beta-lane", "gamma-lane")
+        last = box.locator("thead th").last.bounding_box()
+        assert last["x"] + last["width"] <= edge["x"] + edge["width"] + 1, "the last column can be reached"
+        phone.goto(f"/board/webhooks/{hook['id']}/deliveries")
+        assert phone.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
+        rows = phone.locator("table.deliveries tbody tr")
+        assert rows.count() == 2
+        for row in rows.all():
+            for cell in row.locator("th, td").all():
+                shown = cell.bounding_box()
+                assert shown is not None and shown["width"] > 0, cell.inner_text()
+                assert shown["x"] >= 0 and shown["x"] + shown["width"] <= PHONE["width"], cell.inner_text()
+        texts = "\n".join(rows.all_inner_texts())
+        assert "pull_request.opened · Codertocat/Hello-World#2 · Update the README with new information." in texts
+        assert "issues.opened · Codertocat/Hello-World#1 · Spelling error in the README file" in texts
+    finally:
+        context.close()
+
+
 def test_screenshots_of_the_inbox_a_todo_and_the_rules_editor(browser, site, tmp_path):
     """docs/board-*.png, desktop (1280 wide) and phone (390 wide), for people to look at: a human of their own
     with one of each kind of waiting work. Taken into a temporary directory, so that a test run leaves the

@@ -43,6 +43,7 @@ from switchboard.board.queries import (
     board_delivery,
     board_endpoints,
     board_inbox,
+    board_names,
     board_queues,
     board_session,
     board_sign_in,
@@ -70,6 +71,7 @@ from switchboard.models import (
     RuleSet,
     RulesTest,
     TrustedActors,
+    WebhookUpdate,
     parse_model,
 )
 from switchboard.providers import _reject_constant
@@ -77,7 +79,7 @@ from switchboard.store.outbox import add_channel, list_channels, remove_channel
 from switchboard.store.principals import vend_endpoint
 from switchboard.store.transitions import revoke_endpoint
 from switchboard.store.upkeep import HUMAN_ACTIONS
-from switchboard.store.webhooks import add_route, remove_route, rotate_webhook, set_trusted_actors
+from switchboard.store.webhooks import add_route, remove_route, rotate_webhook, set_trusted_actors, update_webhook
 
 # -- rendering helpers ---------------------------------------------------------------------------------------
 
@@ -128,9 +130,47 @@ def _ago(ms: int | None, now: int) -> str:
 def _cursor(text: str | None) -> tuple[int, str] | None:
     """A page cursor `<ms>.<id>`; anything else is the first page."""
     stamp, _, ident = (text or "").partition(".")
-    if not stamp.isdigit() or not re.fullmatch(r"[a-z]{2}_[0-9a-f]{1,64}", ident):
+    if not re.fullmatch(r"[0-9]{1,15}", stamp) or not re.fullmatch(r"[a-z]{2}_[0-9a-f]{1,64}", ident):
         return None
     return int(stamp), ident
+
+
+def _form_int(value: str) -> int | str:
+    """A form field meant as a whole number: the number when it is plain ASCII digits, else the text itself,
+    which the model then refuses as REST would (`²` and `٣` are digits to str.isdigit, not to int or JSON)."""
+    value = value.strip()
+    return int(value) if re.fullmatch(r"[0-9]{1,18}", value) else value
+
+
+def _who(names: dict[str, str], actor: Any) -> str:
+    """An actor (`human:hu_…`, `endpoint:ep_…`) or an id as its name, where the page knows it."""
+    if not isinstance(actor, str):
+        return "" if actor is None else str(actor)
+    kind, _, ident = actor.partition(":")
+    if ident and kind in ("human", "endpoint"):
+        return names.get(ident, actor)
+    return names.get(actor, actor)
+
+
+def _release_notice(done: dict) -> str:
+    """What a release did, in one line: "Trusted codertocat; the rules dropped it: rule drop-everything"."""
+    evidence = ((done.get("history") or [{}])[-1].get("evidence") or {})
+    trace = done.get("trace") or {}
+    rule = trace.get("rule_name") or trace.get("rule_id")
+    why = f": rule {rule}" if rule else f" ({trace['hold'] or trace.get('cause')})" if trace.get("hold") else ""
+    disposition = evidence.get("disposition", "routed" if done["state"] == "pending" else None)
+    trusted = ", ".join(evidence.get("trusted") or [])
+    if disposition == "routed":
+        what = f"released to {done['queue']}: {done['title']}"
+    elif disposition == "quarantined":
+        what = f"the rules hold it again{why}; it stays in your inbox"
+    elif disposition == "repeat":
+        what = f"the rules found it a repeat (its subject already went to that queue once){why}"
+    else:
+        what = f"the rules {disposition or 'closed'} it{why}"
+    if trusted:
+        return f"Trusted {trusted}; {what}"
+    return what[0].upper() + what[1:] if disposition == "routed" else f"Released; {what}"
 
 
 class BoardPage(Response):
@@ -222,6 +262,7 @@ class Board:
             Route("/webhooks/{webhook_id}/deliveries", page(self.deliveries)),
             Route("/webhooks/{webhook_id}/rules", act(self.rules), methods=["POST"]),
             Route("/webhooks/{webhook_id}/rotate", act(self.rotate), methods=["POST"]),
+            Route("/webhooks/{webhook_id}/name", act(self.rename), methods=["POST"]),
             Route("/webhooks/{webhook_id}/trusted-actors", act(self.trusted_actors), methods=["POST"]),
             Route("/webhooks/{webhook_id}/routes", act(self.add_route), methods=["POST"]),
             Route("/webhooks/{webhook_id}/routes/{endpoint_id}/remove", act(self.remove_route), methods=["POST"]),
@@ -296,9 +337,11 @@ class Board:
     def render(self, request: Request, template: str, session: BoardSession | None, status: int = 200,
                **context: Any) -> Response:
         notices = self.notices.pop(session.key, []) if session else []
+        names = context.pop("names", None) or {}
         html = self.templates.get_template(template).render(
             request_path=request.url.path, session=session, notices=notices, now=self.db.clock.now_ms(),
-            ago=lambda value: _ago(_as_ms(value), self.db.clock.now_ms()), **context)
+            ago=lambda value: _ago(_as_ms(value), self.db.clock.now_ms()), who=lambda actor: _who(names, actor),
+            **context)
         return BoardPage(html, status_code=status)
 
     def back(self, form: dict[str, str], default: str) -> RedirectResponse:
@@ -309,7 +352,8 @@ class Board:
     async def page_data(self, session: BoardSession, fn: Callable, *args: Any) -> dict:
         """A page's data and the navigation's counts, read in one transaction."""
         def both(txn: Txn) -> dict:
-            return {**fn(txn, session.principal, *args), "live": board_counts(txn, session.principal)}
+            return {"names": board_names(txn, session.principal), **fn(txn, session.principal, *args),
+                    "live": board_counts(txn, session.principal)}
         return await self.db.read(both)
 
     def _page(self, handler: Callable) -> Callable:
@@ -351,15 +395,28 @@ class Board:
             try:
                 return await handler(request, session, form)
             except ApiError as error:
-                self.notice(session, error.message, "error")
-                return self.back(form, "/board")
+                # Refused (bad input, a conflict, an id that is not the human's): a 4xx page saying why, with the
+                # way back to the page the form was on. Nothing changed.
+                return await self._error_page(request, session, error, self._came_from(request, form))
         return endpoint
 
-    async def _error_page(self, request: Request, session: BoardSession | None, error: ApiError) -> Response:
-        titles = {404: "Not found", 403: "Not allowed", 409: "Conflict", 400: "Not accepted"}
+    def _came_from(self, request: Request, form: dict) -> str:
+        """The Board page a form was posted from: its `back` field, else the Referer's path on this server."""
+        target = form.get("back", "")
+        if not (_BOARD_BACK.match(target) and "//" not in target):
+            referer = urllib.parse.urlsplit(request.headers.get("referer", ""))
+            target = referer.path + (f"?{referer.query}" if referer.query else "")
+            if f"{referer.scheme}://{referer.netloc}".lower() not in self._origins(request):
+                target = ""
+        return target if _BOARD_BACK.match(target) and "//" not in target else "/board"
+
+    async def _error_page(self, request: Request, session: BoardSession | None, error: ApiError,
+                          back: str | None = None) -> Response:
+        titles = {404: "Not found", 403: "Not allowed", 409: "Conflict", 400: "Not accepted", 413: "Too large",
+                  429: "Too many requests", 503: "Unavailable"}
         live = await self.db.read(board_counts, session.principal) if session else None
         return self.render(request, "error.html", session, error.status, title=titles.get(error.status, "Error"),
-                           message=error.message, live=live)
+                           message=error.message, live=live, back=back)
 
     async def not_found(self, request: Request, session: BoardSession) -> Response:
         raise ApiError("not_found", f"there is no Board page at {request.url.path}")
@@ -449,18 +506,31 @@ class Board:
         data = await self.page_data(session, board_todo, request.path_params["todo_id"])
         return self.render(request, "todo.html", session, **data)
 
+    def failed_checks(self, webhook_id: str) -> dict:
+        """A webhook's failed signature checks in the last day. They are refused with 401 and never stored; the
+        server remembers the latest few of each webhook (for the repeated-failures alert) since it started, so
+        past that many the count reads "or more"."""
+        recent = self.flows.failed_checks.get(webhook_id, ())
+        now = time.monotonic()
+        count = sum(1 for at in recent if now - at <= 86_400)
+        kept = getattr(recent, "maxlen", None) or 0
+        return {"count": count, "at_least": bool(kept) and count >= kept, "kept": kept or "few"}
+
     async def webhooks(self, request: Request, session: BoardSession) -> Response:
         data = await self.page_data(session, board_webhooks)
+        for webhook in data["webhooks"]:
+            webhook["failed_checks"] = self.failed_checks(webhook["id"])
         return self.render(request, "webhooks.html", session, **data)
 
     async def webhook(self, request: Request, session: BoardSession, *, status: int = 200,
                       editor: str | None = None, dry: dict | None = None, form: dict | None = None) -> Response:
         webhook_id = request.path_params["webhook_id"]
         data = await self.page_data(session, board_webhook, webhook_id)
+        data["webhook"]["failed_checks"] = self.failed_checks(webhook_id)
         rules = data["rules"]
         document = {"rules": rules["rules"], "default_action": rules["default_action"], "params": rules["params"]}
         return self.render(request, "webhook.html", session, status, editor=editor or pretty_json(document),
-                           dry=dry or {}, form=form or {}, **data)
+                           dry=dry or {}, form=form or {}, shed=self.flows.shed.get(webhook_id), **data)
 
     async def deliveries(self, request: Request, session: BoardSession) -> Response:
         query = request.query_params
@@ -497,19 +567,21 @@ class Board:
         """One human action on a todo, through the very function REST runs for it."""
         todo_id, action = request.path_params["todo_id"], request.path_params["action"]
         principal = session.principal
+        # The form's fields as the JSON body REST would get (blank ones left out), through the same model.
         fields = {k: v for k, v in form.items() if k not in ("csrf", "back", "trust_actor") and v.strip()}
         if action == "release":
-            body = parse_model(ReleaseQuarantine, {**fields, "trust_actor": form.get("trust_actor") == "1"})
+            body = parse_model(ReleaseQuarantine, json.dumps({**fields, "trust_actor": form.get("trust_actor") == "1"}))
             done = await self.flows.release_quarantined(principal, todo_id, body)
-        elif action in HUMAN_ACTIONS:
-            model, fn = HUMAN_ACTIONS[action]
-            done = await self.db.write(fn, principal, todo_id, parse_model(model, fields))
-        else:
+            self.notice(session, _release_notice(done), todo_id=done["id"])
+            return self.back(form, f"/board/todos/{todo_id}")
+        if action not in HUMAN_ACTIONS:
             raise ApiError("not_found", f"no action {action}")
-        verb = {"release": "Released", "approve": "Approved", "request-changes": "Sent back for changes",
-                "answer": "Answered", "retry": "Retrying", "reroute": "Rerouted", "cancel": "Cancelled",
-                "discard": "Discarded", "resume": "Resumed", "undefer": "Undeferred", "defer": "Deferred"}[action]
-        where = f" to {done['queue']}" if action in ("release", "reroute") and done["state"] == "pending" else ""
+        model, fn = HUMAN_ACTIONS[action]
+        done = await self.db.write(fn, principal, todo_id, parse_model(model, json.dumps(fields)))
+        verb = {"approve": "Approved", "request-changes": "Sent back for changes", "answer": "Answered",
+                "retry": "Retrying", "reroute": "Rerouted", "cancel": "Cancelled", "discard": "Discarded",
+                "resume": "Resumed", "undefer": "Undeferred", "defer": "Deferred"}[action]
+        where = f" to {done['queue']}" if action == "reroute" and done["state"] == "pending" else ""
         self.notice(session, f"{verb}{where}: {done['title']}", todo_id=done["id"])
         return self.back(form, f"/board/todos/{todo_id}")
 
@@ -531,10 +603,10 @@ class Board:
                                       dry={"error": error.message})
         try:
             if form.get("do") == "dry-run":
-                result = await self.flows.dry_run(session.principal, webhook_id,
-                                                  parse_model(RulesTest, {**document, **self._test_subject(form)}))
+                result = await self.flows.dry_run(session.principal, webhook_id, parse_model(
+                    RulesTest, json.dumps({**document, **self._test_subject(form)})))
                 return await self.webhook(request, session, editor=editor, form=form, dry={"result": result})
-            await self.flows.set_rules(session.principal, webhook_id, parse_model(RuleSet, document))
+            await self.flows.set_rules(session.principal, webhook_id, parse_model(RuleSet, json.dumps(document)))
         except ApiError as error:
             if error.status == 404:
                 raise
@@ -580,30 +652,42 @@ class Board:
             document = {"actor_ids": names}
         else:
             document = {"logins": names, "match": form.get("match") or "sender"}
-        await self.db.write(set_trusted_actors, session.principal, webhook_id, parse_model(TrustedActors, document))
+        await self.db.write(set_trusted_actors, session.principal, webhook_id,
+                            parse_model(TrustedActors, json.dumps(document)))
         self.notice(session, "Trusted actors saved.")
         return RedirectResponse(f"/board/webhooks/{webhook_id}#trust", status_code=303)
 
     async def add_route(self, request: Request, session: BoardSession, form: dict) -> Response:
         webhook_id = request.path_params["webhook_id"]
-        body = parse_model(RouteAdd, {"endpoint_id": form.get("endpoint_id", "").strip()})
+        body = parse_model(RouteAdd, json.dumps({"endpoint_id": form.get("endpoint_id", "").strip()}))
         await self.db.write(add_route, session.principal, webhook_id, body)
-        self.notice(session, f"Deliveries now also go to {body.endpoint_id}.")
+        names = await self.db.read(board_names, session.principal)
+        self.notice(session, f"Deliveries now also go to {names.get(body.endpoint_id, body.endpoint_id)}.")
         return RedirectResponse(f"/board/webhooks/{webhook_id}#routes", status_code=303)
 
     async def remove_route(self, request: Request, session: BoardSession, form: dict) -> Response:
         webhook_id, endpoint_id = request.path_params["webhook_id"], request.path_params["endpoint_id"]
         await self.db.write(remove_route, session.principal, webhook_id, endpoint_id)
-        self.notice(session, f"Route to {endpoint_id} removed.")
+        names = await self.db.read(board_names, session.principal)
+        self.notice(session, f"Route to {names.get(endpoint_id, endpoint_id)} removed.")
         return RedirectResponse(f"/board/webhooks/{webhook_id}#routes", status_code=303)
+
+    async def rename(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """Name a webhook (a blank name clears it), through the model PATCH /api/v1/webhooks/{id} takes."""
+        webhook_id = request.path_params["webhook_id"]
+        body = parse_model(WebhookUpdate, json.dumps({"name": form.get("name", "").strip() or None}))
+        await self.db.write(update_webhook, session.principal, webhook_id, body)
+        self.notice(session, f"Named {body.name}." if body.name else "Name cleared.")
+        return self.back(form, f"/board/webhooks/{webhook_id}")
 
     async def vend(self, request: Request, session: BoardSession, form: dict) -> Response:
         lease = form.get("default_lease_seconds", "").strip()
         spec = {"name": form.get("name", "").strip(), "queues": re.split(r"[\s,]+", form.get("queues", "").strip()),
                 "verbs": [form.get("verbs") or "drain"]}
         if lease:
-            spec["default_lease_seconds"] = int(lease) if lease.isdigit() else lease
-        made = await self.db.write(vend_endpoint, session.principal.human_id, parse_model(EndpointCreate, spec))
+            spec["default_lease_seconds"] = _form_int(lease)
+        made = await self.db.write(vend_endpoint, session.principal.human_id,
+                                   parse_model(EndpointCreate, json.dumps(spec)))
         base = (self.api.base_url or str(request.base_url)).rstrip("/")
         self.notice(session, f"Endpoint {made['name']} vended. Copy its token now; it is not shown again.", "token",
                     token=made["token"], endpoint_id=made["id"], base=base, queues=made["queues"])
@@ -613,24 +697,34 @@ class Board:
         """Evaluate a stored delivery under the current rules: a dry run, or (with apply) act on it."""
         event_id = request.path_params["event_id"]
         result = await self.flows.replay_one(session.principal, event_id, ReplayOne(dry_run=form.get("apply") != "yes"))
-        verb = "would be" if result["dry_run"] else "is now"
-        self.notice(session, f"Replayed under the current rules: was {result['before']['disposition']}, {verb}"
-                             f" {result['after']['disposition']}"
-                             f"{' to ' + result['after']['queue'] if result['after']['queue'] else ''}"
-                             f" ({'would create' if result['dry_run'] else 'created'} {len(result['todos'])} todo(s)).")
+        before, after = result["before"]["disposition"], result["after"]
+        where = f" to {after['queue']}" if after["queue"] else ""
+        if result["dry_run"]:
+            self.notice(session, f"Checked, nothing changed: under the current rules this delivery (now {before})"
+                                 f" would be {after['disposition']}{where} and would create {len(result['todos'])}"
+                                 f" todo(s). Press Replay this delivery to act on it.")
+        else:
+            self.notice(session, f"Replayed under the current rules: was {before}, is now {after['disposition']}"
+                                 f"{where} (created {len(result['todos'])} todo(s)).")
         return RedirectResponse(f"/board/deliveries/{event_id}", status_code=303)
 
     async def replay_webhook(self, request: Request, session: BoardSession, form: dict) -> Response:
         """Replay a webhook's stored deliveries in bulk: a dry run by default, answered with the transitions."""
         webhook_id = request.path_params["webhook_id"]
         fields = {k: form[k].strip() for k in ("disposition", "kind", "since", "until") if form.get(k, "").strip()}
-        fields["limit"] = int(form["limit"]) if form.get("limit", "").strip().isdigit() else 200
+        if form.get("limit", "").strip():
+            fields["limit"] = _form_int(form["limit"])
         body = parse_model(ReplayMany, json.dumps({**fields, "dry_run": form.get("apply") != "yes"}))
         summary = await self.flows.replay_webhook(session.principal, webhook_id, body)
         moves = "; ".join(f"{t['count']} {t['from']} → {t['to']}" + (f" (rule {t['rule_id']})" if t["rule_id"] else "")
                           for t in summary["transitions"]) or "nothing matched"
-        self.notice(session, f"{'Dry run' if summary['dry_run'] else 'Replayed'}: {summary['matched']} deliveries,"
-                             f" {summary['changed']} change, {summary['created']} todos created. {moves}.")
+        if summary["dry_run"]:
+            self.notice(session, f"Checked {summary['matched']} deliveries, nothing changed: {summary['changed']}"
+                                 f" would change under the current rules. {moves}. Press Replay these deliveries"
+                                 f" to act on them.")
+        else:
+            self.notice(session, f"Replayed {summary['matched']} deliveries under the current rules:"
+                                 f" {summary['changed']} changed, {summary['created']} todo(s) created. {moves}.")
         return RedirectResponse(f"/board/webhooks/{webhook_id}#replay", status_code=303)
 
     async def add_channel(self, request: Request, session: BoardSession, form: dict) -> Response:

@@ -10,14 +10,16 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from switchboard.configuration import VERB_PRESETS
+from switchboard.configuration import HOLD_QUEUE, RESERVED_QUEUES, VERB_PRESETS
 from switchboard.crypto import new_token, token_hash
 from switchboard.database import Txn
-from switchboard.store.deliveries import get_event
+from switchboard.envelope import stored_envelope, stored_payload, untrusted_names
+from switchboard.providers import PROVIDER_TABLE, _get
+from switchboard.store.deliveries import EVENT_WITH_BODY, get_event
 from switchboard.store.principals import Principal, authenticate, list_endpoints
 from switchboard.store.rules import get_rules
 from switchboard.store.todos import _json, _scope_clause, get_todo
-from switchboard.store.webhooks import get_webhook, list_routes, list_webhooks
+from switchboard.store.webhooks import get_webhook, list_routes, list_webhooks, webhook_targets
 
 # Server-rendered HTML for the human's half of the loop: what waits on them (held deliveries, reviews,
 # questions, dead letters), the queues, one todo, a webhook's deliveries, rules with a dry run, endpoints.
@@ -57,6 +59,10 @@ _OPEN = "state NOT IN ('done', 'cancelled')"  # the todos_open index's own condi
 _BOARD_UNSAFE = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 _BOARD_BACK = re.compile(r"^/board(?:/[A-Za-z0-9_.~/-]*)?(?:\?[A-Za-z0-9_.~=&%:-]*)?$")
 EVENT_DISPOSITIONS = ("routed", "dropped", "repeat", "quarantined", "ping")
+# A delivery's line on a page (`issues.opened · org/repo#41 · Spelling error…`) reads its body for what the
+# stored envelope does not keep (a pull request's action and title) only up to this size.
+SUMMARY_BODY_BYTES = 256 << 10
+SUMMARY_TITLE_CHARS = 60
 
 
 @dataclass(frozen=True)
@@ -126,12 +132,22 @@ def board_counts(txn: Txn, principal: Principal) -> dict:
     return {"counts": counts, "total": sum(counts.values()), "digest": digest}
 
 
+def board_names(txn: Txn, principal: Principal) -> dict[str, str]:
+    """The names a page shows instead of ids: the human's own and their endpoints' (revoked ones too)."""
+    names = {principal.id: principal.name} if principal.kind == "human" and principal.name else {}
+    names.update((r["id"], r["name"]) for r in txn.all("SELECT id, name FROM endpoints WHERE human_id = ?",
+                                                        (principal.human_id,)))
+    return names
+
+
 def _todo_rows(txn: Txn, principal: Principal, where: str, params: tuple, after: tuple[int, str] | None,
                limit: int, newest_first: bool = False) -> list[sqlite3.Row]:
     clause, scope = _scope_clause(principal)
     order = "DESC" if newest_first else "ASC"
     sql = (f"SELECT id, endpoint_id, queue, state, title, source, kind, state_reason, trace, created_at, updated_at,"
-           f" attempt, max_attempts, last_error, lease_expires_at FROM todos WHERE {clause} AND {_OPEN} AND ({where})")
+           f" attempt, max_attempts, last_error, lease_expires_at, event_id,"
+           f" (SELECT webhook_id FROM events WHERE events.id = todos.event_id) AS webhook_id"
+           f" FROM todos WHERE {clause} AND {_OPEN} AND ({where})")
     args = [*scope, *params]
     if after is not None:
         sql += f" AND (created_at, id) {'<' if newest_first else '>'} (?, ?)"
@@ -144,30 +160,64 @@ def _inbox_item(row: sqlite3.Row) -> dict:
     return {"id": row["id"], "endpoint_id": row["endpoint_id"], "queue": row["queue"], "state": row["state"],
             "title": row["title"], "source": row["source"], "kind": row["kind"], "state_reason": row["state_reason"],
             "created_at": row["created_at"], "updated_at": row["updated_at"], "attempt": row["attempt"],
-            "max_attempts": row["max_attempts"], "last_error": row["last_error"],
+            "max_attempts": row["max_attempts"], "last_error": row["last_error"], "event_id": row["event_id"],
+            "webhook_id": row["webhook_id"], "trace": trace,
             "stage": trace.get("stage"), "rule": trace.get("rule_name") or trace.get("rule_id"),
-            "cause": trace.get("cause"), "hold": trace.get("hold")}
+            "cause": trace.get("cause"), "hold": trace.get("hold"), "detail": trace.get("payload_detail")}
+
+
+def _queue_choices(txn: Txn, principal: Principal, todo: dict, cache: dict) -> list[str]:
+    """The queues a todo's Release, Send or Reroute list offers: only those that can take it. Releasing a held
+    delivery goes to one of its webhook's live targets; a reroute goes to a target of the same human (to the
+    human's own live endpoints for work that has no webhook). Never `quarantine`; a reroute never to `hold`."""
+    release = todo["state"] == "quarantined"
+    key = (todo.get("webhook_id"), release)
+    if key not in cache:
+        webhook = txn.one("SELECT * FROM webhooks WHERE id = ?", (key[0],)) if key[0] else None
+        if webhook is not None:
+            targets = [t for t in webhook_targets(txn, webhook) if release or t["human_id"] == principal.human_id]
+        elif release:
+            targets = []  # its webhook is gone: the delivery can only be discarded
+        else:
+            targets = txn.all("SELECT * FROM endpoints WHERE human_id = ? AND revoked_at IS NULL",
+                              (principal.human_id,))
+        queues = {q for t in targets for q in json.loads(t["queues"])} - RESERVED_QUEUES
+        cache[key] = sorted(queues if release else queues - {HOLD_QUEUE})
+    return cache[key]
+
+
+def _trust_names(txn: Txn, todo: dict) -> list[str]:
+    """Whom "trust and release" adds for a delivery the trust gate held: named in its trace (the gate records
+    them); for one held before it did, worked out from the stored delivery."""
+    if todo["state"] != "quarantined" or todo["state_reason"] != "untrusted_actor":
+        return []
+    trace = todo.get("trace") or {}
+    if "untrusted" in trace:
+        return list(trace["untrusted"])
+    event = txn.one(f"{EVENT_WITH_BODY} WHERE e.id = ?", (todo["event_id"],)) if todo.get("event_id") else None
+    webhook = txn.one("SELECT trusted_actors FROM webhooks WHERE id = ?", (event["webhook_id"],)) if event else None
+    if webhook is None or event["envelope"] is None:
+        return []
+    return untrusted_names(stored_envelope(event["envelope"], event["headers"], event["body"]),
+                           _json(webhook["trusted_actors"]))
+
+
+def _with_choices(txn: Txn, principal: Principal, todo: dict, cache: dict) -> dict:
+    return {**todo, "choices": _queue_choices(txn, principal, todo, cache), "trust_names": _trust_names(txn, todo)}
 
 
 def board_inbox(txn: Txn, principal: Principal, group: str | None, after: tuple[int, str] | None) -> dict:
-    """Every group's oldest items (or one group, a page at a time), oldest first."""
+    """Every group's oldest items (or one group, a page at a time), oldest first, each with the queues its
+    actions may name."""
     names = [group] if group else list(INBOX_GROUPS)
     limit = BOARD_PAGE_SIZE if group else 10
-    groups = []
+    groups, cache = [], {}
     for name in names:
         rows = _todo_rows(txn, principal, INBOX_GROUPS[name][1], (), after if group else None, limit + 1)
-        items = [_inbox_item(r) for r in rows[:limit]]
+        items = [_with_choices(txn, principal, _inbox_item(r), cache) for r in rows[:limit]]
         groups.append({"name": name, "title": INBOX_GROUPS[name][0], "items": items,
                        "more": f"{items[-1]['created_at']}.{items[-1]['id']}" if len(rows) > limit else None})
-    return {"groups": groups, "queues": _human_queues(txn, principal)}
-
-
-def _human_queues(txn: Txn, principal: Principal) -> list[str]:
-    queues: set[str] = set()
-    for endpoint in list_endpoints(txn, principal)["endpoints"]:
-        if endpoint["revoked_at"] is None:
-            queues.update(endpoint["queues"])
-    return sorted(queues)
+    return {"groups": groups}
 
 
 def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) -> dict:
@@ -204,45 +254,117 @@ def board_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
         if attempt["ended_at"]:
             timeline.append({"at": attempt["ended_at"], "kind": "ended", **attempt})
     timeline.sort(key=lambda entry: (entry["at"] or "", entry["kind"] != "history"))
-    return {"todo": todo, "timeline": timeline, "queues": _human_queues(txn, principal)}
+    event = txn.one("SELECT webhook_id FROM events WHERE id = ?", (todo["event_id"],)) if todo["event_id"] else None
+    todo = _with_choices(txn, principal, {**todo, "webhook_id": event["webhook_id"] if event else None}, {})
+    return {"todo": todo, "timeline": timeline}
 
 
-def _webhook_summary(txn: Txn, webhook: dict) -> dict:
-    last = txn.one("SELECT id, kind, verified, disposition, received_at FROM events WHERE webhook_id = ?"
-                   " ORDER BY received_at DESC, id DESC LIMIT 1", (webhook["id"],))
-    return {**webhook, "last_event": dict(last) if last else None}
+# -- deliveries, each on one line -------------------------------------------------------------------------
+
+# An event's columns for its line, with its body only where the line needs it and it is small: a forge delivery
+# that is not an issue (the stored envelope keeps an issue's action and title, not a pull request's).
+_EVENT_LINE = (f"SELECT e.id, e.source, e.kind, e.disposition, e.verified, e.trust_mode, e.delivery_key,"
+               f" e.received_at, e.outcome, e.envelope, json_extract(e.trace, '$.payload_error') AS payload_error,"
+               f" CASE WHEN e.source IN"
+               f" ({', '.join(repr(p) for p, spec in PROVIDER_TABLE.items() if spec.forge)})"
+               f" AND json_extract(e.envelope, '$.issue') IS NULL AND length(b.body) <= {SUMMARY_BODY_BYTES}"
+               f" THEN b.body END AS line_body FROM events e LEFT JOIN event_bodies b ON b.event_id = e.id")
+# The action a `kind.action` filter compares: an issue's from the stored envelope, else the body's `action`.
+_EVENT_ACTION = ("coalesce(json_extract(e.envelope, '$.issue.action'), CASE WHEN length(b.body) <="
+                 f" {SUMMARY_BODY_BYTES} AND json_valid(CAST(b.body AS TEXT))"
+                 " THEN json_extract(CAST(b.body AS TEXT), '$.action') END)")
+
+
+def _one_line(value: object, cut: int | None = None) -> str | None:
+    if not isinstance(value, str) or not value.strip():
+        return None
+    text = " ".join(value.split())
+    return text if cut is None or len(text) <= cut else text[:cut - 1].rstrip() + "…"
+
+
+def _line(source: str, kind: str | None, record: dict, payload: object) -> dict:
+    """What a delivery was about, for one line: its kind and action (`issues.opened`), its subject (`org/repo#41`,
+    the subject key without its provider) and its title, cut to SUMMARY_TITLE_CHARS. Producer text, shown escaped."""
+    issue, artifact = record.get("issue") or {}, record.get("artifact") or {}
+    action = _one_line(issue.get("action")) or _one_line(_get(payload, "action"), 40)
+    commit = _get(payload, "head_commit", "message")
+    title = next((text for text in (
+        _one_line(issue.get("title")), _one_line(artifact.get("title")),
+        *(_one_line(_get(payload, part, field)) for part, field in (("pull_request", "title"),
+                                                                    ("discussion", "title"), ("release", "name"))),
+        _one_line(commit.splitlines()[0] if isinstance(commit, str) and commit.strip() else None)) if text), None)
+    subject = record.get("subject_key")
+    if isinstance(subject, str) and subject.startswith(f"{source}:"):
+        subject = subject[len(source) + 1:]
+    what = f"{kind}.{action}" if kind and action and not kind.endswith(f".{action}") else kind or "delivery"
+    if title is not None and len(title) > SUMMARY_TITLE_CHARS:
+        cut = title[:SUMMARY_TITLE_CHARS - 1]
+        title = (cut.rsplit(" ", 1)[0] if " " in cut[SUMMARY_TITLE_CHARS // 2:] else cut).rstrip(" ,;:") + "…"
+    return {"what": what, "subject": subject, "title": title}
+
+
+def delivery_line(row: sqlite3.Row) -> dict:
+    """A row of _EVENT_LINE with its line (`issues.opened · org/repo#41 · Spelling error…`): from the stored
+    envelope, and for a forge's other deliveries from the body when it is small."""
+    event = dict(row)
+    record = _json(event.pop("envelope")) or {}
+    body = event.pop("line_body")
+    payload = stored_payload(body, record.get("content_type")) if body is not None else None
+    line = _line(event["source"], event["kind"], record, payload)
+    if event["payload_error"] and line["title"] is None:
+        line["title"] = f"no payload ({event['payload_error'].replace('_', ' ')})"
+    return {**event, "outcome": _json(event["outcome"]) or {}, **line}
+
+
+def _webhook_summary(txn: Txn, webhook: dict, names: dict[str, str]) -> dict:
+    last = txn.one(f"{_EVENT_LINE} WHERE e.webhook_id = ? ORDER BY e.received_at DESC, e.id DESC LIMIT 1",
+                   (webhook["id"],))
+    return {**webhook, "last_event": delivery_line(last) if last else None,
+            "owner": names.get(webhook["endpoint_id"], webhook["endpoint_id"])}
 
 
 def board_webhooks(txn: Txn, principal: Principal) -> dict:
-    return {"webhooks": [_webhook_summary(txn, w) for w in list_webhooks(txn, principal)["webhooks"]],
+    names = board_names(txn, principal)
+    return {"webhooks": [_webhook_summary(txn, w, names) for w in list_webhooks(txn, principal)["webhooks"]],
             "endpoints": list_endpoints(txn, principal)["endpoints"]}
 
 
 def board_webhook(txn: Txn, principal: Principal, webhook_id: str) -> dict:
-    webhook = _webhook_summary(txn, get_webhook(txn, principal, webhook_id))
-    recent = [dict(r) for r in txn.all(
-        "SELECT id, kind, disposition, verified, received_at FROM events WHERE webhook_id = ? AND envelope IS NOT NULL"
-        " ORDER BY received_at DESC, id DESC LIMIT 20", (webhook_id,))]
-    return {"webhook": webhook, "rules": get_rules(txn, principal, webhook_id),
-            "routes": list_routes(txn, principal, webhook_id)["routes"], "recent": recent,
-            "endpoints": list_endpoints(txn, principal)["endpoints"]}
+    """One webhook with its rules, its routes (each target by name), the deliveries a dry run may use, and the
+    endpoints a new route may name."""
+    names = board_names(txn, principal)
+    webhook = _webhook_summary(txn, get_webhook(txn, principal, webhook_id), names)
+    recent = [delivery_line(r) for r in txn.all(
+        f"{_EVENT_LINE} WHERE e.webhook_id = ? AND e.envelope IS NOT NULL ORDER BY e.received_at DESC, e.id DESC"
+        f" LIMIT 20", (webhook_id,))]
+    routes = [{**r, **dict(txn.one("SELECT e.name, e.revoked_at, h.name AS human FROM endpoints e JOIN humans h"
+                                    " ON h.id = e.human_id WHERE e.id = ?", (r["endpoint_id"],)) or {})}
+              for r in list_routes(txn, principal, webhook_id)["routes"]]
+    routed = {webhook["endpoint_id"], *(r["endpoint_id"] for r in routes)}
+    endpoints = list_endpoints(txn, principal)["endpoints"]
+    return {"webhook": webhook, "rules": get_rules(txn, principal, webhook_id), "routes": routes, "recent": recent,
+            "endpoints": endpoints,
+            "route_choices": [e for e in endpoints if not e["revoked_at"] and e["id"] not in routed]}
 
 
 def board_deliveries(txn: Txn, principal: Principal, webhook_id: str, disposition: str | None, kind: str | None,
                      before: tuple[int, str] | None) -> dict:
-    """A webhook's deliveries, newest first, a page at a time (what list_events shows, filterable by kind)."""
+    """A webhook's deliveries, newest first, a page at a time (what list_events shows), each on one line.
+    `kind` matches the kind (`issues`, `invoice.paid`) or a kind and its action (`issues.opened`)."""
     webhook = get_webhook(txn, principal, webhook_id)
-    sql, args = ("SELECT id, kind, disposition, verified, trust_mode, delivery_key, received_at, outcome FROM events"
-                 " WHERE webhook_id = ?", [webhook_id])
-    for column, value in (("disposition", disposition), ("kind", kind)):
-        if value:
-            sql += f" AND {column} = ?"
-            args.append(value)
+    sql, args = f"{_EVENT_LINE} WHERE e.webhook_id = ?", [webhook_id]
+    if disposition:
+        sql += " AND e.disposition = ?"
+        args.append(disposition)
+    if kind:
+        stem, dot, action = kind.rpartition(".")
+        sql += f" AND (e.kind = ? OR (e.kind = ? AND {_EVENT_ACTION} = ?))" if dot else " AND e.kind = ?"
+        args += [kind, stem, action] if dot else [kind]
     if before is not None:
-        sql += " AND (received_at, id) < (?, ?)"
+        sql += " AND (e.received_at, e.id) < (?, ?)"
         args += list(before)
-    rows = txn.all(sql + " ORDER BY received_at DESC, id DESC LIMIT ?", (*args, BOARD_PAGE_SIZE + 1))
-    events = [{**dict(r), "outcome": _json(r["outcome"]) or {}} for r in rows[:BOARD_PAGE_SIZE]]
+    rows = txn.all(sql + " ORDER BY e.received_at DESC, e.id DESC LIMIT ?", (*args, BOARD_PAGE_SIZE + 1))
+    events = [delivery_line(r) for r in rows[:BOARD_PAGE_SIZE]]
     more = events[-1] if len(rows) > BOARD_PAGE_SIZE else None
     return {"webhook": webhook, "events": events, "more": f"{more['received_at']}.{more['id']}" if more else None}
 
@@ -252,7 +374,11 @@ def board_delivery(txn: Txn, principal: Principal, event_id: str) -> dict:
     clause, params = _scope_clause(principal)
     todos = [dict(r) for r in txn.all(f"SELECT id, title, state, queue, endpoint_id FROM todos WHERE event_id = ?"
                                       f" AND {clause} ORDER BY created_at, id", (event_id, *params))]
-    return {"event": event, "todos": todos}
+    webhook = txn.one("SELECT id, name, provider, queue FROM webhooks WHERE id = ?", (event["webhook_id"],)) \
+        if event["webhook_id"] else None
+    envelope = event["envelope"] or {}
+    return {"event": event, "todos": todos, "webhook": dict(webhook) if webhook else None,
+            "line": _line(event["source"], event["kind"], envelope, envelope.get("payload"))}
 
 
 def board_endpoints(txn: Txn, principal: Principal) -> dict:

@@ -56,6 +56,7 @@ from switchboard.models import (
     TrustedActors,
     WebhookCreate,
     WebhookSecret,
+    WebhookUpdate,
     parse_model,
 )
 from switchboard.store.deliveries import get_event, list_events
@@ -86,6 +87,7 @@ from switchboard.store.webhooks import (
     rotate_webhook,
     set_trusted_actors,
     set_webhook_secret,
+    update_webhook,
 )
 
 
@@ -152,6 +154,8 @@ REST_ROUTES: list[ApiRoute] = [
     ApiRoute("POST", "/api/v1/webhooks", "webhooks", "make a webhook; its URL and secret are shown once",
              body=WebhookCreate, status=201),
     ApiRoute("GET", "/api/v1/webhooks/{webhook_id}", "", "one webhook", store=get_webhook),
+    ApiRoute("PATCH", "/api/v1/webhooks/{webhook_id}", "", "rename a webhook (`name`, null clears it)",
+             body=WebhookUpdate, auth="human", store=update_webhook, writes=True),
     ApiRoute("DELETE", "/api/v1/webhooks/{webhook_id}", "", "delete a webhook", store=delete_webhook,
              writes=True),
     ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/rotate", "rotate", "a new URL and secret", body=HumanNote),

@@ -11,7 +11,7 @@ from typing import Any
 from switchboard.configuration import ApiError, iso
 from switchboard.crypto import new_id, token_hash
 from switchboard.database import Txn
-from switchboard.envelope import envelope_title, stored_envelope
+from switchboard.envelope import envelope_title, parse_payload, stored_envelope, untrusted_names
 from switchboard.models import EventListQuery
 from switchboard.store.principals import Principal
 from switchboard.store.todos import _json
@@ -186,7 +186,13 @@ def plan_delivery(txn: Txn, webhook: sqlite3.Row, envelope: dict, action: dict, 
     if action.get("drop"):
         return Plan("dropped", [], trace)
     if action.get("quarantine"):
-        trace["hold"] = {"fault": "rule_fault", "trust_gate": "untrusted_actor"}.get(trace["stage"], "rule")
+        if trace["stage"] == "trust_gate" and envelope["payload"] is None:
+            # A body that gave no payload names no actor: it is held for what it is, not as an untrusted actor.
+            trace["cause"] = trace["hold"] = "payload_error"
+        else:
+            trace["hold"] = {"fault": "rule_fault", "trust_gate": "untrusted_actor"}.get(trace["stage"], "rule")
+        if trace["hold"] == "untrusted_actor":
+            trace["untrusted"] = untrusted_names(envelope, _json(webhook["trusted_actors"]))
         return Plan("quarantined", owner_hold, trace)
     chosen = _plan_targets(txn, webhook, action)
     if not chosen:
@@ -230,6 +236,9 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
         return duplicate
     envelope = delivery.envelope
     plan = plan_delivery(txn, webhook, envelope, delivery.action, delivery.trace)
+    if plan.trace.get("hold") == "payload_error":
+        plan.trace["payload_detail"] = parse_payload({"content-type": envelope["content_type"] or ""},
+                                                     delivery.body)[2]
     event_id = new_id("ev")
     if plan.disposition == "routed" and plan.once_key:
         claim_once(txn, webhook["id"], plan.once_key, event_id, delivery.action["queue"])

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from switchboard.configuration import ApiError, iso
 from switchboard.crypto import new_id
 from switchboard.database import Database, Txn
-from switchboard.envelope import ASCII_FOLD, actors_to_trust, stored_envelope
+from switchboard.envelope import actors_to_trust, stored_envelope, untrusted_names
 from switchboard.evaluator import Evaluator
 from switchboard.models import ReleaseQuarantine
 from switchboard.store.deliveries import EVENT_WITH_BODY, _create_planned_todo, plan_delivery
 from switchboard.store.human_actions import _human_todo
 from switchboard.store.principals import Principal
 from switchboard.store.routing import decide_for_webhook, with_current_actor
-from switchboard.store.todos import _json, _reload, todo_view
+from switchboard.store.todos import _json, get_todo
 from switchboard.store.transitions import _transition, claim_once
 
 # -- quarantine -------------------------------------------------------------------------------------
@@ -31,8 +31,9 @@ class QuarantineRelease:
     trusted_actors: dict | None = None  # the webhook's new list, when the human trusted the actor
 
 
-def _trusting(todo: sqlite3.Row, webhook: sqlite3.Row, envelope: dict) -> dict:
-    """The webhook's trusted actors with this held delivery's actor added."""
+def _trusting(todo: sqlite3.Row, webhook: sqlite3.Row, envelope: dict) -> tuple[dict, list[str]]:
+    """The webhook's trusted actors with this held delivery's actor added, and whom that trusts (those it adds,
+    or, when the list names them all already, all of them)."""
     if todo["state_reason"] != "untrusted_actor":
         raise ApiError("conflict", f"trust_actor is for deliveries the trust gate held; this one is held as"
                                    f" {todo['state_reason']}")
@@ -41,9 +42,8 @@ def _trusting(todo: sqlite3.Row, webhook: sqlite3.Row, envelope: dict) -> dict:
     if trusted.get("allow_all") or not names:
         raise ApiError("conflict", "there is no actor to trust on this delivery")
     field_name = "actor_ids" if "actor_ids" in trusted else "logins"
-    known = {n.translate(ASCII_FOLD) if field_name == "logins" else n for n in trusted[field_name]}
-    added = [n for n in names if (n.translate(ASCII_FOLD) if field_name == "logins" else n) not in known]
-    return {**trusted, field_name: [*trusted[field_name], *added]}
+    added = untrusted_names(envelope, trusted)
+    return {**trusted, field_name: [*trusted[field_name], *added]}, added or names
 
 
 def _held_subject(txn: Txn, principal: Principal, todo_id: str) -> tuple[sqlite3.Row, sqlite3.Row | None, dict]:
@@ -62,7 +62,7 @@ def prepare_quarantine_release(db: Database, evaluator: Evaluator, principal: Pr
     todo, webhook, envelope = db.read_sync(_held_subject, principal, todo_id)
     if webhook is None:
         raise ApiError("conflict", "the webhook of this delivery is gone; discard it")
-    trusted = _trusting(todo, webhook, envelope) if body.trust_actor else None
+    trusted = _trusting(todo, webhook, envelope)[0] if body.trust_actor else None
     envelope = with_current_actor(envelope, webhook, trusted)
     envelope["release"] = {"by": principal.actor, "at": iso(db.clock.now_ms())}
     if body.queue is not None:
@@ -74,7 +74,10 @@ def prepare_quarantine_release(db: Database, evaluator: Evaluator, principal: Pr
 
 
 def apply_quarantine_release(txn: Txn, principal: Principal, release: QuarantineRelease, note: str | None = None) -> dict:
-    todo, webhook, _ = _held_subject(txn, principal, release.todo_id)
+    """Act on a release's decision. Trusting the actor is the human's own decision: it is saved whatever the
+    rules then do with the delivery (route it, drop it, or hold it again, when it stays held for that reason).
+    The answer is the todo with its history, whose last line says what happened."""
+    todo, webhook, envelope = _held_subject(txn, principal, release.todo_id)
     if webhook is None:
         raise ApiError("conflict", "the webhook of this delivery is gone; discard it")
     plan = plan_delivery(txn, webhook, release.envelope, release.action, release.trace)
@@ -82,19 +85,26 @@ def apply_quarantine_release(txn: Txn, principal: Principal, release: Quarantine
     if plan.disposition == "quarantined":
         if release.trace["stage"] == "release":
             raise ApiError("invalid_argument", f"queue: no target of this webhook is scoped to {release.action['queue']}")
-        raise ApiError("conflict", f"the rules hold it again ({plan.trace['hold']}); nothing changed")
-    if plan.disposition != "routed":
-        _transition(txn, todo, "done", principal.actor, evidence, outcome="discarded", state_reason=plan.disposition)
-        return todo_view(_reload(txn, todo["id"]))
-    if plan.once_key:
-        claim_once(txn, webhook["id"], plan.once_key, todo["event_id"], release.action["queue"])
+        if release.trusted_actors is None:
+            raise ApiError("conflict", f"the rules hold it again ({plan.trace['hold']}); nothing changed")
     if release.trusted_actors is not None:
-        txn.execute("UPDATE webhooks SET trusted_actors = ? WHERE id = ?",
-                    (json.dumps(release.trusted_actors), webhook["id"]))
-    (endpoint_id, queue, _), *others = plan.targets
-    _transition(txn, todo, "pending", principal.actor, evidence, queue=queue, endpoint_id=endpoint_id,
-                trace=json.dumps(plan.trace_for(endpoint_id)), work_order=json.dumps(plan.work_order) if plan.work_order else None,
-                state_reason=None)
-    for target in others:
-        _create_planned_todo(txn, new_id("td"), target, release.envelope, plan, todo["event_id"], todo["title"])
-    return todo_view(_reload(txn, todo["id"]))
+        # The list as it is now, so that a change made since the decision is kept.
+        trusted, evidence["trusted"] = _trusting(todo, webhook, envelope)
+        txn.execute("UPDATE webhooks SET trusted_actors = ? WHERE id = ?", (json.dumps(trusted), webhook["id"]))
+        txn.logs.append(f"webhook {webhook['id']} trusted actors set by a release")
+    trace = json.dumps(plan.trace_for(todo["endpoint_id"]))
+    if plan.disposition == "quarantined":
+        _transition(txn, todo, "quarantined", principal.actor, evidence, state_reason=plan.trace["hold"], trace=trace)
+    elif plan.disposition != "routed":
+        _transition(txn, todo, "done", principal.actor, evidence, outcome="discarded", state_reason=plan.disposition,
+                    trace=trace)
+    else:
+        if plan.once_key:
+            claim_once(txn, webhook["id"], plan.once_key, todo["event_id"], release.action["queue"])
+        (endpoint_id, queue, _), *others = plan.targets
+        _transition(txn, todo, "pending", principal.actor, evidence, queue=queue, endpoint_id=endpoint_id,
+                    trace=json.dumps(plan.trace_for(endpoint_id)),
+                    work_order=json.dumps(plan.work_order) if plan.work_order else None, state_reason=None)
+        for target in others:
+            _create_planned_todo(txn, new_id("td"), target, release.envelope, plan, todo["event_id"], todo["title"])
+    return get_todo(txn, principal, todo["id"])

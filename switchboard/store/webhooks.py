@@ -17,6 +17,7 @@ from switchboard.models import (
     TrustLogins,
     WebhookCreate,
     WebhookSecret,
+    WebhookUpdate,
 )
 from switchboard.providers import PROVIDER_TABLE
 from switchboard.store.principals import Principal, _own_endpoint
@@ -25,8 +26,8 @@ from switchboard.store.todos import _json
 # -- webhooks and routes ----------------------------------------------------------------------------
 
 def webhook_view(row: sqlite3.Row) -> dict:
-    return {"id": row["id"], "endpoint_id": row["endpoint_id"], "provider": row["provider"], "queue": row["queue"],
-            "trust_mode": row["trust_mode"], "secret_set": row["secret_sealed"] is not None,
+    return {"id": row["id"], "name": row["name"], "endpoint_id": row["endpoint_id"], "provider": row["provider"],
+            "queue": row["queue"], "trust_mode": row["trust_mode"], "secret_set": row["secret_sealed"] is not None,
             "trusted_actors": _json(row["trusted_actors"]), "pinged_at": iso(row["pinged_at"]),
             "created_at": iso(row["created_at"]), "rotated_at": iso(row["rotated_at"])}
 
@@ -90,13 +91,14 @@ def create_webhook(txn: Txn, principal: Principal, box: SecretBox, spec: Webhook
     token = secrets.token_urlsafe(16)
     trusted = trust_list(spec.provider, spec.trusted_actors)
     txn.execute("INSERT INTO webhooks (id, endpoint_id, provider, queue, trust_mode, token_hash, secret_sealed,"
-                " trusted_actors, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " trusted_actors, created_at, name) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (webhook_id, owner["id"], spec.provider, spec.queue,
                  "token" if spec.provider == "generic" else "signed", token_hash(token),
                  box.seal(secret, webhook_id) if secret else None, json.dumps(trusted) if trusted else None,
-                 txn.now))
+                 txn.now, spec.name))
     txn.logs.append(f"webhook {webhook_id} ({spec.provider}) created on {owner['id']}")
-    made = {"id": webhook_id, "url": _ingest_url(base_url, token), "secret": secret, "provider": spec.provider,
+    made = {"id": webhook_id, "name": spec.name, "url": _ingest_url(base_url, token), "secret": secret,
+            "provider": spec.provider,
             "queue": spec.queue, "trust_mode": "token" if spec.provider == "generic" else "signed",
             "endpoint_id": owner["id"], "trusted_actors": trusted}
     if trusted is not None and not trusted.get("allow_all") and not (trusted.get("logins") or
@@ -159,6 +161,15 @@ def rotate_webhook(txn: Txn, principal: Principal, box: SecretBox, webhook_id: s
     txn.logs.append(f"webhook {webhook_id} rotated")
     return {"id": webhook_id, "url": _ingest_url(base_url, token), "secret": secret, "provider": row["provider"],
             "queue": row["queue"], "trust_mode": row["trust_mode"], "endpoint_id": row["endpoint_id"]}
+
+
+def update_webhook(txn: Txn, principal: Principal, webhook_id: str, body: WebhookUpdate) -> dict:
+    """Rename a webhook (its human's label for it; null clears it)."""
+    principal.require_human("renaming a webhook")
+    _visible_webhook(txn, principal, webhook_id, "update_webhook")
+    txn.execute("UPDATE webhooks SET name = ? WHERE id = ?", (body.name, webhook_id))
+    txn.logs.append(f"webhook {webhook_id} renamed")
+    return webhook_view(txn.one("SELECT * FROM webhooks WHERE id = ?", (webhook_id,)))
 
 
 def set_webhook_secret(txn: Txn, principal: Principal, box: SecretBox, webhook_id: str, body: WebhookSecret) -> dict:
