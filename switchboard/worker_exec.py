@@ -9,6 +9,7 @@ anything else fails with the stderr tail."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -152,11 +153,13 @@ def remove_tree(path: str) -> None:
     try:
         shutil.rmtree(path)
     except OSError:
-        os.chmod(path, 0o700)
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o700)
         for directory, subdirectories, _ in os.walk(path):
             for name in subdirectories:
                 if not os.path.islink(os.path.join(directory, name)):
-                    os.chmod(os.path.join(directory, name), 0o700)
+                    with contextlib.suppress(OSError):
+                        os.chmod(os.path.join(directory, name), 0o700)
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -188,9 +191,16 @@ def outcome_of(returncode: int, stdout: bytes, stderr: bytes) -> Outcome:
         return Complete(result={"output": tail_text(stdout, OUTPUT_BYTES)})
     if returncode == EXIT_PARK:
         return Park()
-    error = tail_text(stderr, ERROR_BYTES).strip()
-    return Fail(error=error or (f"exit {returncode}" if returncode >= 0 else
-                                f"killed by {signal.Signals(-returncode).name}"))
+    return Fail(error=tail_text(stderr, ERROR_BYTES).strip() or exit_text(returncode))
+
+
+def exit_text(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exit {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:  # a real-time signal has no name
+        return f"killed by signal {-returncode}"
 
 
 def stated_outcome(line: bytes) -> Outcome | None:
@@ -207,4 +217,4 @@ def stated_outcome(line: bytes) -> Outcome | None:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(part) for part in e['loc'][1:]) or 'outcome'}: {e['msg']}"
                              for e in exc.errors())
-        return Fail(error=tail_text(f"the outcome line is not valid: {problems}".encode(), ERROR_BYTES))
+        return Fail(error=f"the outcome line is not valid: {problems}".replace("\x00", "\ufffd")[:ERROR_BYTES])

@@ -99,25 +99,26 @@ class Lane:
     def state_dir(self) -> Path:
         return self.dir / "state"
 
-    def _human(self) -> httpx.Client:
+    def as_human(self) -> httpx.Client:
+        """A client of the REST API with the human's token."""
         return httpx.Client(base_url=self.server.url, headers={"Authorization": f"Bearer {self.human_token}"},
                             timeout=10)
 
     def push(self, payload: object = None, title: str = "work") -> str:
-        with self._human() as http:
+        with self.as_human() as http:
             r = http.post(f"/api/v1/endpoints/{self.endpoint_id}/todos",
                           json={"title": title, "queue": self.queue, "payload": payload})
         assert r.status_code == 201, r.text
         return r.json()["id"]
 
     def todo(self, todo_id: str) -> dict:
-        with self._human() as http:
+        with self.as_human() as http:
             r = http.get(f"/api/v1/todos/{todo_id}")
         assert r.status_code == 200, r.text
         return r.json()
 
     def act(self, todo_id: str, action: str, **body) -> httpx.Response:
-        with self._human() as http:
+        with self.as_human() as http:
             return http.post(f"/api/v1/todos/{todo_id}/{action}", json=body)
 
     def board(self, path: str) -> str:
@@ -150,6 +151,8 @@ class WorkerProcess:
         if token_flag:
             args += ["--token-file", str(lane.token_file)]
         environment = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+        # Job directories under the test's own: a killed worker leaves its job's behind.
+        environment["TMPDIR"] = str(lane.dir)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([*args, *flags, "--exec", "--", *command], stdout=log,
                                          stderr=subprocess.STDOUT, cwd=ROOT, env={**environment, **(env or {})})
@@ -158,7 +161,7 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace")
 
     def logged(self, text: str, seconds: float = 10) -> None:
-        eventually(lambda: text in self.output(), seconds, f"worker logs {text!r}:\n{self.output()}")
+        eventually(lambda: text in self.output(), seconds, f"worker logs {text!r} (its log: {self.log_path})")
 
     def job_lines(self) -> list[dict]:
         """The one line per job of a worker run with --log-format json."""
@@ -386,9 +389,9 @@ def test_cancelling_a_running_todo_kills_its_child_within_a_third_of_the_lease_p
 
     cancelled = time.monotonic()
     assert lane.act(todo_id, "cancel", reason="changed my mind").status_code == 200
-    eventually(lambda: not alive(pid), 1 + 10 + 3, "the child killed")
+    eventually(lambda: not alive(pid), 1 + 10 + 4, "the child killed")  # lease/3 + 10 s, and room for a busy host
     took = time.monotonic() - cancelled
-    assert 9.5 <= took <= 1 + 10 + 3, f"{took:.1f} s: SIGTERM is ignored by this child, so SIGKILL 10 s later"
+    assert took >= 9.5, f"{took:.1f} s: this child ignores SIGTERM, so it ends by the SIGKILL 10 s later"
     worker.logged("lease lost")
     todo = lane.todo(todo_id)
     assert todo["state"] == "cancelled"
@@ -411,7 +414,7 @@ def test_a_worker_that_cannot_reach_the_server_kills_the_child_when_the_lease_wo
     finally:
         own_server.stop(signal.SIGKILL)
     gone = time.monotonic()
-    eventually(lambda: not alive(pid), 3 + 3, "the child killed as the lease lapses")
+    eventually(lambda: not alive(pid), 3 + 4, "the child killed as the lease lapses")
     assert time.monotonic() - gone >= 1, "the worker kept trying while the lease held"
     worker.logged("unreachable")
     assert worker.stop() == 0
@@ -466,11 +469,18 @@ def test_a_token_file_others_can_read_is_refused(lane, workers):
     assert "--token-file" in missing.output()
 
 
+def test_a_worker_whose_endpoint_is_revoked_stops_with_exit_1(lane, workers):
+    with lane.as_human() as http:
+        assert http.post(f"/api/v1/endpoints/{lane.endpoint_id}/revoke").status_code == 200
+    worker = workers(lane, "--concurrency", "2", command=CHILD)
+    assert worker.proc.wait(timeout=20) == 1
+    assert "the server refused the claim: 401" in worker.output()
+
+
 def test_two_workers_with_concurrency_4_complete_200_todos_each_exactly_once(lane, workers):
     crew = [workers(lane, "--concurrency", "4", "--name", f"crew-{n}", "--log-format", "json",
                     command=SHELL_COMPLETE) for n in (1, 2)]
-    with httpx.Client(base_url=lane.server.url, headers={"Authorization": f"Bearer {lane.human_token}"},
-                      timeout=10) as http:
+    with lane.as_human() as http:
         pushed = []
         for n in range(200):
             r = http.post(f"/api/v1/endpoints/{lane.endpoint_id}/todos", json={"title": f"t{n}", "queue": lane.queue})
