@@ -92,7 +92,9 @@ def fill(path: str, made: dict, todos: int, events: int, seed: int = 7) -> None:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA synchronous=OFF")
     conn.execute("BEGIN")
-    event_rows, event_ids = [], []
+    event_rows, event_ids, body_rows = [], [], []
+    # A stored envelope keeps everything but .payload and .headers, which are read back from the body and headers.
+    envelope = json.dumps({"provider": "github", "kind": "issues", "content_type": "application/json"})
     for n in range(events):
         event_id = f"ev_{n:020x}"
         event_ids.append(event_id)
@@ -102,11 +104,13 @@ def fill(path: str, made: dict, todos: int, events: int, seed: int = 7) -> None:
                               "todos": [{"id": f"td_{n:020x}", "endpoint_id": lanes[0][0], "queue": "lane-s",
                                          "created": True}]})
         event_rows.append((event_id, hook_id, human_id, "github", rng.choice(["issues", "issue_comment", "push"]),
-                           "signed", 1, f"delivery-{n}", f"{n:064x}", "{}", payload.encode(), payload, disposition,
-                           trace, outcome, at))
+                           "signed", 1, f"delivery-{n}", f"{n:064x}", "{}", envelope, disposition, trace, outcome, at))
+        body_rows.append((event_id, payload.encode()))
     conn.executemany("INSERT INTO events (id, webhook_id, human_id, source, kind, trust_mode, verified, delivery_key,"
-                     " body_hash, headers, body, envelope, disposition, trace, outcome, received_at)"
-                     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", event_rows)
+                     " body_hash, headers, envelope, disposition, trace, outcome, received_at)"
+                     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", event_rows)
+    # Each delivery's body is stored once, beside its event (schema v3).
+    conn.executemany("INSERT INTO event_bodies (event_id, body) VALUES (?, ?)", body_rows)
     states = list(MIX) + ["done"]
     weights = list(MIX.values()) + [1 - sum(MIX.values())]
     todo_rows, history_rows, attempt_rows = [], [], []

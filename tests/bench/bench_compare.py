@@ -829,7 +829,7 @@ def run(quick: bool = False, **overrides) -> dict:
     results["loadavg_end"] = os.getloadavg()
     results["elapsed_s"] = round(time.perf_counter() - t0, 1)
     if source_fingerprint() != results["machine"]["source"]:
-        results["warning"] = "switchboard.py or schema.sql changed on disk during the run"
+        results["warning"] = "the package changed on disk during the run"
     results["goals"] = goals(results)
     results["failures"] = failures(results)
     return results
@@ -1129,7 +1129,7 @@ def markdown(results: dict, header: bool = True) -> str:
         f"Measured {m['date'].replace('+00:00', '').replace('T', ' ')} UTC"
         f"{' (QUICK RUN: small sizes, one repetition, not representative)' if results['quick'] else ''}, "
         f"switchboard {m['switchboard']} at `{src['git_head']}`{' + uncommitted changes' if src['dirty'] else ''} "
-        f"(source hash {src['sha256_switchboard_and_schema']}).",
+        f"(source hash {src['sha256_package']}).",
         "",
         f"Machine: {m['nproc']} CPUs ({m['cpu_model'] or 'model unknown'}), {m.get('memory', '?')} memory, "
         f"Python {m['python']}, SQLite {m['sqlite']}, {m.get('os', m['platform'])}. {conditions}",

@@ -152,12 +152,13 @@ def _os_name() -> str:
 
 
 def source_fingerprint() -> dict:
-    """Which switchboard.py was measured: git HEAD plus a hash of the working file (it may be dirty)."""
+    """Which code was measured: git HEAD plus a hash of the package's files as they are (they may be dirty)."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "switchboard.py", "schema.sql"], cwd=ROOT,
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "switchboard.py", "switchboard"], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
-    digest = hashlib.sha256((ROOT / "switchboard.py").read_bytes() + (ROOT / "schema.sql").read_bytes()).hexdigest()
-    return {"git_head": head, "dirty": bool(dirty), "sha256_switchboard_and_schema": digest[:16]}
+    files = sorted(p for p in (ROOT / "switchboard").rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
+    return {"git_head": head, "dirty": bool(dirty), "sha256_package": digest[:16]}
 
 
 @contextlib.contextmanager
@@ -579,7 +580,7 @@ def markdown(results: dict) -> str:
     lines = [f"Machine: {facts['nproc']} CPU ({facts['cpu_model']}), Python {facts['python']}, "
              f"SQLite {facts['sqlite']}, {facts['date']}{' (quick)' if results['quick'] else ''}; "
              f"switchboard {facts['source']['git_head']}{'+dirty' if facts['source']['dirty'] else ''} "
-             f"({facts['source']['sha256_switchboard_and_schema']})", ""]
+             f"({facts['source']['sha256_package']})", ""]
     lines += ["### A. claim+complete over REST, 8 competing workers (real server, loopback)", "",
               "| synchronous | todos | cycles/s | cycle p50 ms | cycle p99 ms | claim p50/p99 ms | "
               "complete p50/p99 ms | push/s | CPU cores server / client | exactly once |",
@@ -629,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         results["inproc"].append(bench_inproc(sync, cycles, rounds))
     results["elapsed_s"] = time.perf_counter() - t0
     if source_fingerprint() != results["machine"]["source"]:
-        results["warning"] = "switchboard.py or schema.sql changed on disk during the run"
+        results["warning"] = "the package changed on disk during the run"
         print(f"WARNING: {results['warning']}", file=sys.stderr)
 
     # Raw per-cycle latencies are summarised above; keep the JSON small.

@@ -117,7 +117,7 @@ def run_all(quick: bool) -> dict:
     results["elapsed_s"] = round(time.perf_counter() - t0, 1)
     results["other_processes"] = other_load(cpu0, cpu_snapshot())
     if bench_store.source_fingerprint() != results["machine"]["source"]:
-        results["warning"] = "switchboard.py or schema.sql changed on disk during the run"
+        results["warning"] = "the package changed on disk during the run"
     results["failures"] = failures(results)
     return results
 
@@ -228,7 +228,7 @@ def markdown(results: dict) -> str:
         f"Measured {m['date'].replace('+00:00', '').replace('T', ' ')} UTC"
         f"{' (QUICK RUN: small sizes, not representative)' if results['quick'] else ''}, "
         f"switchboard {m['switchboard']} at `{src['git_head']}`{' + uncommitted changes' if src['dirty'] else ''} "
-        f"(source hash {src['sha256_switchboard_and_schema']}); whole run {results['elapsed_s']:.0f} s.",
+        f"(source hash {src['sha256_package']}); whole run {results['elapsed_s']:.0f} s.",
         "",
         f"Machine: {m['nproc']} CPUs ({m['cpu_model'] or 'model unknown'}), {m['memory']} memory, "
         f"Python {m['python']}, SQLite {m['sqlite']}, {m['os']}. Load average (1/5/15 min) at the start "
