@@ -55,10 +55,16 @@ MODEL_TIMEOUT = httpx.Timeout(120, connect=10)
 FORGE_TIMEOUT = httpx.Timeout(30, connect=10)
 
 # SPEC section 15, verbatim: vLLM and llama.cpp enforce it by constrained decoding; the answer is validated anyway.
-RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "triage", "strict": True, "schema": {
-    "type": "object",
-    "properties": {"size": {"enum": list(SIZES)}, "reason": {"type": "string", "maxLength": REASON_CHARS}},
-    "required": ["size", "reason"], "additionalProperties": False}}}
+ANSWER_SCHEMA = {"type": "object",
+                 "properties": {"size": {"enum": list(SIZES)}, "reason": {"type": "string", "maxLength": REASON_CHARS}},
+                 "required": ["size", "reason"], "additionalProperties": False}
+# The SPEC's response_format, which vLLM, LiteLLM, llama.cpp's llama-server and Ollama enforce. llama-cpp-python's
+# own server refuses that type and takes the same schema beside "json_object" instead (it enforces it by grammar):
+# `--llm-response-format json_object` sends that form.
+RESPONSE_FORMATS = {
+    "json_schema": {"type": "json_schema", "json_schema": {"name": "triage", "strict": True, "schema": ANSWER_SCHEMA}},
+    "json_object": {"type": "json_object", "schema": ANSWER_SCHEMA},
+}
 
 INSTRUCTIONS = f"""\
 You size one software issue for a team of coding agents, so that it reaches the lane of work that fits it.
@@ -106,7 +112,7 @@ class WorkOrder(BaseModel):
 
 
 class Answer(BaseModel):
-    """The model's answer, held to the schema of RESPONSE_FORMAT: nothing more, nothing less, nothing else."""
+    """The model's answer, held to ANSWER_SCHEMA: nothing more, nothing less, nothing else."""
     model_config = ConfigDict(extra="forbid", strict=True)
     size: Literal["S", "M", "L", "XL"]
     reason: Annotated[str, StringConstraints(max_length=REASON_CHARS)]
@@ -135,10 +141,11 @@ def utf8(text: str, limit: int | None = None) -> str:
     return text.encode("utf-8", "surrogatepass")[:limit].decode("utf-8", "ignore")
 
 
-def chat_request(model: str, authority: str, title: str, body: str) -> dict:
+def chat_request(model: str, authority: str, title: str, body: str, response_format: str) -> dict:
     """The one request per issue. The system message is the same for every issue (the authority text is
     Switchboard's, fixed); the issue reaches the model only as the JSON object of the user message."""
-    return {"model": model, "temperature": 0, "max_tokens": MAX_TOKENS, "response_format": RESPONSE_FORMAT,
+    return {"model": model, "temperature": 0, "max_tokens": MAX_TOKENS,
+            "response_format": RESPONSE_FORMATS[response_format],
             "messages": [{"role": "system", "content": f"{INSTRUCTIONS}\n{authority}"},
                          {"role": "user", "content": json.dumps({"title": utf8(title), "body": body},
                                                                 ensure_ascii=False)}]}
@@ -150,9 +157,10 @@ class TriageRunner:
     """Sizes the issue a triage todo names (the module's docstring says how). A JobRunner (switchboard.worker_job)."""
 
     def __init__(self, *, llm_url: str, model: str, llm_key: str | None, forge_token: str, github_api: str,
-                 gitea_api: str | None, labels: dict[str, str]):
+                 gitea_api: str | None, labels: dict[str, str], response_format: str):
         self.llm_url = llm_url
         self.model = model
+        self.response_format = response_format
         self.llm_key = llm_key
         self.forge_token = forge_token
         self.apis = {"github": github_api, "gitea": gitea_api}
@@ -173,7 +181,7 @@ class TriageRunner:
         async with httpx.AsyncClient(follow_redirects=False) as http:
             job.note = f"asking {self.model}"
             answer = await self.ask(http, job, chat_request(self.model, order.authority, issue.title,
-                                                            issue_body(job.todo)))
+                                                            issue_body(job.todo), self.response_format))
             if not isinstance(answer, Answer):
                 return answer
             label = self.labels[answer.size]
@@ -318,6 +326,11 @@ def _env(flag: str, default: str | None = None) -> str | None:
 def add_triage_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `switchboard worker --triage` (SPEC section 15), each defaulting to SWITCHBOARD_<FLAG>."""
     group = parser.add_argument_group("triage", "with --triage: size issues with a model and label them")
+    group.add_argument("--llm-response-format", dest="llm_response_format", choices=sorted(RESPONSE_FORMATS),
+                       default=_env("llm-response-format", "json_schema"),
+                       help="how the answer's schema is sent: json_schema (the OpenAI form; vLLM, LiteLLM, llama.cpp's"
+                            " llama-server, Ollama) or json_object with the schema beside it (llama-cpp-python's"
+                            " server); default json_schema")
     group.add_argument("--llm-url", metavar="URL", dest="llm_url", default=_env("llm-url"),
                        help="the OpenAI-compatible API's base, e.g. http://127.0.0.1:8000/v1 (required)")
     group.add_argument("--llm-model", metavar="NAME", dest="llm_model", default=_env("llm-model"),
@@ -389,4 +402,4 @@ def make_triage_runner(args: argparse.Namespace) -> TriageRunner:
                         forge_token=read_secret(args.forge_token_file, "forge token"),
                         github_api=_url(args.github_api, "--github-api"),
                         gitea_api=_url(args.gitea_api, "--gitea-api") if args.gitea_api else None,
-                        labels=parse_labels(args.labels))
+                        labels=parse_labels(args.labels), response_format=args.llm_response_format)

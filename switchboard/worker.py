@@ -512,7 +512,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--triage", action="store_true", default=_env("triage", False),
                      help="size issues with a model behind an OpenAI-compatible API and label them (the flags below)")
     job.add_argument("command", nargs="*", metavar="CMD", help="after --exec --: the command and its arguments")
-    add_triage_arguments(parser.add_argument_group("triage"))
+    add_triage_arguments(parser)
 
 
 def _switch(flag: str, value: bool | str) -> bool:

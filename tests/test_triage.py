@@ -35,7 +35,7 @@ import pytest
 from conftest import ROOT, LiveServer, cli_inproc
 from helpers import hook_path
 
-from switchboard.triage import DEFAULT_GITHUB_API, add_triage_arguments, make_triage_runner
+from switchboard.triage import DEFAULT_GITHUB_API, add_triage_arguments, chat_request, make_triage_runner
 from switchboard.worker_job import Complete, ConfigError, Fail, Job
 
 BOT = "triage-bot"  # the forge account whose token the triage worker holds
@@ -663,6 +663,8 @@ def test_smoke_a_real_model_answers_the_real_request_inside_the_schema(tmp_path)
                  "--forge-token-file", str(secret_file(tmp_path / "forge.token", FORGE_TOKEN))]
         if os.environ.get("SWITCHBOARD_LLM_SMOKE_KEY_FILE"):
             flags += ["--llm-key-file", os.environ["SWITCHBOARD_LLM_SMOKE_KEY_FILE"]]
+        if os.environ.get("SWITCHBOARD_LLM_SMOKE_RESPONSE_FORMAT"):  # json_object for llama-cpp-python's server
+            flags += ["--llm-response-format", os.environ["SWITCHBOARD_LLM_SMOKE_RESPONSE_FORMAT"]]
         runner = make_triage_runner(parser.parse_args(flags))
         todo = {"id": "td_smoke", "queue": "triage",
                 "payload": {"issue": {"body": "The README says `swichboard serve`; it should say `switchboard serve`."}},
@@ -678,3 +680,14 @@ def test_smoke_a_real_model_answers_the_real_request_inside_the_schema(tmp_path)
     assert outcome.result["size"] in ("S", "M", "L", "XL") and outcome.result["labelled"] is True
     assert [r["json"] for r in forge.requests] == [{"labels": [f"size/{outcome.result['size']}"]}]
     print(f"{SMOKE_MODEL}: {outcome.result['size']} ({outcome.result['reason']!r}) in {took:.1f} s")
+
+
+def test_the_json_object_form_sends_the_same_schema_for_servers_that_refuse_json_schema():
+    """llama-cpp-python's server takes only `json_object` (with the schema beside it, enforced by grammar):
+    `--llm-response-format json_object` sends the very schema of the SPEC's form, and nothing else changes."""
+    spec_form = chat_request("m", AUTHORITY, "t", "b", "json_schema")
+    object_form = chat_request("m", AUTHORITY, "t", "b", "json_object")
+    assert spec_form["response_format"] == RESPONSE_FORMAT
+    assert object_form["response_format"] == {"type": "json_object", "schema": RESPONSE_FORMAT["json_schema"]["schema"]}
+    assert {k: v for k, v in object_form.items() if k != "response_format"} == \
+        {k: v for k, v in spec_form.items() if k != "response_format"}
