@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-VERSION = "0.2.0"
+VERSION = "0.3.0"
 SCHEMA_PATH = Path(__file__).with_name("schema.sql")
 # The rule packs that ship with the package (`rules set --pack fleet`), wherever it is installed.
 PACKS_DIR = Path(__file__).with_name("packs")
