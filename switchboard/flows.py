@@ -43,11 +43,11 @@ from switchboard.evaluator import (
 )
 from switchboard.limits import RateLimited, RateLimiter, TenantGate
 from switchboard.metrics import Metrics
-from switchboard.models import ClaimNext, ReleaseQuarantine, ReplayMany, ReplayOne, RuleSet, RulesTest
+from switchboard.models import ClaimNext, NotifyCreate, ReleaseQuarantine, ReplayMany, ReplayOne, RuleSet, RulesTest
 from switchboard.notifier import Notifier
 from switchboard.providers import VerificationFailed, _get, delivery_key, verify_delivery
 from switchboard.store.deliveries import Delivery, duplicate_of, find_webhook, record_delivery
-from switchboard.store.outbox import notify_verification_failures, queue_test_message
+from switchboard.store.outbox import add_channel, notify_verification_failures, queue_test_message
 from switchboard.store.principals import Principal
 from switchboard.store.quarantine import apply_quarantine_release, prepare_quarantine_release
 from switchboard.store.replay import (
@@ -152,6 +152,63 @@ class WaitingClaim:
             self.owed = None
 
 
+class Changes:
+    """That the database changed, for whoever shows it live (the Board's streams): `moved()` is called when the
+    scheduler's probe sees PRAGMA data_version move (any commit: this server's writer, the CLI, another process),
+    and every callback `subscribe`d is told at once. Nothing is read or timed for a listener until then, so open
+    views cost nothing while nothing changes."""
+
+    def __init__(self) -> None:
+        self._listeners: dict[Callable[[], None], None] = {}
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        self._listeners[listener] = None
+
+    def unsubscribe(self, listener: Callable[[], None]) -> None:
+        self._listeners.pop(listener, None)
+
+    def moved(self) -> None:
+        for listener in list(self._listeners):
+            listener()
+
+
+class FailedChecks:
+    """Failed signature checks, per webhook, by the minute over the last WINDOW_MS (a day): exact to the minute,
+    and at most 1,440 (minute, count) pairs a webhook however many fail. Kept in memory only: a failure is a
+    request nobody authenticated, and counting it must cost no write (see docs/board.md). `started_at` says
+    since when the server has counted."""
+
+    WINDOW_MS = 86_400_000
+    MINUTE_MS = 60_000
+
+    def __init__(self, now_ms: int):
+        self.started_at = now_ms
+        self.by_webhook: dict[str, collections.deque] = {}
+
+    def add(self, webhook_id: str, now_ms: int) -> None:
+        minute = now_ms // self.MINUTE_MS
+        kept = self.by_webhook.setdefault(webhook_id, collections.deque())
+        if kept and kept[-1][0] == minute:
+            kept[-1][1] += 1
+        else:
+            kept.append([minute, 1])
+        self._forget(kept, minute)
+
+    def count(self, webhook_id: str, now_ms: int) -> int:
+        """How many failed in the last day (the minute now and the 1,439 before it)."""
+        kept = self.by_webhook.get(webhook_id)
+        if not kept:
+            return 0
+        self._forget(kept, now_ms // self.MINUTE_MS)
+        if not kept:
+            del self.by_webhook[webhook_id]
+        return sum(n for _, n in kept)
+
+    def _forget(self, kept: collections.deque, minute: int) -> None:
+        while kept and kept[0][0] <= minute - self.WINDOW_MS // self.MINUTE_MS:
+            kept.popleft()
+
+
 class EvaluationShed(ApiError):
     """A delivery whose rules found no sandbox child within EVAL_WAIT_SECONDS: 503 with Retry-After (the HTTP layer
     sends `retry_after`), and nothing stored, so the producer's redelivery is evaluated then."""
@@ -177,7 +234,8 @@ class Flows:
                  limiter: RateLimiter, metrics: Metrics, vitals: Vitals, notifier: Notifier):
         self.db = db
         self.notifier = notifier
-        self.failed_checks: dict[str, collections.deque] = {}
+        self.failed_checks = FailedChecks(db.clock.now_ms())  # the Board's "failed signature checks" count
+        self.recent_failures: dict[str, collections.deque] = {}  # the last few, for the repeated-failures alert
         self.failures_told: dict[str, float] = {}
         self.doorbell = doorbell
         self.evaluator = evaluator
@@ -189,6 +247,7 @@ class Flows:
         self.eval_threads = concurrent.futures.ThreadPoolExecutor(EVAL_THREADS, thread_name_prefix="switchboard-eval")
         self.tenant_gates: dict[str, TenantGate] = {}
         self.shed: dict[str, Shedding] = {}  # by webhook id: what the Board's webhook page shows
+        self.changes = Changes()  # told by the background loop's probe; the Board's live view listens
 
     # -- the evaluator's fair share ------------------------------------------------------------------
     async def evaluate(self, tenant: str, fn: Callable, *args, wait: float | None = None) -> Any:
@@ -257,8 +316,9 @@ class Flows:
     async def _count_failed_check(self, webhook_id: str, reason: str) -> None:
         """Tell the human when a webhook fails its check again and again (a wrong secret, or someone probing):
         at VERIFICATION_ALERT_COUNT failures within VERIFICATION_ALERT_WINDOW, at most once an hour."""
+        self.failed_checks.add(webhook_id, self.db.clock.now_ms())
         now = time.monotonic()
-        recent = self.failed_checks.setdefault(webhook_id, collections.deque(maxlen=VERIFICATION_ALERT_COUNT))
+        recent = self.recent_failures.setdefault(webhook_id, collections.deque(maxlen=VERIFICATION_ALERT_COUNT))
         recent.append(now)
         told = self.failures_told.get(webhook_id, -math.inf)
         if (len(recent) == VERIFICATION_ALERT_COUNT and now - recent[0] <= VERIFICATION_ALERT_WINDOW
@@ -393,6 +453,13 @@ class Flows:
         return {**replay_summary(await self.replay(principal, events, body.dry_run)), "dry_run": body.dry_run}
 
     # -- notifications -------------------------------------------------------------------------------
+    async def add_channel(self, principal: Principal, body: NotifyCreate) -> dict:
+        """A human's new channel, unless its URL's host is (or names) an address the operator does not let
+        channels reach: the notifier's own policy, checked off the event loop before the write."""
+        principal.require_human("notification channels")
+        await self.notifier.addresses.vet(body.url)
+        return await self.db.write(add_channel, principal, self.box, body)
+
     async def test_channel(self, principal: Principal, channel_id: str) -> dict:
         return await self.notifier.send_now(await self.db.write(queue_test_message, principal, channel_id))
 
@@ -400,8 +467,9 @@ class Flows:
     async def background(self) -> None:
         """Every second, look; run a tick (leases, deferrals, rings) only when another connection committed
         (PRAGMA data_version moved: a request, the CLI), when what the last tick saw falls due, or at least every
-        SCHEDULER_IDLE_SECONDS. Idle, that costs one pragma a second, not a scan. Hourly and at start, retention.
-        One bad round is logged and the loop goes on. (Checkpoints are the checkpointer thread's and the writer's:
+        SCHEDULER_IDLE_SECONDS. Idle, that costs one pragma a second, not a scan. A move is also told to
+        `changes` (the Board's open streams then read their counts again; idle, they read nothing). Hourly and at
+        start, retention. One bad round is logged and the loop goes on. (Checkpoints are the checkpointer thread's and the writer's:
         the WAL file keeps its size, because a commit that grows the file costs about twice one that reuses it.)"""
         last_prune = last_tick = -math.inf
         seen, due_ms = None, None
@@ -415,6 +483,8 @@ class Flows:
                         pruned = await anyio.to_thread.run_sync(prune, self.db)
                         log.info("retention: pruned %d todos and %d events", pruned["todos"], pruned["events"])
                     version = probe.execute("PRAGMA data_version").fetchone()[0]
+                    if seen is not None and version != seen:
+                        self.changes.moved()
                     if (version != seen or now - last_tick >= SCHEDULER_IDLE_SECONDS
                             or (due_ms is not None and self.db.clock.now_ms() >= due_ms)):
                         seen, last_tick = version, now

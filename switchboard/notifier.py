@@ -188,6 +188,12 @@ def shape_request(kind: str, url: str, token: str | None, message: Composed,
 # listens there, so a channel's test cannot scan the box's ports.
 REFUSED_ADDRESS = ("refused: the channel's host is a loopback, link-local or unspecified address, which this"
                    " server does not send to")
+# … and what adding such a channel answers (400): the same whatever the port, with what the operator may do.
+REFUSED_CHANNEL = (f"url: {REFUSED_ADDRESS} (unless the server's operator allows it: serve --notify-allow-private,"
+                   f" or --notify-allow ADDRESS[:PORT])")
+# How long adding a channel waits for its host name to resolve; past that (or when it does not resolve) the
+# channel is added, and every send resolves and checks it again.
+NOTIFY_CHECK_RESOLVE_SECONDS = 2.0
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -255,6 +261,30 @@ class Addresses:
             return True
         address = _plain(address)
         return any(address in network and wanted in (None, port) for network, wanted in self.allowed)
+
+    async def vet(self, url: str) -> None:
+        """Refuse a new channel (400, REFUSED_CHANNEL) whose host is, or names, an address `permits` refuses:
+        an address literal at once; a name resolved in a thread of its own, waiting at most
+        NOTIFY_CHECK_RESOLVE_SECONDS. A name that does not resolve in time, or at all, passes: each send resolves
+        and checks its host again (a name may point elsewhere by then), so nothing reaches a refused address."""
+        if self.allow_private:
+            return
+        try:
+            host, port = _host_and_port(httpx.URL(url))
+        except (httpx.InvalidURL, UnicodeError, ValueError):
+            return  # no send can go there either: it fails on the URL
+        try:
+            with anyio.fail_after(NOTIFY_CHECK_RESOLVE_SECONDS):
+                found = await resolve(host, port)
+        except (TimeoutError, OSError):
+            return
+        if not all(self.permits(address, port) for address in found):
+            raise ApiError("invalid_argument", REFUSED_CHANNEL)
+
+
+def _host_and_port(url: httpx.URL) -> tuple[str, int]:
+    """The host a channel URL names (as sent: no brackets around IPv6) and the port it connects to."""
+    return url.raw_host.decode("ascii"), url.port or (443 if url.scheme == "https" else 80)
 
 
 async def resolve(host: str, port: int) -> list[IpAddress]:
@@ -462,8 +492,7 @@ class Notifier:
         """POST to the channel's host at an address just resolved and checked (a name that resolves elsewhere by
         the time of connecting changes nothing), trying its addresses in turn while they refuse connections."""
         url = httpx.URL(target)
-        host = url.raw_host.decode("ascii")
-        port = url.port or (443 if url.scheme == "https" else 80)
+        host, port = _host_and_port(url)
         addresses = await resolve(host, port)
         if not addresses:
             raise OSError("cannot resolve the host: no address")

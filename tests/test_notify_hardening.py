@@ -41,7 +41,7 @@ from starlette.testclient import TestClient
 from switchboard.app import create_app
 from switchboard.configuration import NOTIFY_MAX_CHANNELS
 from switchboard.crypto import SecretBox
-from switchboard.notifier import REFUSED_ADDRESS, Addresses, compose, internal, shape_request
+from switchboard.notifier import REFUSED_ADDRESS, REFUSED_CHANNEL, Addresses, compose, internal, shape_request
 from switchboard.store.outbox import Outgoing
 
 # -- small receivers of our own ---------------------------------------------------------------------------
@@ -400,19 +400,25 @@ def strict_app(db_path):
 
 
 def test_internal_addresses_are_refused_alike_whatever_listens_there(strict_app, db_path, recorder):
+    closed = free_port()
+    urls = [recorder.url("/open"), f"http://127.0.0.1:{closed}/closed", recorder.url("/named", "localhost"),
+            f"http://[::1]:{recorder.port}/v6", "http://169.254.169.254/latest/meta-data/",
+            f"http://0.0.0.0:{recorder.port}/unspecified", f"http://[::]:{recorder.port}/v6-unspecified",
+            f"http://[::ffff:127.0.0.1]:{recorder.port}/mapped", f"http://2130706433:{recorder.port}/decimal",
+            f"http://127.1:{recorder.port}/short", f"http://[fe80::1]:{recorder.port}/link-local"]
+    # Refused when the channel is added (a name after resolving it), with one coarse answer.
     with TestClient(strict_app) as client:
         alice = World(client, strict_app.state.db).human("alice")
-        closed = free_port()
-        urls = [recorder.url("/open"), f"http://127.0.0.1:{closed}/closed", recorder.url("/named", "localhost"),
-                f"http://[::1]:{recorder.port}/v6", "http://169.254.169.254/latest/meta-data/",
-                f"http://0.0.0.0:{recorder.port}/unspecified", f"http://[::]:{recorder.port}/v6-unspecified",
-                f"http://[::ffff:127.0.0.1]:{recorder.port}/mapped", f"http://2130706433:{recorder.port}/decimal",
-                f"http://127.1:{recorder.port}/short", f"http://[fe80::1]:{recorder.port}/link-local"]
-        answers = {}
         for url in urls:
             made = add_channel(client, alice, "webhook", url)
-            assert made.status_code == 201, made.text
-            answers[url] = send_test(client, alice, made.json()["id"])
+            assert made.status_code == 400, (url, made.text)
+            assert made.json() == {"error": "invalid_argument", "message": REFUSED_CHANNEL}, url
+        assert client.get("/api/v1/notify", headers=alice.auth).json() == {"channels": []}
+    # … and again when sending: channels added while the operator allowed it, sent once the allowance is gone.
+    with TestClient(create_app(db_path, notify_allow_private=True)) as client:
+        ids = {url: add_channel(client, alice, "webhook", url).json()["id"] for url in urls}
+    with TestClient(create_app(db_path)) as client:
+        answers = {url: send_test(client, alice, channel_id) for url, channel_id in ids.items()}
         assert {url: (a["sent"], a["error"]) for url, a in answers.items()} == {
             url: (False, REFUSED_ADDRESS) for url in urls}, "one coarse answer, whether a port is open or closed"
         assert recorder.requests == []
@@ -434,9 +440,9 @@ def test_the_operator_may_allow_internal_addresses_all_or_some(db_path, tmp_path
         with TestClient(app) as client:
             alice = World(client, app.state.db).human("alice")
             allowed = add_channel(client, alice, "ntfy", recorder.url("/allowed")).json()
-            refused = add_channel(client, alice, "ntfy", other.url("/other-port")).json()
+            refused = add_channel(client, alice, "ntfy", other.url("/other-port"))
             assert send_test(client, alice, allowed["id"])["sent"] is True
-            assert send_test(client, alice, refused["id"])["error"] == REFUSED_ADDRESS
+            assert refused.status_code == 400 and refused.json()["message"] == REFUSED_CHANNEL
         # All: a name is resolved, checked and connected to at the address checked, asking for its own name.
         app = create_app(str(tmp_path / "open.db"), notify_allow_private=True)
         with TestClient(app) as client:
@@ -451,6 +457,32 @@ def test_the_operator_may_allow_internal_addresses_all_or_some(db_path, tmp_path
         other.close()
     with pytest.raises(Exception, match="notify-allow"):
         create_app(str(tmp_path / "bad.db"), background=False, notify_allow="127.0.0.1:http")
+
+
+def test_a_channel_to_an_internal_address_is_refused_from_the_board_and_the_cli_too(strict_app, db_path,
+                                                                                    monkeypatch):
+    with TestClient(strict_app) as client:
+        world = World(client, strict_app.state.db)
+        alice = world.human("alice")
+        origin = {"Origin": "http://testserver"}
+        assert client.post("/board/login", data={"token": alice.token}, headers=origin).status_code == 200
+        csrf = re.search(r'name="csrf" value="([^"]+)"', client.get("/board/notify").text).group(1)
+        form = {"csrf": csrf, "kind": "webhook", "url": "http://localhost:9/hook", "ev_held": "on"}
+        refused = client.post("/board/notify/add", data=form, headers=origin, follow_redirects=False)
+        assert refused.status_code == 400 and "loopback, link-local or unspecified" in refused.text
+        # What is not internal, or does not resolve now (each send checks again), is added; an endpoint is
+        # refused for what it is, before any name is looked up.
+        for url in ("http://192.0.2.10/topic", "http://ntfy.invalid/topic"):
+            assert add_channel(client, alice, "ntfy", url).status_code == 201, url
+        lane = world.endpoint(alice, ["lane"])
+        assert add_channel(client, lane, "ntfy", "http://127.0.0.1:9/x").status_code == 403
+        assert [c["url"] for c in client.get("/api/v1/notify", headers=alice.auth).json()["channels"]] == [
+            "http://192.0.2.10/…", "http://ntfy.invalid/…"]
+    add = ("notify", "add", "--human", "alice", "--kind", "ntfy", "--url", "http://[::1]:9/topic", "--events", "held")
+    assert cli_inproc(db_path, *add) == (1, {"error": "invalid_argument", "message": REFUSED_CHANNEL})
+    monkeypatch.setenv("SWITCHBOARD_NOTIFY_ALLOW_PRIVATE", "1")  # the operator allows it, as serve's flag does
+    code, made = cli_inproc(db_path, *add)
+    assert code == 0 and made["url"] == "http://[::1]:9/…"
 
 
 def self_signed(directory: Path) -> ssl.SSLContext:

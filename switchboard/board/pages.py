@@ -4,6 +4,7 @@ package's templates."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import re
@@ -31,7 +32,6 @@ from switchboard.board.queries import (
     BOARD_HEADERS,
     BOARD_JSON_CHARS,
     BOARD_MCP_IDLE_SECONDS,
-    BOARD_POLL_SECONDS,
     BOARD_TOUCH_MS,
     EVENT_DISPOSITIONS,
     FORM_TYPE,
@@ -43,6 +43,7 @@ from switchboard.board.queries import (
     board_delivery,
     board_endpoints,
     board_inbox,
+    board_live,
     board_names,
     board_queues,
     board_session,
@@ -55,8 +56,9 @@ from switchboard.board.queries import (
 )
 from switchboard.configuration import KEEPALIVE_SECONDS, NOTIFY_EVENTS, NOTIFY_KINDS, ApiError, iso, log, to_ms
 from switchboard.crypto import token_hash
-from switchboard.database import Txn
-from switchboard.flows import Flows
+from switchboard.database import Database, Txn
+from switchboard.doorbell import Session
+from switchboard.flows import Changes, Flows
 from switchboard.http.common import _shallow, read_capped, sse_response
 from switchboard.http.mcp import Mcp
 from switchboard.http.rest import Api
@@ -75,8 +77,8 @@ from switchboard.models import (
     parse_model,
 )
 from switchboard.providers import _reject_constant
-from switchboard.store.outbox import add_channel, list_channels, remove_channel
-from switchboard.store.principals import vend_endpoint
+from switchboard.store.outbox import list_channels, remove_channel
+from switchboard.store.principals import Principal, vend_endpoint
 from switchboard.store.transitions import revoke_endpoint
 from switchboard.store.upkeep import HUMAN_ACTIONS
 from switchboard.store.webhooks import add_route, remove_route, rotate_webhook, set_trusted_actors, update_webhook
@@ -221,6 +223,122 @@ class _BoardEntry(BaseRoute):
             await self.inbox(scope, receive, send)
 
 
+# -- the live view -----------------------------------------------------------------------------------------
+
+_SIGNED_OUT = object()  # what a stream is told when its session ended
+_CLOSED = object()  # … and when the server is shutting down
+
+
+class _Listener:
+    """One open stream: the latest state it was told and has not sent, and what it sent last."""
+
+    def __init__(self, session: BoardSession):
+        self.session = session
+        self.sent: dict | None = None
+        self.state: Any = None
+        self.woken = asyncio.Event()
+
+    def tell(self, state: Any) -> None:
+        if state != self.sent:
+            self.state = state
+            self.woken.set()
+
+    async def next(self, timeout: float) -> Any:
+        """The next state to send, or None when `timeout` seconds passed without one."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.woken.wait()
+        except TimeoutError:
+            return None
+        self.woken.clear()
+        state, self.state = self.state, None
+        return state
+
+
+class LiveViews:
+    """Every open Board stream, by human, and the one task that reads for all of them: each human's counts and
+    open sessions, in one read transaction, when a stream opens, when the database changed (`Changes`, told by
+    the scheduler's data_version probe, so at most once a second), and when an open stream's session comes to
+    its end. Each stream is told only what differs from what it sent. In between nothing is read: N idle
+    streams cost N sleeping coroutines and a keep-alive each every KEEPALIVE_SECONDS. (Without the background
+    loop, as in tests that drive the scheduler by hand, a stream gets its first counts and keep-alives.)"""
+
+    def __init__(self, db: Database, changes: Changes):
+        self.db = db
+        self.changes = changes
+        self.humans: dict[str, dict[_Listener, None]] = {}
+        self.principals: dict[str, Principal] = {}
+        self.ends: dict[str, int] = {}  # session key -> when it ends (ms), as last read
+        self.closed = False
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    def join(self, session: BoardSession) -> _Listener:
+        listener = _Listener(session)
+        if self.closed:
+            listener.tell(_CLOSED)
+            return listener
+        self.humans.setdefault(session.principal.id, {})[listener] = None
+        self.principals[session.principal.id] = session.principal
+        if self._task is None or self._task.done():
+            self._stop()
+            self._wake = asyncio.Event()
+            self.changes.subscribe(self._wake.set)
+            self._task = asyncio.create_task(self._run())
+        self._wake.set()  # the new stream's first counts
+        return listener
+
+    def leave(self, listener: _Listener) -> None:
+        human_id = listener.session.principal.id
+        mine = self.humans.get(human_id, {})
+        mine.pop(listener, None)
+        if not mine:
+            self.humans.pop(human_id, None)
+            self.principals.pop(human_id, None)
+        if not self.humans and self._task is not None:
+            self._stop()
+
+    def close(self) -> None:
+        """At shutdown: every stream ends (the doorbell's close_all calls this)."""
+        self.closed = True
+        for listeners in list(self.humans.values()):
+            for listener in list(listeners):
+                listener.tell(_CLOSED)
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._wake is not None:
+            self.changes.unsubscribe(self._wake.set)
+        if self._task is not None:
+            self._task.cancel()
+        self._task = self._wake = None
+
+    def _next_end(self) -> float | None:
+        """Seconds until the first open stream's session ends (then it is read again), or None."""
+        keys = {listener.session.key for listeners in self.humans.values() for listener in listeners}
+        ends = [self.ends[key] for key in keys if key in self.ends]
+        return max(0.05, (min(ends) - self.db.clock.now_ms()) / 1000) if ends else None
+
+    async def _run(self) -> None:
+        wake = self._wake
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._next_end()):
+                    await wake.wait()
+            wake.clear()
+            try:
+                read = await self.db.read(board_live, list(self.principals.values()))
+            except Exception:  # noqa: BLE001 - one bad read must not end every stream; the cause is logged
+                log.exception("the Board's live view could not read")
+                await asyncio.sleep(1.0)
+                wake.set()
+                continue
+            self.ends = {key: end for _, sessions in read.values() for key, end in sessions.items()}
+            for human_id, (live, sessions) in read.items():
+                for listener in list(self.humans.get(human_id, {})):
+                    listener.tell(live if listener.session.key in sessions else _SIGNED_OUT)
+
+
 # -- the pages ---------------------------------------------------------------------------------------------
 
 class Board:
@@ -241,6 +359,11 @@ class Board:
         self.templates.globals["inbox_groups"] = INBOX_GROUPS
         # One-shot notices for the next page a session sees (post-redirect-get): kept in memory, popped on read.
         self.notices: dict[str, list[dict]] = {}
+        # The open streams. At shutdown the doorbell's close_all ends them, as it ends the workers' streams: a
+        # session of its own that no ring can reach (it covers no queue of no endpoint).
+        self.live = LiveViews(self.db, flows.changes)
+        flows.doorbell.attach(Session("board:live", frozenset(), "stream", lambda ring: None, self.live.close,
+                                      via="board"))
 
     def routes(self) -> list[BaseRoute]:
         """The Board's routes; none when its files (board/ beside this module) are not installed."""
@@ -452,30 +575,32 @@ class Board:
 
     # -- live counts --------------------------------------------------------------------------------------
     async def events(self, request: Request) -> Response:
-        """GET /board/events: Server-Sent Events for the signed-in human. The server looks at the human's
-        counts every BOARD_POLL_SECONDS and sends `counts` whenever they changed; board.js then refreshes the
-        page's lists. A stream does not keep its session alive, and ends when the session does."""
+        """GET /board/events: Server-Sent Events for the signed-in human: `counts` at once, then whenever they
+        changed; board.js then refreshes the page's lists. The stream waits on the live view (`LiveViews`), which
+        reads only after the database changed, so an idle stream costs a keep-alive every KEEPALIVE_SECONDS. A
+        stream does not keep its session alive, and ends (`signed-out`) when the session does."""
         session = await self._session(request)
         if session is None:
             return PlainTextResponse("sign in first", status_code=401)
 
         async def frames() -> AsyncIterator[str]:
-            last, quiet = None, 0.0
             yield "retry: 5000\n\n"
-            while not self.flows.doorbell.closing:
-                alive = await self.db.read(board_session, session.key)
-                if alive is None:
-                    yield sse_frame({}, "signed-out")
-                    return
-                live = await self.db.read(board_counts, session.principal)
-                if live != last:
-                    last, quiet = live, 0.0
-                    yield sse_frame(live, "counts")
-                elif quiet >= KEEPALIVE_SECONDS:
-                    quiet = 0.0
-                    yield ": keepalive\n\n"
-                await asyncio.sleep(BOARD_POLL_SECONDS)
-                quiet += BOARD_POLL_SECONDS
+            listener = self.live.join(session)
+            try:
+                while True:
+                    state = await listener.next(KEEPALIVE_SECONDS)
+                    if state is None:
+                        yield ": keepalive\n\n"
+                    elif state is _CLOSED:
+                        return
+                    elif state is _SIGNED_OUT:
+                        yield sse_frame({}, "signed-out")
+                        return
+                    elif state != listener.sent:  # (it may have changed back before this stream woke)
+                        listener.sent = state
+                        yield sse_frame(state, "counts")
+            finally:
+                self.live.leave(listener)
 
         return sse_response(frames())
 
@@ -507,14 +632,12 @@ class Board:
         return self.render(request, "todo.html", session, **data)
 
     def failed_checks(self, webhook_id: str) -> dict:
-        """A webhook's failed signature checks in the last day. They are refused with 401 and never stored; the
-        server remembers the latest few of each webhook (for the repeated-failures alert) since it started, so
-        past that many the count reads "or more"."""
-        recent = self.flows.failed_checks.get(webhook_id, ())
-        now = time.monotonic()
-        count = sum(1 for at in recent if now - at <= 86_400)
-        kept = getattr(recent, "maxlen", None) or 0
-        return {"count": count, "at_least": bool(kept) and count >= kept, "kept": kept or "few"}
+        """A webhook's failed signature checks in the last day, exact to the minute. They are refused with 401
+        and never stored: the server counts them in memory, so when it started less than a day ago, `since` says
+        when (its count covers only that long)."""
+        checks, now = self.flows.failed_checks, self.db.clock.now_ms()
+        young = now - checks.started_at < checks.WINDOW_MS
+        return {"count": checks.count(webhook_id, now), "since": checks.started_at if young else None}
 
     async def webhooks(self, request: Request, session: BoardSession) -> Response:
         data = await self.page_data(session, board_webhooks)
@@ -732,7 +855,7 @@ class Board:
             "kind": form.get("kind", ""), "url": form.get("url", "").strip(),
             "events": [event for event in NOTIFY_EVENTS if form.get(f"ev_{event}") == "on"],
             **({"token": form["token"].strip()} if form.get("token", "").strip() else {})}))
-        made = await self.db.write(add_channel, session.principal, self.flows.box, body)
+        made = await self.flows.add_channel(session.principal, body)
         if made.get("secret"):
             self.notice(session, "Channel added. Copy its signing secret now; it is not shown again.", "secret",
                         url=made["url"], secret=made["secret"])

@@ -33,7 +33,6 @@ BOARD_COOKIE = "switchboard_board"
 BOARD_IDLE_MS = 12 * 3_600_000
 BOARD_TOUCH_MS = 60_000  # a session's last use is written at most this often
 BOARD_PAGE_SIZE = 25
-BOARD_POLL_SECONDS = 2.0
 BOARD_MCP_IDLE_SECONDS = 15 * 60
 BOARD_FORM_BYTES = 1 << 20
 BOARD_JSON_CHARS = 200_000
@@ -130,6 +129,15 @@ def board_counts(txn: Txn, principal: Principal) -> dict:
     claims = txn.one(f"SELECT count(*), max(updated_at) FROM todos WHERE {clause} AND state = 'claimed'", params)
     digest = hashlib.sha256(json.dumps([counts, open_rows, tuple(claims)]).encode()).hexdigest()[:16]
     return {"counts": counts, "total": sum(counts.values()), "digest": digest}
+
+
+def board_live(txn: Txn, principals: list[Principal]) -> dict[str, tuple[dict, dict[str, int]]]:
+    """What the live view reads after a change, for each human with a stream open: their counts
+    (board_counts) and their sessions still open, each with when it ends (a stream whose session is not among
+    them ends)."""
+    return {p.id: (board_counts(txn, p), {r["id"]: r["expires_at"] for r in txn.all(
+        "SELECT id, expires_at FROM board_sessions WHERE human_id = ? AND expires_at > ?", (p.human_id, txn.now))})
+        for p in principals}
 
 
 def board_names(txn: Txn, principal: Principal) -> dict[str, str]:

@@ -34,6 +34,7 @@ from switchboard.models import (
     TrustedActors,
     WebhookCreate,
     WebhookSecret,
+    WebhookUpdate,
     parse_model,
 )
 from switchboard.providers import PROVIDER_TABLE
@@ -74,6 +75,7 @@ from switchboard.store.webhooks import (
     rotate_webhook,
     set_trusted_actors,
     set_webhook_secret,
+    update_webhook,
 )
 
 # -- handlers ----------------------------------------------------------------------------------------
@@ -176,6 +178,8 @@ def _trust_fields(args: argparse.Namespace, provider: str) -> dict | None:
 
 def _cli_webhook_create(args: argparse.Namespace, db: Database) -> dict:
     fields = {"endpoint_id": args.endpoint, "provider": args.provider, "queue": args.queue}
+    if args.name is not None:
+        fields["name"] = args.name
     if args.secret is not None:
         fields["secret"] = args.secret
     trusted = _trust_fields(args, args.provider)
@@ -185,7 +189,14 @@ def _cli_webhook_create(args: argparse.Namespace, db: Database) -> dict:
                          _base_url(args))
     if "warning" in made:
         print(f"warning: {made['warning']}", file=sys.stderr)
+    # The shape SPEC section 9 names (`webhook list` shows the name).
     return _with_out(args, {k: made[k] for k in ("id", "url", "secret", "provider", "queue")})
+
+
+def _cli_webhook_rename(args: argparse.Namespace, db: Database) -> dict:
+    """NAME, or --clear: through the model PATCH /api/v1/webhooks/{id} takes."""
+    body = parse_model(WebhookUpdate, {"name": None if args.clear else args.name})
+    return db.write_sync(update_webhook, OPERATOR, args.id, body)
 
 
 def _cli_webhook_trust(args: argparse.Namespace, db: Database) -> dict:
@@ -272,7 +283,18 @@ def _cli_notify_add(args: argparse.Namespace, db: Database) -> dict:
     human = db.read_sync(find_human, args.human)
     body = parse_model(NotifyCreate, json.dumps({"kind": args.kind, "url": args.url, "events": [
         e for e in args.events.split(",") if e], **({"token": args.token} if args.token else {})}))
+    _vet_channel_url(body.url)
     return _with_out(args, db.write_sync(add_channel, OPERATOR, _secret_box(args, db), body, human["id"]))
+
+
+def _vet_channel_url(url: str) -> None:
+    """The server's check on a new channel's host, under the same allowance (SWITCHBOARD_NOTIFY_ALLOW_PRIVATE,
+    SWITCHBOARD_NOTIFY_ALLOW: the serve flags' variables)."""
+    import asyncio
+
+    from switchboard.notifier import Addresses  # httpx and the resolver, for this one command
+
+    asyncio.run(Addresses.configured().vet(url))
 
 
 def _cli_notify_list(args: argparse.Namespace, db: Database) -> dict:
@@ -352,6 +374,8 @@ def _cli_backup(args: argparse.Namespace, db: Database) -> dict:
         raise ApiError("invalid_argument", f"--keep must be at least 1 (got {args.keep})")
     if args.dir is None:
         out = Path(args.out)
+        if not out.parent.is_dir():  # else SQLite's own words: "unable to open database file"
+            raise ApiError("not_found", f"no directory {out.parent} for the backup: make it first, or use --dir")
     else:
         Path(args.dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         out = Path(args.dir) / f"switchboard-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.db"

@@ -18,7 +18,7 @@ from switchboard.providers import _reject_constant
 TABLE_COLUMNS = {
     "humans": ("id", "name", "created_at"),
     "endpoints": ("id", "name", "queues", "verbs", "revoked_at"),
-    "webhooks": ("id", "provider", "queue", "endpoint_id", "secret_set", "pinged_at"),
+    "webhooks": ("id", "name", "provider", "queue", "endpoint_id", "secret_set", "pinged_at"),
     "todos": ("id", "state", "queue", "attempt", "updated_at", "title"),
     "events": ("id", "kind", "disposition", "verified", "received_at"),
     "routes": ("endpoint_id", "granted_at", "granted_by"),

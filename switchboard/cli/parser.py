@@ -42,6 +42,7 @@ from switchboard.cli.commands import (
     _cli_webhook_create,
     _cli_webhook_delete,
     _cli_webhook_list,
+    _cli_webhook_rename,
     _cli_webhook_rotate,
     _cli_webhook_set_secret,
     _cli_webhook_trust,
@@ -198,16 +199,23 @@ def _add_trust_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    webhook = _group(commands, "webhook", "webhooks: signed ingress URLs", "{create,trust,list,rotate,delete,set-secret}")
+    webhook = _group(commands, "webhook", "webhooks: signed ingress URLs",
+                     "{create,rename,trust,list,rotate,delete,set-secret}")
     create = _subcommand(webhook, "create", _cli_webhook_create, "make an ingest URL; prints its secret once",
                          common)
     create.add_argument("--endpoint", required=True, help="owner endpoint id (ep_…)")
     create.add_argument("--provider", required=True, choices=PROVIDERS, help="who signs the deliveries")
     create.add_argument("--queue", required=True, help="the queue deliveries go to when no rule decides")
+    create.add_argument("--name", help="a label that tells it from the others (up to 64 characters)")
     create.add_argument("--secret", help="supply the secret instead of minting one (Stripe, Slack: theirs)")
     create.add_argument("--base-url", dest="base_url", help="public base of the ingest URL")
     create.add_argument("--out", help="also write the answer (URL and secret) to this file, mode 0600")
     _add_trust_options(create)
+    rename = _subcommand(webhook, "rename", _cli_webhook_rename, "name a webhook, or clear its name", common)
+    rename.add_argument("id", help="webhook id (wh_…)")
+    named = rename.add_mutually_exclusive_group(required=True)
+    named.add_argument("name", nargs="?", help="the new name (up to 64 characters)")
+    named.add_argument("--clear", action="store_true", help="remove the name")
     trust = _subcommand(webhook, "trust", _cli_webhook_trust, "set whom the trust gate lets through (github,"
                         " gitea: logins; cairn: actor ids)", common)
     trust.add_argument("id", help="webhook id (wh_…)")

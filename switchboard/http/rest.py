@@ -61,7 +61,7 @@ from switchboard.models import (
 )
 from switchboard.store.deliveries import get_event, list_events
 from switchboard.store.human_actions import push_todo
-from switchboard.store.outbox import add_channel, list_channels, remove_channel
+from switchboard.store.outbox import list_channels, remove_channel
 from switchboard.store.principals import (
     Principal,
     authenticate,
@@ -398,7 +398,7 @@ class Api:
     async def add_channel(self, request: Request) -> Response:
         principal = await self.principal(request)
         body = await self.body(request, NotifyCreate)
-        return JsonResponse(await self.db.write(add_channel, principal, self.flows.box, body), status_code=201)
+        return JsonResponse(await self.flows.add_channel(principal, body), status_code=201)
 
     async def openapi(self, request: Request) -> Response:
         return JsonResponse(openapi_document())

@@ -27,7 +27,9 @@ def _shown_url(url: str) -> str:
     """A channel URL for display: scheme and host only (the path of a Slack, Discord or ntfy URL is itself the
     credential)."""
     parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}/…"
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address, bracketed as in the URL
+    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}/…"
 
 
 def channel_view(row: sqlite3.Row) -> dict:
