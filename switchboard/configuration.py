@@ -17,7 +17,7 @@ SCHEMA_PATH = Path(__file__).with_name("schema.sql")
 # The rule packs that ship with the package (`rules set --pack fleet`), wherever it is installed.
 PACKS_DIR = Path(__file__).with_name("packs")
 PACK_NAMES = ("fleet", "pool-review")
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 DEFAULT_LEASE_SECONDS = 300
 MAX_REQUEST_BYTES = 1 << 20

@@ -48,6 +48,15 @@ MIGRATIONS: dict[int, Migration] = {
     4: Migration(
         "webhooks gain a name their human may set (existing webhooks have none until then)",
         rebuild=("webhooks",)),
+    5: Migration(
+        "flat cost as the work grows: todos are counted by group (endpoint, queue, state) in todo_counts, kept by"
+        " triggers, and indexed by group for every state (todos_by_state replaces the open-only todos_open), so"
+        " the Board's counts and pages and the todo list read a page's worth, not every todo",
+        before=("DROP INDEX IF EXISTS todos_open",),
+        # The counts of the todos already there (the triggers count every change from here on).
+        after=("DELETE FROM todo_counts",
+               "INSERT INTO todo_counts (endpoint_id, queue, state, n, changes)"
+               " SELECT endpoint_id, queue, state, count(*), count(*) FROM todos GROUP BY endpoint_id, queue, state")),
 }
 
 # Columns that moved to a table of their own: (table, column) -> (new table, the copy). Whichever migration first

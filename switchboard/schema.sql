@@ -196,12 +196,40 @@ CREATE INDEX IF NOT EXISTS todos_held ON todos(created_at) WHERE state = 'quaran
 CREATE INDEX IF NOT EXISTS todos_by_endpoint ON todos(endpoint_id, created_at);
 CREATE INDEX IF NOT EXISTS todos_by_event ON todos(event_id);
 CREATE INDEX IF NOT EXISTS todos_finished ON todos(updated_at) WHERE state IN ('done', 'failed', 'cancelled');
--- The Board: open work by endpoint, state and queue (what waits on a human, and the depth of each queue).
-CREATE INDEX IF NOT EXISTS todos_open ON todos(endpoint_id, state, queue, created_at)
-    WHERE state NOT IN ('done', 'cancelled');
+-- Todos by group (endpoint, state, queue), oldest first: each group's first page is one ordered range of it, so
+-- the Board's inbox and the human's list pick a page from the few groups todo_counts names, at any size.
+CREATE INDEX IF NOT EXISTS todos_by_state ON todos(endpoint_id, state, queue, created_at);
 -- Idempotency: one live todo per (endpoint, key); a finished one frees the key.
 CREATE UNIQUE INDEX IF NOT EXISTS todos_idempotency ON todos(endpoint_id, idempotency_key)
     WHERE idempotency_key IS NOT NULL AND state NOT IN ('done', 'failed', 'cancelled');
+
+-- How many todos each group (endpoint, queue, state) holds, kept by the triggers below in the transaction that
+-- changes the todos, so that no code path can let it drift: the Board's counts, the queues page and the metrics
+-- read these few rows instead of counting the todos. `changes` moves whenever a todo enters or leaves the group
+-- (the live view's digest). A row stays when its count reaches 0.
+CREATE TABLE IF NOT EXISTS todo_counts (
+    endpoint_id  TEXT NOT NULL,
+    queue        TEXT NOT NULL,
+    state        TEXT NOT NULL,
+    n            INTEGER NOT NULL CHECK (n >= 0),
+    changes      INTEGER NOT NULL,
+    PRIMARY KEY (endpoint_id, queue, state)
+) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS todo_counts_insert AFTER INSERT ON todos BEGIN
+    INSERT INTO todo_counts (endpoint_id, queue, state, n, changes) VALUES (NEW.endpoint_id, NEW.queue, NEW.state, 1, 1)
+        ON CONFLICT DO UPDATE SET n = n + 1, changes = changes + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS todo_counts_update AFTER UPDATE OF endpoint_id, queue, state ON todos
+    WHEN OLD.endpoint_id IS NOT NEW.endpoint_id OR OLD.queue IS NOT NEW.queue OR OLD.state IS NOT NEW.state BEGIN
+    UPDATE todo_counts SET n = n - 1, changes = changes + 1
+        WHERE endpoint_id = OLD.endpoint_id AND queue = OLD.queue AND state = OLD.state;
+    INSERT INTO todo_counts (endpoint_id, queue, state, n, changes) VALUES (NEW.endpoint_id, NEW.queue, NEW.state, 1, 1)
+        ON CONFLICT DO UPDATE SET n = n + 1, changes = changes + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS todo_counts_delete AFTER DELETE ON todos BEGIN
+    UPDATE todo_counts SET n = n - 1, changes = changes + 1
+        WHERE endpoint_id = OLD.endpoint_id AND queue = OLD.queue AND state = OLD.state;
+END;
 
 CREATE TABLE IF NOT EXISTS todo_deps (
     todo_id        TEXT NOT NULL REFERENCES todos(id) ON DELETE CASCADE,

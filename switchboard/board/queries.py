@@ -18,7 +18,7 @@ from switchboard.providers import PROVIDER_TABLE, _get
 from switchboard.store.deliveries import EVENT_WITH_BODY, get_event
 from switchboard.store.principals import Principal, authenticate, list_endpoints
 from switchboard.store.rules import get_rules
-from switchboard.store.todos import _json, _scope_clause, get_todo
+from switchboard.store.todos import _json, _scope_clause, get_todo, grouped_page, todo_groups
 from switchboard.store.webhooks import get_webhook, list_routes, list_webhooks, webhook_targets
 
 # Server-rendered HTML for the human's half of the loop: what waits on them (held deliveries, reviews,
@@ -53,7 +53,7 @@ INBOX_GROUPS: dict[str, tuple[str, str]] = {
     "deferred": ("Deferred", "state = 'deferred'"),
 }
 _INBOX_CASE = "CASE " + " ".join(f"WHEN {where} THEN '{name}'" for name, (_, where) in INBOX_GROUPS.items()) + " END"
-_OPEN = "state NOT IN ('done', 'cancelled')"  # the todos_open index's own condition, so SQLite uses it
+_OPEN = "state NOT IN ('done', 'cancelled')"  # open work: what the inbox and the queues page show
 # Producer text keeps no bidirectional controls or lone surrogates on a page: they would make it read otherwise.
 _BOARD_UNSAFE = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 _BOARD_BACK = re.compile(r"^/board(?:/[A-Za-z0-9_.~/-]*)?(?:\?[A-Za-z0-9_.~=&%:-]*)?$")
@@ -116,17 +116,20 @@ def board_sign_out(txn: Txn, key: str) -> None:
 
 def board_counts(txn: Txn, principal: Principal) -> dict:
     """How many todos wait in each inbox group, and a digest of every open count, which changes whenever
-    anything on the inbox or the queues page would."""
+    anything on the inbox or the queues page would. The counts are todo_counts' (kept by triggers with every
+    change, each group's `changes` moving whenever a todo enters or leaves it): a few rows, whatever the todos
+    number. The running work (few) is read for its heartbeats."""
     clause, params = _scope_clause(principal)
     counts = {name: 0 for name in INBOX_GROUPS}
-    for row in txn.all(f"SELECT {_INBOX_CASE} AS grp, count(*) AS n FROM todos WHERE {clause} AND {_OPEN}"
-                       f" AND state IN ('quarantined', 'pending', 'review', 'needs_input', 'failed', 'blocked',"
-                       f" 'deferred') GROUP BY grp", params):
-        if row["grp"]:
-            counts[row["grp"]] = row["n"]
-    open_rows = [tuple(r) for r in txn.all(f"SELECT endpoint_id, queue, state, count(*), max(created_at) FROM todos"
-                                           f" WHERE {clause} AND {_OPEN} GROUP BY endpoint_id, queue, state", params)]
-    claims = txn.one(f"SELECT count(*), max(updated_at) FROM todos WHERE {clause} AND state = 'claimed'", params)
+    open_rows = [tuple(r) for r in txn.all(f"SELECT endpoint_id, queue, state, n, changes, {_INBOX_CASE} AS grp"
+                                           f" FROM todo_counts WHERE {clause} AND {_OPEN}"
+                                           f" ORDER BY endpoint_id, queue, state", params)]
+    for *_, n, _changes, group in open_rows:
+        if group:
+            counts[group] += n
+    # INDEXED BY: the claimed todos are few, and this read must fail rather than ever count every todo.
+    claims = txn.one(f"SELECT count(*), max(updated_at) FROM todos INDEXED BY todos_lapsed_by_endpoint"
+                     f" WHERE {clause} AND state = 'claimed'", params)
     digest = hashlib.sha256(json.dumps([counts, open_rows, tuple(claims)]).encode()).hexdigest()[:16]
     return {"counts": counts, "total": sum(counts.values()), "digest": digest}
 
@@ -150,17 +153,13 @@ def board_names(txn: Txn, principal: Principal) -> dict[str, str]:
 
 def _todo_rows(txn: Txn, principal: Principal, where: str, params: tuple, after: tuple[int, str] | None,
                limit: int, newest_first: bool = False) -> list[sqlite3.Row]:
-    clause, scope = _scope_clause(principal)
-    order = "DESC" if newest_first else "ASC"
-    sql = (f"SELECT id, endpoint_id, queue, state, title, source, kind, state_reason, trace, created_at, updated_at,"
-           f" attempt, max_attempts, last_error, lease_expires_at, event_id,"
-           f" (SELECT webhook_id FROM events WHERE events.id = todos.event_id) AS webhook_id"
-           f" FROM todos WHERE {clause} AND {_OPEN} AND ({where})")
-    args = [*scope, *params]
-    if after is not None:
-        sql += f" AND (created_at, id) {'<' if newest_first else '>'} (?, ?)"
-        args += list(after)
-    return txn.all(sql + f" ORDER BY created_at {order}, id {order} LIMIT ?", (*args, limit))
+    """The first `limit` open todos meeting `where` (a condition on the state and the queue), a group at a time
+    (todos.grouped_page): a page costs the same however many todos the groups hold."""
+    return grouped_page(txn, todo_groups(txn, principal, f"{_OPEN} AND ({where})", params),
+                        "id, endpoint_id, queue, state, title, source, kind, state_reason, trace, created_at,"
+                        " updated_at, attempt, max_attempts, last_error, lease_expires_at, event_id,"
+                        " (SELECT webhook_id FROM events WHERE events.id = todos.event_id) AS webhook_id",
+                        limit, newest_first=newest_first, after=after)
 
 
 def _inbox_item(row: sqlite3.Row) -> dict:
@@ -234,12 +233,14 @@ def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) 
     clause, params = _scope_clause(principal)
     endpoints = {e["id"]: {**e, "queues": {q: {"counts": {}, "oldest_pending": None} for q in e["queues"]}}
                  for e in list_endpoints(txn, principal)["endpoints"]}
-    for row in txn.all(f"SELECT endpoint_id, queue, state, count(*) AS n, min(created_at) AS oldest FROM todos"
-                       f" WHERE {clause} AND {_OPEN} GROUP BY endpoint_id, queue, state", params):
+    # The counts are todo_counts' (a few rows); the oldest pending todo of a queue is the first of its range.
+    for row in txn.all(f"SELECT endpoint_id, queue, state, n FROM todo_counts WHERE {clause} AND {_OPEN} AND n > 0",
+                       params):
         queue = endpoints[row["endpoint_id"]]["queues"].setdefault(row["queue"], {"counts": {}, "oldest_pending": None})
         queue["counts"][row["state"]] = row["n"]
         if row["state"] == "pending":
-            queue["oldest_pending"] = row["oldest"]
+            queue["oldest_pending"] = txn.one("SELECT min(created_at) FROM todos WHERE endpoint_id = ?"
+                                              " AND state = 'pending' AND queue = ?", (row["endpoint_id"], row["queue"]))[0]
     sql = (f"SELECT t.id, t.title, t.queue, t.endpoint_id, t.lease_expires_at, t.created_at, a.claimant, a.claimed_at,"
            f" a.summary, a.heartbeats, a.seq FROM todos t JOIN attempts a ON a.todo_id = t.id AND a.ended_at IS NULL"
            f" WHERE t.state = 'claimed' AND t.{clause}")
@@ -392,7 +393,7 @@ def board_delivery(txn: Txn, principal: Principal, event_id: str) -> dict:
 def board_endpoints(txn: Txn, principal: Principal) -> dict:
     clause, params = _scope_clause(principal)
     open_counts = {r["endpoint_id"]: r["n"] for r in txn.all(
-        f"SELECT endpoint_id, count(*) AS n FROM todos WHERE {clause} AND {_OPEN} AND state NOT IN ('failed',"
+        f"SELECT endpoint_id, sum(n) AS n FROM todo_counts WHERE {clause} AND {_OPEN} AND state NOT IN ('failed',"
         f" 'quarantined') GROUP BY endpoint_id", params)}
     endpoints = [{**e, "open": open_counts.get(e["id"], 0)} for e in list_endpoints(txn, principal)["endpoints"]]
     return {"endpoints": endpoints, "presets": list(VERB_PRESETS)}

@@ -82,18 +82,46 @@ def _reload(txn: Txn, todo_id: str) -> sqlite3.Row:
     return txn.one("SELECT * FROM todo_rows WHERE id = ?", (todo_id,))
 
 
+def todo_groups(txn: Txn, principal: Principal, where: str = "1 = 1", params: tuple = ()) -> list[tuple]:
+    """The groups (endpoint, state, queue) that hold todos the principal may see and that meet `where`, a condition
+    on the state and the queue (and the endpoint) only: from todo_counts, a few rows whatever the todos number."""
+    clause, scope = _scope_clause(principal)
+    return [tuple(r) for r in txn.all(f"SELECT endpoint_id, state, queue FROM todo_counts WHERE {clause} AND n > 0"
+                                      f" AND ({where})", (*scope, *params))]
+
+
+def grouped_page(txn: Txn, groups: list[tuple], columns: str, limit: int, *, newest_first: bool = False,
+                 after: tuple | None = None, tie: str = "id") -> list[sqlite3.Row]:
+    """The first `limit` todos of `groups` in (created_at, `tie`) order, oldest or newest first, past the cursor
+    `after` (a created_at and a `tie` value). Each group is one range of todos_by_state already in created_at
+    order, read up to `limit` entries; the ranges are merged here. So a page costs the same at any size, where one
+    query over several groups would sort every todo in them first. `columns` must name created_at and `tie`."""
+    order, beyond = ("DESC", "<") if newest_first else ("ASC", ">")
+    cursor = f" AND created_at {beyond}= ? AND (created_at, {tie}) {beyond} (?, ?)" if after is not None else ""
+    bounds = (after[0], *after) if after is not None else ()
+    rows: list[sqlite3.Row] = []
+    for group in groups:
+        rows += txn.all(f"SELECT {columns} FROM todos WHERE endpoint_id = ? AND state = ? AND queue = ?{cursor}"
+                        f" ORDER BY created_at {order}, {tie} {order} LIMIT ?", (*group, *bounds, limit))
+    rows.sort(key=lambda row: (row["created_at"], row[tie]), reverse=newest_first)
+    return rows[:limit]
+
+
 def list_todos(txn: Txn, principal: Principal, query: TodoListQuery) -> dict:
+    """Newest first. The page is picked from the index alone (grouped_page) and only its todos are read whole, with
+    their events' bodies: a list reads a page of todos, never every todo with its body."""
     if principal.kind == "endpoint":
         principal.require_verb("list_todos")
-    clause, params = _scope_clause(principal)
-    sql, args = f"SELECT * FROM todo_rows WHERE {clause}", list(params)
+    where, args = "1 = 1", []
     for column, value in (("queue", query.queue), ("state", query.state), ("endpoint_id", query.endpoint)):
         if value is not None:
-            sql += f" AND {column} = ?"
+            where += f" AND {column} = ?"
             args.append(value)
-    sql += " ORDER BY created_at DESC, todo_rowid DESC LIMIT ?"
-    args.append(query.limit)
-    return {"todos": [todo_view(r) for r in txn.all(sql, args)]}
+    page = [row["rowid"] for row in grouped_page(txn, todo_groups(txn, principal, where, tuple(args)),
+                                                  "created_at, rowid", query.limit, newest_first=True, tie="rowid")]
+    rows = txn.all(f"SELECT * FROM todo_rows WHERE todo_rowid IN ({', '.join('?' * len(page))})"
+                   f" ORDER BY created_at DESC, todo_rowid DESC", page) if page else []
+    return {"todos": [todo_view(r) for r in rows]}
 
 
 def get_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Callable, Iterable
 
 from switchboard.configuration import (
@@ -122,49 +123,112 @@ def rings_for_new_session(txn: Txn, endpoint_id: str, queues: Iterable[str], lim
 
 RETENTION_MS = 30 * 86_400_000
 RETENTION_ROWS = 500_000
-PRUNE_BATCH = 5_000
+PRUNE_BATCH = 5_000  # rows one step deletes at most
+PRUNE_STEP_MS = 10  # ...and how long one step holds the writer (deliveries wait behind it) before it commits
+PRUNE_WALK = 50  # rows one statement looks at
+# Between steps a prune waits, so other writers (a server's deliveries, when `switchboard prune` runs beside it)
+# get the lock: SQLite's busy handler retries after sleeps of growing length (1, 2, 5, 10, 15 ms…), and a prune
+# that took the lock straight back could keep a waiting writer out for many steps.
+PRUNE_PAUSE_MS = 20
+# What retention deletes, in this order: terminal todos, then events no todo points at (a todo's payload is its
+# event's body), then sent notifications; each the oldest first, by `stamp`. A walk reads the rows meeting `walk`
+# (its index's own condition, so that SQLite walks the index in order) and deletes those that are `eligible`.
+_RETAINED = (("todos", "todos", f"state IN {TERMINAL_STATES}", "1", "updated_at"),
+             ("events", "events", "1 = 1", "NOT EXISTS (SELECT 1 FROM todos t WHERE t.event_id = events.id)",
+              "received_at"),
+             ("notifications", "notify_outbox", "(sent_at IS NOT NULL OR gave_up_at IS NOT NULL)", "1", "created_at"))
 
 
-def prune_batch(txn: Txn) -> dict:
+def retention_progress(txn: Txn) -> dict:
+    """Where one prune starts: each table's walk from its oldest row, and how many rows it holds beyond
+    RETENTION_ROWS (counted once per prune, on a reader; todos from todo_counts)."""
+    held = {"todos": txn.one("SELECT coalesce(sum(n), 0) FROM todo_counts")[0],
+            "events": txn.one("SELECT count(*) FROM events")[0],
+            "notifications": txn.one("SELECT count(*) FROM notify_outbox")[0]}
+    return {name: {"after": (-1, -1), "excess": max(0, held[name] - RETENTION_ROWS), "done": False} for name in held}
+
+
+def prune_batch(txn: Txn, progress: dict | None = None) -> dict:
     """One bounded step of retention: terminal todos and events older than 30 days or beyond 500,000 rows.
     Pending and claimed work is never touched, nor an event any todo still points at (the todo's payload is the
-    event's body), nor routing_once."""
-    todos = _prune_table(txn, "todos", f"state IN {TERMINAL_STATES}", "updated_at")
-    events = _prune_table(txn, "events", "NOT EXISTS (SELECT 1 FROM todos t WHERE t.event_id = events.id)",
-                          "received_at")
-    messages = _prune_table(txn, "notify_outbox", "(sent_at IS NOT NULL OR gave_up_at IS NOT NULL)", "created_at")
-    if todos or events or messages:
-        txn.logs.append(f"pruned {todos} todos, {events} events and {messages} sent notifications")
-    return {"todos": todos, "events": events, "notifications": messages}
+    event's body), nor routing_once. A step ends once it deleted PRUNE_BATCH rows or held the writer for
+    PRUNE_STEP_MS, so deliveries keep flowing between steps. `progress` (retention_progress) carries one prune's
+    place in each table from step to step, so no step walks again what an earlier one passed over."""
+    progress = retention_progress(txn) if progress is None else progress
+    deadline = time.monotonic() + PRUNE_STEP_MS / 1000
+    pruned = {name: 0 for name, *_ in _RETAINED}
+    for name, table, walk, eligible, stamp in _RETAINED:
+        place = progress[name]
+        while not place["done"] and sum(pruned.values()) < PRUNE_BATCH and time.monotonic() < deadline:
+            pruned[name] += _prune_walk(txn, place, f"{table} WHERE {walk}", eligible, stamp,
+                                        PRUNE_BATCH - sum(pruned.values()))
+        if not place["done"]:
+            break  # events wait for the todos that point at them
+    if any(pruned.values()):
+        txn.logs.append(f"pruned {pruned['todos']} todos, {pruned['events']} events and {pruned['notifications']}"
+                        f" sent notifications")
+    return pruned
 
 
-def _prune_table(txn: Txn, table: str, eligible: str, stamp: str) -> int:
-    """Delete up to a batch of eligible rows: those past the age limit, or the oldest beyond the row cap."""
-    excess = min(PRUNE_BATCH, max(0, txn.one(f"SELECT count(*) FROM {table}")[0] - RETENTION_ROWS))
-    rows = txn.all(f"SELECT id FROM {table} WHERE {eligible} AND {stamp} < ? ORDER BY {stamp} LIMIT ?",
-                   (txn.now - RETENTION_MS, PRUNE_BATCH))
-    if len(rows) < excess:
-        rows = txn.all(f"SELECT id FROM {table} WHERE {eligible} ORDER BY {stamp} LIMIT ?", (excess,))
-    txn.conn.executemany(f"DELETE FROM {table} WHERE id = ?", [(r["id"],) for r in rows])
-    return len(rows)
+def _prune_walk(txn: Txn, place: dict, rows_of: str, eligible: str, stamp: str, most: int) -> int:
+    """Look at the next PRUNE_WALK rows (`rows_of`: a table and a condition) in `stamp` order and delete (up to
+    `most` of) the eligible ones that are past the age limit, or the oldest beyond the row cap. Marks the walk done
+    at the first row that is neither, or at the end."""
+    cutoff = txn.now - RETENTION_MS
+    table = rows_of.split()[0]
+    rows = txn.all(f"SELECT rowid, {stamp} AS stamp, {eligible} AS eligible FROM {rows_of} AND {stamp} >= ?"
+                   f" AND ({stamp}, rowid) > (?, ?) ORDER BY {stamp}, rowid LIMIT ?",
+                   (place["after"][0], *place["after"], PRUNE_WALK))
+    doomed = []
+    for row in rows:
+        if row["stamp"] >= cutoff and place["excess"] <= 0:
+            place["done"] = True
+            break
+        place["after"] = (row["stamp"], row["rowid"])
+        if row["eligible"]:
+            doomed.append((row["rowid"],))
+            place["excess"] -= 1
+            if len(doomed) == most:
+                break
+    else:
+        place["done"] = len(rows) < PRUNE_WALK
+    txn.conn.executemany(f"DELETE FROM {table} WHERE rowid = ?", doomed)
+    return len(doomed)
 
 
 def prune(db: Database) -> dict:
-    """Retention to the end, in bounded transactions so that deliveries keep flowing between them."""
-    total = {"todos": 0, "events": 0, "notifications": 0}
+    """Retention to the end, in short transactions with a pause after each, so that deliveries keep flowing."""
+    progress = db.read_sync(retention_progress)
+    total = {name: 0 for name, *_ in _RETAINED}
     while True:
-        step = db.write_sync(prune_batch)
+        step = db.write_sync(prune_batch, progress)
         total = {k: total[k] + step[k] for k in total}
-        if not any(step.values()):
+        if all(place["done"] for place in progress.values()):
             return total
+        time.sleep(PRUNE_PAUSE_MS / 1000)
 
 
 def queue_stats(txn: Txn) -> dict:
+    """The todos by state (todo_counts) and the age of the oldest claimable pending todo, for /metrics."""
     depth = {state: 0 for state in TODO_STATES}
-    depth.update({r["state"]: r["n"] for r in txn.all("SELECT state, count(*) AS n FROM todos GROUP BY state")})
-    oldest = txn.one("SELECT MIN(available_at) FROM todos WHERE state = 'pending' AND available_at <= ?",
-                     (txn.now,))[0]
+    depth.update({r["state"]: r["n"] for r in txn.all("SELECT state, sum(n) AS n FROM todo_counts GROUP BY state")})
+    oldest = _oldest_available(txn)
     return {"depth": depth, "oldest_pending_seconds": (txn.now - oldest) / 1000 if oldest is not None else 0.0}
+
+
+def _oldest_available(txn: Txn) -> int | None:
+    """The earliest available_at of the pending todos available now. Each pending group is walked in created_at
+    order (todos_by_state) only until created_at passes the best found (a todo is never available before it was
+    created): a few rows each, where min(available_at) over the pending todos would read every one."""
+    best = None
+    for group in txn.all("SELECT endpoint_id, queue FROM todo_counts WHERE state = 'pending' AND n > 0"):
+        for created, available in txn.execute("SELECT created_at, available_at FROM todos WHERE endpoint_id = ?"
+                                              " AND state = 'pending' AND queue = ? ORDER BY created_at", group):
+            if best is not None and created >= best:
+                break
+            if available <= txn.now and (best is None or available < best):
+                best = available
+    return best
 
 
 def check_database(txn: Txn) -> dict:
