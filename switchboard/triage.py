@@ -31,13 +31,12 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Literal
 
 import httpx
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from switchboard.worker_job import Complete, ConfigError, Fail, Job, Outcome, Park
+from switchboard.worker_job import Complete, ConfigError, Fail, Job, Outcome, Park, read_secret_file
 
 log = logging.getLogger("switchboard.worker.triage")
 
@@ -373,23 +372,6 @@ def parse_labels(text: str) -> dict[str, str]:
     return labels
 
 
-def read_secret(path: str, what: str) -> str:
-    """A token or key from a file no one but its owner may read. Messages name the file, never its content."""
-    try:
-        mode = os.stat(path).st_mode
-        if mode & 0o077:
-            raise ConfigError(f"the {what} file {path} is open to group or others (mode {mode & 0o777:04o}): run"
-                              f" chmod 600 {path}")
-        secret = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the {what} file {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        secret = ""
-    if not re.fullmatch(r"[\x21-\x7e]+", secret):  # it goes into an HTTP header as it is
-        raise ConfigError(f"the {what} file {path} holds no {what}: one line of printable ASCII without spaces")
-    return secret
-
-
 def make_triage_runner(args: argparse.Namespace) -> TriageRunner:
     """The runner `--triage` works with, from the flags of add_triage_arguments; ConfigError when they will not do."""
     if not args.llm_model:
@@ -398,8 +380,8 @@ def make_triage_runner(args: argparse.Namespace) -> TriageRunner:
         raise ConfigError("--forge-token-file (or SWITCHBOARD_FORGE_TOKEN_FILE) is required: a file holding the"
                           " token that adds labels")
     return TriageRunner(llm_url=_url(args.llm_url, "--llm-url"), model=args.llm_model,
-                        llm_key=read_secret(args.llm_key_file, "model API key") if args.llm_key_file else None,
-                        forge_token=read_secret(args.forge_token_file, "forge token"),
+                        llm_key=read_secret_file(args.llm_key_file, "model API key") if args.llm_key_file else None,
+                        forge_token=read_secret_file(args.forge_token_file, "forge token"),
                         github_api=_url(args.github_api, "--github-api"),
                         gitea_api=_url(args.gitea_api, "--gitea-api") if args.gitea_api else None,
                         labels=parse_labels(args.labels), response_format=args.llm_response_format)

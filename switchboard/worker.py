@@ -35,7 +35,7 @@ import httpx
 
 from switchboard.triage import add_triage_arguments, make_triage_runner
 from switchboard.worker_exec import ExecRunner
-from switchboard.worker_job import ConfigError, Fail, Job, JobRunner, Outcome, Park
+from switchboard.worker_job import ConfigError, Fail, Job, JobRunner, Outcome, Park, read_secret_file
 from switchboard.worker_park import QUOTA_GROUP_PATTERN, QuotaPark
 
 log = logging.getLogger("switchboard.worker")
@@ -527,20 +527,10 @@ def _switch(flag: str, value: bool | str) -> bool:
 
 
 def read_token(path: str | None) -> str:
-    """The endpoint token, from a file no one but its owner may read. Messages name the file, never its content."""
+    """The endpoint token, from a file no one but its owner may read."""
     if not path:
         raise ConfigError("--token-file (or SWITCHBOARD_TOKEN_FILE) is required: a file holding the endpoint token")
-    try:
-        mode = os.stat(path).st_mode
-        if mode & 0o077:
-            raise ConfigError(f"the token file {path} is open to group or others (mode {mode & 0o777:04o}): run"
-                              f" chmod 600 {path}")
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the token file {path}: {exc.strerror}") from None
-    if not re.fullmatch(r"sbk_[A-Za-z0-9_-]+", token):
-        raise ConfigError(f"the token file {path} holds no endpoint token (sbk_…)")
-    return token
+    return read_secret_file(path, "token", r"sbk_[A-Za-z0-9_-]+", "an endpoint token, sbk_…")
 
 
 def default_state_dir() -> Path:

@@ -8,7 +8,10 @@ field the outcome does not take, or of the wrong type, is an error, never a gues
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter
@@ -16,6 +19,26 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapte
 
 class ConfigError(Exception):
     """The worker cannot start as configured (a runner may say so too); the message says what to change."""
+
+
+def read_secret_file(path: str, what: str, pattern: str = r"[\x21-\x7e]+",
+                     shape: str = "one line of printable ASCII without spaces") -> str:
+    """A token or key from a file no one but its owner may read, matching `pattern` (by default one line of
+    printable ASCII without spaces: it goes into an HTTP header as it is). Messages name the file, never its
+    content."""
+    try:
+        mode = os.stat(path).st_mode
+        if mode & 0o077:
+            raise ConfigError(f"the {what} file {path} is open to group or others (mode {mode & 0o777:04o}): run"
+                              f" chmod 600 {path}")
+        secret = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        secret = ""
+    if not re.fullmatch(pattern, secret):
+        raise ConfigError(f"the {what} file {path} holds no {what}: {shape}")
+    return secret
 
 
 class _OutcomeModel(BaseModel):
