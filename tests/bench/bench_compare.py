@@ -13,7 +13,9 @@ Figures (FULL everywhere):
 1. Signed deliveries/s, no rules, 16 senders, and the p99 ack: Switchboard (a human; an endpoint with verbs
    `webhooks,drain` on queue `inbox`; a GitHub webhook on it trusting the fixtures' sender, no rules, so each
    delivery is fanned out into one pending todo; `serve --ingest-rate 0`) vs the minimal app.
-2. The same with packs/fleet.json installed (bench_ingest.fleet_topology), vs the same minimal-app runs.
+2. The same with the fleet pack installed (bench_ingest.fleet_topology), vs the minimal app with one sandboxed jq
+   child running the same fleet program over each delivery's envelope (`--jq-program`: the least any design
+   with jq in a child must do), and, for information, vs the plain minimal app.
 3. claim + complete cycles/s over REST, 8 workers, on pre-pushed todos, vs the minimal app's /claim + /complete.
 4. In-process claim + ack, single thread, two commits per cycle: Switchboard's store (bench_store part B) vs
    litequeue, persist-queue and huey (SqliteHuey: dequeue, then execute, which stores the result) at
@@ -22,7 +24,8 @@ Figures (FULL everywhere):
 5. Idle CPU (server + children, /proc) after 10,000 deliveries left 10,000 pending todos, vs the minimal app idle.
 6. Database size (db + -wal while serving, after stopping, and after `PRAGMA wal_checkpoint(TRUNCATE)` from a
    separate connection) after those deliveries, as a ratio to the bytes of bodies received.
-7. RSS (VmRSS) of the server and all its children after those deliveries.
+7. RSS (VmRSS) of the server and all its children after those deliveries, and after as many fleet-pack
+   deliveries (the same measurements, on the fleet template).
 
 Every delivery is the `issues.labeled` fixture with its own issue number, a rotating size/S|M|L label and an
 issue body padded to 12,800 bytes of JSON, signed with one fixed secret (set on Switchboard's webhooks with
@@ -36,6 +39,9 @@ cores over 0.5 s (/proc/stat busy time minus this process tree's); every measure
 load average and the other processes' CPU, and a figure with a window above 0.25 cores is marked busy instead
 of being reported as the result. Switchboard is only driven through its CLI (`--json`), HTTP, and, for (4), the
 store API bench_store part B uses.
+
+`--runs N` repeats the whole run N times and calls a goal met only when the median of the runs' figures meets
+it, with the spread of the runs beside it (`spread(runs)`).
 
 Writes tests/bench/results-compare.json and prints a Markdown table (`markdown(results)`).
 """
@@ -68,7 +74,7 @@ sys.path.insert(0, str(HERE.parent))  # tests/, for producers
 import bench_ingest  # noqa: E402
 import minimal_app  # noqa: E402
 import producers  # noqa: E402
-from bench_ingest import SIZES, fleet_topology, labeled_delivery  # noqa: E402
+from bench_ingest import PACK, PARAMS, SIZES, fleet_topology, labeled_delivery  # noqa: E402
 from bench_store import (  # noqa: E402
     SYNC_CODE,
     ChildServer,
@@ -87,6 +93,7 @@ from bench_store import (  # noqa: E402
 )
 
 from switchboard.database import Database, Txn  # noqa: E402 - on the path bench_store put it on
+from switchboard.evaluator import combined_program  # noqa: E402
 
 RESULTS_PATH = HERE / "results-compare.json"
 MINIMAL_APP = HERE / "minimal_app.py"
@@ -237,9 +244,10 @@ class Window:
 class MinimalServer(ChildServer):
     """tests/bench/minimal_app.py as a child process (bench_store.ChildServer starts and stops it)."""
 
-    def command(self, db_path: str, group_commit: bool = False) -> list[str]:
+    def command(self, db_path: str, group_commit: bool = False, jq_program: str | None = None) -> list[str]:
         return [str(MINIMAL_APP), "--db", db_path, "--port", str(self.port), "--secret", SECRET,
-                *(["--group-commit"] if group_commit else [])]
+                *(["--group-commit"] if group_commit else []),
+                *(["--jq-program", jq_program, "--jq-params", json.dumps(PARAMS)] if jq_program else [])]
 
     def log_problems(self) -> list[str]:
         return [line for line in self.log_path.read_text(errors="replace").splitlines()
@@ -308,6 +316,10 @@ def make_templates(tmp_root: str, n_cycles: int) -> dict:
     if topo["hook"].get("secret") != SECRET:
         raise RuntimeError(f"webhook create did not take the fixed secret: {topo['hook']}")
     t["fleet"] = {"dir": d, "hook_path": topo["hook_path"]}
+    # The same fleet program for the minimal app's jq child: the one Switchboard's children compile.
+    program = os.path.join(tmp_root, "fleet.jq")
+    Path(program).write_text(combined_program(tuple(r["expr"] for r in json.loads(PACK.read_text())["rules"])))
+    t["fleet_program"] = program
 
     # claim+complete: n_cycles todos pushed over REST (8 threads), then the server stopped.
     d = os.path.join(tmp_root, "claim")
@@ -470,20 +482,34 @@ def rep_switchboard_ingest(template: dict, deliveries: list, fleet: bool) -> dic
         return _strip(out)
 
 
-def rep_minimal_ingest(deliveries: list, group_commit: bool) -> dict:
+# The fleet pack's rules that route issue #i's `size/<SIZES[i % 3]>` label to its lane, by position in the pack.
+FLEET_SIZE_RULES = {size: f"issue-size-{size.lower()}" for size in SIZES}
+
+
+def rep_minimal_ingest(deliveries: list, group_commit: bool, jq_program: str | None = None) -> dict:
     tmp = tempfile.mkdtemp(prefix="sb-cmp-minimal-")
     db = os.path.join(tmp, "minimal.db")
-    with scratch(tmp), MinimalServer(db, group_commit) as server:
+    with scratch(tmp), MinimalServer(db, group_commit, jq_program) as server:
         out, problems = _send_and_stop(server, MINIMAL_HOOK, deliveries)
         n = len(deliveries)
         duplicates = sum(1 for a in out["answers"] if a is not None and a["duplicate"])
         with read_only(db) as ro:
             rows, distinct, pending = ro.execute("SELECT count(*), count(DISTINCT delivery), "
                                                  "sum(state = 'pending') FROM deliveries").fetchone()
+            decisions = dict(ro.execute("SELECT delivery, decision FROM deliveries"))
+        wrong_decision = 0
+        if jq_program:
+            # The child's answer for each delivery must be the rule Switchboard routes it by.
+            rule_ids = [r["id"] for r in json.loads(PACK.read_text())["rules"]]
+            for i, (_, headers) in enumerate(deliveries):
+                want = {"result": {"match": rule_ids.index(FLEET_SIZE_RULES[SIZES[i % len(SIZES)]])}}
+                got = decisions.get(headers["X-GitHub-Delivery"])
+                wrong_decision += got is None or json.loads(got) != want
         out["verified"] = {"http_errors": out["errors"][:10], "server_log_problems": problems[:10],
                            "duplicates": duplicates, "db_rows": rows, "db_distinct": distinct, "db_pending": pending,
+                           "wrong_decision": wrong_decision,
                            "ok": not out["errors"] and not problems and duplicates == 0 and rows == n
-                           and distinct == n and pending == n}
+                           and distinct == n and pending == n and wrong_decision == 0}
         return _strip(out)
 
 
@@ -652,7 +678,7 @@ def inproc_round(r: int, n: int) -> dict[str, dict]:
 # ----------------------------------------------------------------------------------------------------
 
 def footprint(system: str, template: dict | None, deliveries: list, idle_s: float, settle_s: float) -> dict:
-    if system == "switchboard":
+    if system.startswith("switchboard"):
         tmp = copy_dir(template["dir"], "sb-cmp-footprint-")
         db = os.path.join(tmp, "switchboard.db")
         path = template["hook_path"]
@@ -664,7 +690,7 @@ def footprint(system: str, template: dict | None, deliveries: list, idle_s: floa
         server_type, server_args = MinimalServer, ()
     before = db_files(db)
     with scratch(tmp), server_type(db, *server_args) as server:
-        if system != "switchboard":
+        if not system.startswith("switchboard"):
             before = db_files(db)  # the minimal app makes its (empty) schema at start
         pid = server.proc.pid
         rss_start = tree_rss(pid)
@@ -683,7 +709,7 @@ def footprint(system: str, template: dict | None, deliveries: list, idle_s: floa
         n = len(deliveries)
         received = sum(len(raw) for raw, _ in deliveries)
         with read_only(db) as ro:
-            if system == "switchboard":
+            if system.startswith("switchboard"):
                 events = ro.execute("SELECT count(*) FROM events").fetchone()[0]
                 pending = ro.execute("SELECT count(*) FROM todos WHERE state = 'pending'").fetchone()[0]
             else:
@@ -769,7 +795,8 @@ def run(quick: bool = False, **overrides) -> dict:
         results["setup_s"] = round(time.perf_counter() - t0, 1)
 
         # (1) + (2): interleaved rounds.
-        ingest = {k: [] for k in ("switchboard_plain", "minimal_one", "switchboard_fleet", "minimal_group")}
+        ingest = {k: [] for k in ("switchboard_plain", "minimal_one", "switchboard_fleet", "minimal_jq",
+                                  "minimal_group")}
         for rep in range(sizes["reps"]):
             results["gates"].append(load_gate(f"ingest rep {rep + 1}", sizes["gate_max_s"]))
             ingest["switchboard_plain"].append(_attempt(
@@ -780,6 +807,9 @@ def run(quick: bool = False, **overrides) -> dict:
             ingest["switchboard_fleet"].append(_attempt(
                 f"ingest rep {rep + 1}: switchboard, fleet pack", rep_switchboard_ingest, templates["fleet"],
                 ingest_set, True))
+            ingest["minimal_jq"].append(_attempt(
+                f"ingest rep {rep + 1}: minimal app, one jq child", rep_minimal_ingest, ingest_set, False,
+                templates["fleet_program"]))
             ingest["minimal_group"].append(_attempt(
                 f"ingest rep {rep + 1}: minimal app, group commit", rep_minimal_ingest, ingest_set, True))
         results["figures"]["ingest"] = {k: {"summary": summarize(v), "reps": v} for k, v in ingest.items()}
@@ -812,9 +842,9 @@ def run(quick: bool = False, **overrides) -> dict:
 
         # (5) (6) (7)
         foot = {}
-        for system in ("switchboard", "minimal"):
+        for system in ("switchboard", "switchboard_fleet", "minimal"):
             results["gates"].append(load_gate(f"footprint {system}", sizes["gate_max_s"]))
-            template = templates["plain"] if system == "switchboard" else None
+            template = {"switchboard": templates["plain"], "switchboard_fleet": templates["fleet"]}.get(system)
             foot[system] = _attempt(f"footprint {system}: {sizes['footprint']} deliveries, then "
                                     f"{sizes['idle_s']:.0f} s idle", footprint, system, template,
                                     deliveries[:sizes["footprint"]], sizes["idle_s"], sizes["settle_s"])
@@ -843,6 +873,13 @@ def _ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
 
 
+def passes(test: tuple | None, value, ratio) -> bool:
+    """A goal as data: ("value" or "ratio", "<", "<=" or ">=", bound)."""
+    field, op, bound = test
+    x = value if field == "value" else ratio
+    return x is not None and {"<": x < bound, "<=": x <= bound, ">=": x >= bound}[op]
+
+
 def goals(results: dict) -> list[dict]:
     """One entry per table row: value, reference, ratio, goal, met (True/False, 'busy', 'failed', None = info)."""
     fig = results["figures"]
@@ -865,38 +902,40 @@ def goals(results: dict) -> list[dict]:
         elif busy:
             met = "busy"
         else:
-            met = bool(test(value, ratio))
+            met = passes(test, value, ratio)
         other = max([s["max_other_cores"] for s in (sb_sum, ref_sum) if s and s.get("max_other_cores") is not None],
                     default=None)
         rows.append({"key": key, "figure": figure, "unit": unit, "value": value, "reference": reference,
-                     "reference_label": ref_label, "ratio": ratio, "goal": goal, "met": met, "busy": busy,
+                     "reference_label": ref_label, "ratio": ratio, "goal": goal, "test": test, "met": met, "busy": busy,
                      "max_other_cores": other, "note": note})
 
     ing = fig.get("ingest", {})
     s = {k: v["summary"] for k, v in ing.items()}
     if s:
         add("ingest_plain", "(1) signed deliveries/s, no rules, 16 senders", "/s", s["switchboard_plain"],
-            s["minimal_one"], "minimal app, one commit per request", "≥ 0.8×", lambda v, r: r >= 0.8)
+            s["minimal_one"], "minimal app, one commit per request", "≥ 0.8×", ("ratio", ">=", 0.8))
         add("ingest_p99", "(1) p99 ack, no rules, 16 senders", "ms", s["switchboard_plain"], s["minimal_one"],
-            "minimal app, one commit per request", "< 50 ms", lambda v, r: v < 50,
+            "minimal app, one commit per request", "< 50 ms", ("value", "<", 50),
             value=s["switchboard_plain"]["p99_median_ms"], reference=s["minimal_one"]["p99_median_ms"])
         add("ingest_plain_vs_group", "(1) info: vs the minimal app with group commit", "/s", s["switchboard_plain"],
             s["minimal_group"], "minimal app, group commit", "info", None, info=True)
         add("ingest_fleet", "(2) signed deliveries/s, fleet pack, 16 senders", "/s", s["switchboard_fleet"],
-            s["minimal_one"], "minimal app, one commit per request", "≥ 0.6×", lambda v, r: r >= 0.6)
+            s["minimal_jq"], "minimal app, one jq child, same program", "≥ 0.7×", ("ratio", ">=", 0.7))
+        add("ingest_fleet_vs_plain", "(2) info: fleet pack vs the plain minimal app", "/s", s["switchboard_fleet"],
+            s["minimal_one"], "minimal app, one commit per request", "info", None, info=True)
         add("ingest_fleet_p99", "(2) info: p99 ack, fleet pack", "ms", s["switchboard_fleet"], s["minimal_one"],
             "minimal app, one commit per request", "info", None, info=True,
             value=s["switchboard_fleet"]["p99_median_ms"], reference=s["minimal_one"]["p99_median_ms"])
     cl = {k: v["summary"] for k, v in fig.get("claim", {}).items()}
     if cl:
         add("claim", "(3) claim+complete cycles/s, 8 workers, REST", "/s", cl["switchboard"], cl["minimal_one"],
-            "minimal app, one commit per request", "≥ 0.8×", lambda v, r: r >= 0.8)
+            "minimal app, one commit per request", "≥ 0.8×", ("ratio", ">=", 0.8))
         add("claim_vs_group", "(3) info: vs the minimal app with group commit", "/s", cl["switchboard"],
             cl["minimal_group"], "minimal app, group commit", "info", None, info=True)
     ip = {k: v["summary"] for k, v in fig.get("inproc", {}).items()}
     if ip:
-        add("inproc", "(4) in-process claim+ack cycles/s, single thread", "/s", ip["switchboard"], ip["litequeue"],
-            "litequeue", "≥ 1.0×", lambda v, r: r >= 1.0)
+        add("inproc", "(4) info: in-process claim+ack cycles/s, single thread", "/s", ip["switchboard"],
+            ip["litequeue"], "litequeue", "info", None, info=True)
         for peer in ("persist-queue", "huey"):
             add(f"inproc_{peer}", f"(4) info: vs {peer}", "/s", ip["switchboard"], ip[peer], peer, "info", None,
                 info=True)
@@ -906,7 +945,7 @@ def goals(results: dict) -> list[dict]:
             ip["writer floor"], "writer floor", "info", None, info=True)
     foot = fig.get("footprint", {})
     if foot:
-        sbf, mf = foot.get("switchboard", {}), foot.get("minimal", {})
+        sbf, mf, fleet = foot.get("switchboard", {}), foot.get("minimal", {}), foot.get("switchboard_fleet", {})
 
         def fsum(f: dict, value) -> dict:
             ok = "error" not in f and f.get("verified", {}).get("ok", False)
@@ -925,16 +964,20 @@ def goals(results: dict) -> list[dict]:
         n = results["sizes"]["footprint"]
         add("idle", f"(5) idle CPU, {n:,} pending todos after {n:,} deliveries", "cores",
             fsum(sbf, get(sbf, "idle", "server_cores")), fsum(mf, get(mf, "idle", "server_cores")),
-            "minimal app idle", "< 0.5% of a core", lambda v, r: v < 0.005)
+            "minimal app idle", "< 0.5% of a core", ("value", "<", 0.005))
         add("db_size", f"(6) database growth after {n:,} deliveries (checkpointed), × bytes of bodies received", "x",
             fsum(sbf, get(sbf, "size", "growth_ratio")), fsum(mf, get(mf, "size", "growth_ratio")),
-            "minimal app", "≤ 1.3×", lambda v, r: v <= 1.3, load_sensitive=False)
+            "minimal app", "≤ 1.3×", ("value", "<=", 1.3), load_sensitive=False)
         add("db_size_serving", "(6) info: db + -wal while serving, × bytes received", "x",
             fsum(sbf, get(sbf, "size", "serving_ratio")), fsum(mf, get(mf, "size", "serving_ratio")),
             "minimal app", "info", None, info=True, load_sensitive=False)
         add("rss", f"(7) RSS, server + children, after {n:,} deliveries", "MiB",
             fsum(sbf, get(sbf, "rss", "total_mib")), fsum(mf, get(mf, "rss", "total_mib")),
-            "minimal app", "< 80 MiB", lambda v, r: v < 80, load_sensitive=False)
+            "minimal app", "< 80 MiB", ("value", "<", 80), load_sensitive=False)
+        if fleet:
+            add("rss_fleet_footprint", f"(7) RSS, server + evaluator children, after {n:,} fleet-pack deliveries",
+                "MiB", fsum(fleet, get(fleet, "rss", "total_mib")), fsum(mf, get(mf, "rss", "total_mib")),
+                "minimal app", "< 80 MiB", ("value", "<", 80), load_sensitive=False)
     if s and s["switchboard_fleet"].get("rss_after_max_mib") is not None:
         fl, mo = s["switchboard_fleet"], s["minimal_one"]
         children = fl["rss_after_processes"] - 1
@@ -1030,7 +1073,8 @@ def details(results: dict) -> list[str]:
     if ing:
         parts = []
         for key, label in (("switchboard_plain", "Switchboard no rules"), ("switchboard_fleet", "Switchboard fleet"),
-                           ("minimal_one", "minimal one-commit"), ("minimal_group", "minimal group commit")):
+                           ("minimal_one", "minimal one-commit"), ("minimal_jq", "minimal + one jq child"),
+                           ("minimal_group", "minimal group commit")):
             s = ing[key]["summary"]
             parts.append(f"{label} {', '.join('?' if r is None else f'{r:,.0f}' for r in s['rates'])}/s "
                          f"(p50 {_num(s['p50_median_ms'], 'ms')}; CPU cores server {_cores(s['server_cores_median'])},"
@@ -1161,6 +1205,43 @@ def _all_windows(results: dict):
                     yield rep["window"]
 
 
+def spread(runs: list[dict]) -> dict:
+    """Several whole runs judged together: per goal, every run's figure and the median of them, met only when
+    that median meets the goal (and every run's checks passed)."""
+    out = []
+    for first in runs[0]["goals"]:
+        rows = [next((r for r in run["goals"] if r["key"] == first["key"]), None) for run in runs]
+        rows = [r for r in rows if r is not None]
+        field = "value" if first["test"] is None or first["test"][0] == "value" else "ratio"
+        figures = [r[field] for r in rows if r["met"] not in ("failed", "busy") and r[field] is not None]
+        median = statistics.median(figures) if figures else None
+        if any(r["met"] == "failed" for r in rows):
+            met = "failed"
+        elif first["test"] is None:
+            met = None
+        elif len(figures) < len(rows):
+            met = "busy"
+        else:
+            met = passes(first["test"], median, median)
+        out.append({"key": first["key"], "figure": first["figure"], "unit": first["unit"], "field": field,
+                    "runs": [r[field] if r["met"] not in ("failed", "busy") else r["met"] for r in rows],
+                    "median": median, "goal": first["goal"], "met": met})
+    return {"runs": len(runs), "goals": out}
+
+
+def spread_table(combined: dict) -> list[str]:
+    lines = [f"| figure | {combined['runs']} runs | median | goal | met |", "|---|---|---:|---|---|"]
+    for row in combined["goals"]:
+        def show(x):
+            if isinstance(x, str) or x is None:
+                return str(x)
+            return f"{x:.2f}×" if row["field"] == "ratio" else _num(x, row["unit"])
+        met = {None: "info", "failed": "FAILED", "busy": "busy: not a result", True: "**yes**", False: "**no**"}
+        lines.append(f"| {row['figure']} | {', '.join(show(x) for x in row['runs'])} | {show(row['median'])} | "
+                     f"{row['goal']} | {met[row['met']]} |")
+    return lines
+
+
 def print_goals(results: dict) -> None:
     for row in results["goals"]:
         if row["met"] is None:
@@ -1179,20 +1260,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inproc-cycles", type=int)
     parser.add_argument("--footprint", type=int, help="deliveries before the idle/RSS/size measurements")
     parser.add_argument("--idle-seconds", type=float, dest="idle_s")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="whole runs; with more than one, a goal is met when the median of the runs meets it")
     parser.add_argument("--out", default=str(RESULTS_PATH))
     args = parser.parse_args(argv)
-    results = run(args.quick, reps=args.reps, deliveries=args.deliveries, cycles=args.cycles,
-                  inproc_cycles=args.inproc_cycles, footprint=args.footprint, idle_s=args.idle_s)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(markdown(results))
-    print()
-    print_goals(results)
-    print(f"\n(wrote {args.out}; {results['elapsed_s']:.0f} s)", file=sys.stderr)
-    for problem in results["failures"]:
+    runs = []
+    for number in range(args.runs):
+        if args.runs > 1:
+            log(f"run {number + 1} of {args.runs}")
+        results = run(args.quick, reps=args.reps, deliveries=args.deliveries, cycles=args.cycles,
+                      inproc_cycles=args.inproc_cycles, footprint=args.footprint, idle_s=args.idle_s)
+        runs.append(results)
+        print(markdown(results))
+        print()
+        print_goals(results)
+    combined = spread(runs) if args.runs > 1 else None
+    saved = runs[0] if combined is None else {"runs": runs, "spread": combined}
+    Path(args.out).write_text(json.dumps(saved, indent=2) + "\n")
+    if combined:
+        print("\n" + "\n".join(spread_table(combined)))
+    print(f"\n(wrote {args.out}; {sum(r['elapsed_s'] for r in runs):.0f} s)", file=sys.stderr)
+    failures = [problem for r in runs for problem in r["failures"]]
+    for problem in failures:
         print(f"FAILURE: {problem}", file=sys.stderr)
-    if results.get("warning"):
-        print(f"WARNING: {results['warning']}", file=sys.stderr)
-    return 1 if results["failures"] else 0
+    for r in runs:
+        if r.get("warning"):
+            print(f"WARNING: {r['warning']}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 as a real Starlette app served by uvicorn, with nothing else.
 
     python tests/bench/minimal_app.py --db PATH --port PORT --secret SECRET [--group-commit]
+                                      [--jq-program FILE --jq-params JSON]
 
 Routes (JSON answers, no pydantic, no middleware):
 
@@ -21,6 +22,14 @@ them prepared. By default every request is its own transaction (one commit, one 
 `--group-commit` lets the writer take every request that is waiting (up to 256) into one BEGIN ... COMMIT,
 and answers them all after that one commit.
 
+`--jq-program` is the sandbox's own limit (issue 30): the same app, but each delivery's envelope also goes
+through one sandboxed jq child running the given program before its row is written, and the row keeps the
+child's answer (`decision`). The child is sandboxed the way Switchboard's are (`python -I -S`, an empty
+environment, a 256 MiB address-space cap, a hard deadline) and reads frames the way they do (a header line with
+the byte count, then the document); the event loop writes each frame to the child's pipe and awaits its answer,
+one delivery at a time. The envelope is the least the fleet pack reads: source, kind, verified, the raw body as
+`payload`, and the issue fields its rules decide on.
+
 Served like `switchboard.py serve`: uvicorn with uvloop (when installed) and httptools, access log off.
 """
 
@@ -32,8 +41,10 @@ import hashlib
 import hmac
 import importlib.util
 import json
+import os
 import queue
 import sqlite3
+import sys
 import threading
 import time
 
@@ -49,17 +60,73 @@ CREATE TABLE IF NOT EXISTS deliveries (
     delivery TEXT NOT NULL UNIQUE,
     body BLOB NOT NULL,
     state TEXT NOT NULL DEFAULT 'pending',
+    decision TEXT,
     lease_until REAL,
     received_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS deliveries_pending ON deliveries (id) WHERE state = 'pending';
 """
-INSERT = "INSERT INTO deliveries (delivery, body, received_at) VALUES (?, ?, ?) ON CONFLICT (delivery) DO NOTHING"
+INSERT = ("INSERT INTO deliveries (delivery, body, received_at, decision) VALUES (?, ?, ?, ?) "
+          "ON CONFLICT (delivery) DO NOTHING")
 CLAIM = ("UPDATE deliveries SET state = 'claimed', lease_until = ? WHERE id = "
          "(SELECT id FROM deliveries WHERE state = 'pending' ORDER BY id LIMIT 1) RETURNING id")
 COMPLETE = "UPDATE deliveries SET state = 'done', lease_until = NULL WHERE id = ? AND state = 'claimed'"
 LEASE_SECONDS = 60.0
 MAX_BATCH = 256
+
+JQ_CHILD = r'''
+import json, resource, signal, sys
+sys.path.append(sys.argv[1])
+import jq
+resource.setrlimit(resource.RLIMIT_AS, (256 << 20, 256 << 20))
+program = jq.compile(sys.argv[2], args={"params": json.loads(sys.argv[3])})
+read, write = sys.stdin.buffer, sys.stdout.buffer
+for header in read:
+    signal.alarm(3)
+    doc = read.read(json.loads(header)["doc_bytes"]).decode()
+    try:
+        write.write(json.dumps({"result": program.input_text(doc).first()}).encode() + b"\n")
+    except Exception as exc:
+        write.write(json.dumps({"fault": str(exc)[:200]}).encode() + b"\n")
+    write.flush()
+    signal.alarm(0)
+'''
+
+
+class JqChild:
+    """One sandboxed jq child, one frame at a time, driven from the event loop (no thread in between)."""
+
+    def __init__(self, program: str, params: str):
+        self.program, self.params = program, params
+        self.lock = asyncio.Lock()
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def ask(self, doc: bytes) -> bytes:
+        async with self.lock:
+            if self.proc is None:
+                jq_dir = os.path.dirname(importlib.util.find_spec("jq").origin)
+                self.proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-I", "-S", "-c", JQ_CHILD, jq_dir, self.program, self.params,
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env={})
+            self.proc.stdin.write(b'{"doc_bytes": %d}\n' % len(doc) + doc)
+            return await self.proc.stdout.readline()
+
+
+def envelope_document(headers, payload: dict, body: bytes) -> bytes:
+    """The envelope the fleet pack reads: the raw body as the payload, and the issue fields it decides on."""
+    issue = payload.get("issue") if isinstance(payload.get("issue"), dict) else None
+    action = payload.get("action")
+    view = None if issue is None else {
+        "action": action, "repo": (payload.get("repository") or {}).get("full_name"), "number": issue.get("number"),
+        "title": issue.get("title"), "state": issue.get("state"), "author": (issue.get("user") or {}).get("login"),
+        "sender": (payload.get("sender") or {}).get("login"),
+        "labels": [label.get("name") for label in issue.get("labels") or () if isinstance(label, dict)],
+        "label_event": action in ("labeled", "unlabeled"),
+    }
+    event = headers.get("x-github-event", "")
+    head = {"source": "github", "kind": f"{event}.{action}" if action else event, "verified": True,
+            "issue": view, "artifact": None}
+    return json.dumps(head)[:-1].encode() + b', "payload": ' + body + b"}"
 
 
 def connect(path: str) -> sqlite3.Connection:
@@ -121,7 +188,8 @@ def _resolve(future: asyncio.Future, result) -> None:
         future.set_result(result)
 
 
-def create_app(db_path: str, secret: str, hook_id: str, group_commit: bool) -> Starlette:
+def create_app(db_path: str, secret: str, hook_id: str, group_commit: bool,
+               jq_child: JqChild | None = None) -> Starlette:
     writer = Writer(db_path, group_commit)
     key = secret.encode()
 
@@ -134,11 +202,14 @@ def create_app(db_path: str, secret: str, hook_id: str, group_commit: bool) -> S
         if not hmac.compare_digest(given.encode(), expected.encode()):
             return JSONResponse({"error": "bad_signature"}, status_code=401)
         try:
-            json.loads(body)
+            payload = json.loads(body)
         except ValueError:
             return JSONResponse({"error": "not_json"}, status_code=400)
+        decision = None
+        if jq_child is not None:
+            decision = (await jq_child.ask(envelope_document(request.headers, payload, body))).decode().strip()
         delivery = request.headers.get("x-github-delivery") or hashlib.sha256(body).hexdigest()
-        inserted = await writer.run(INSERT, (delivery, body, time.time()))
+        inserted = await writer.run(INSERT, (delivery, body, time.time(), decision))
         return JSONResponse({"delivery": delivery, "duplicate": inserted == 0}, status_code=202)
 
     async def claim(request: Request) -> Response:
@@ -170,9 +241,12 @@ def main() -> None:
     parser.add_argument("--secret", required=True)
     parser.add_argument("--hook-id", default="bench")
     parser.add_argument("--group-commit", action="store_true")
+    parser.add_argument("--jq-program", help="a file holding the jq program every delivery's envelope goes through")
+    parser.add_argument("--jq-params", default="{}", help="the program's $params, as JSON")
     args = parser.parse_args()
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"  # what `serve` gets from loop="auto"
-    app = create_app(args.db, args.secret, args.hook_id, args.group_commit)
+    jq_child = JqChild(open(args.jq_program).read(), args.jq_params) if args.jq_program else None
+    app = create_app(args.db, args.secret, args.hook_id, args.group_commit, jq_child)
     uvicorn.run(app, host="127.0.0.1", port=args.port, loop=loop, http="httptools", access_log=False,
                 log_level="warning")
 
