@@ -23,14 +23,20 @@ from switchboard.configuration import ApiError
 # Rules never run in the server process. Each child is `python -I -S` (no site hooks; jq's directory is the one
 # path it is given) with an empty environment, a 256 MiB address-space cap, and only json and jq imported. The
 # whole rule set is one jq program evaluated in one pass over one parsed copy of the envelope; first truthy
-# output wins, the first error stops evaluation.
+# output wins, the first error stops evaluation. Deliveries for one rule set that wait together go to a child in
+# one frame (a batch), and it answers each on its own line as it finishes it, so every delivery keeps its own
+# budget.
 
 EVAL_BUDGET_SECONDS = 0.25
 EVAL_KILL_SECONDS = 2.0
 EVAL_MEMORY_BYTES = 256 << 20
-# Three children: one owner (a homelab's usual case) evaluates two deliveries at once, and another owner always
-# finds the third free.
+# Three children, one per owner at a time: an owner's deliveries that arrive while its child is busy wait and go
+# to it together in the next frame, so one child keeps up with an owner's flood (its batches grow) at the
+# memory of one, and two other owners always find a child free.
 EVAL_POOL_SIZE = 3
+EVAL_CHILDREN_PER_OWNER = 1
+EVAL_BATCH = 16  # deliveries in one frame at most: the last of them waits for the ones before it
+EVAL_FRAME_BYTES = 1 << 20  # and their envelopes' bytes at most (a frame always takes one, however large)
 EVAL_PROGRAMS_PER_CHILD = 128  # compiled rule sets a child keeps (and the pool the same count of keys)
 # Deliveries of one owner waiting for the evaluator beyond this are refused (503) rather than queued.
 EVAL_QUEUE_PER_TENANT = 256
@@ -44,7 +50,8 @@ VERIFICATION_ALERT_COUNT = 5
 VERIFICATION_ALERT_WINDOW = 600.0
 DRY_RUN_EVENTS = 50
 
-# The child's whole program. Frames: a JSON header line, then `doc_bytes` bytes of envelope JSON.
+# The child's whole program. Frames: a JSON header line, then, for an evaluation, the envelopes' JSON one after
+# another (`sizes` says how many bytes each); one answer line per envelope, written as soon as it is known.
 EVALUATOR_CHILD = r'''
 import json, os, resource, signal, sys
 sys.path.append(sys.argv[1])
@@ -65,9 +72,27 @@ answer({"ready": True})
 for header in read:
     if os.getppid() != parent:
         break
-    signal.alarm(DEADLINE)
     request = json.loads(header)
-    doc = read.read(request.get("doc_bytes", 0)).decode()
+    if request["op"] == "eval":
+        program = programs.get(request["key"])
+        # The whole frame is read first: the server writes it in one go, and must not block on a full pipe while
+        # this child is busy with the frame's first envelope.
+        docs = [read.read(size) for size in request["sizes"]]
+        for doc in docs:
+            signal.alarm(DEADLINE)
+            try:
+                if program is None:
+                    answer({"fault": "error", "detail": "the rule set is not loaded"})
+                else:
+                    answer({"result": program.input_text(doc.decode()).first()})
+            except MemoryError:
+                answer({"fault": "budget_exhausted", "detail": "memory cap reached"})
+            except Exception as exc:
+                answer({"fault": "error", "detail": str(exc)[:500]})
+            finally:
+                signal.alarm(0)
+        continue
+    signal.alarm(DEADLINE)
     try:
         if request["op"] == "compile":
             errors = []
@@ -82,8 +107,6 @@ for header in read:
                 programs.clear()
             programs[request["key"]] = jq.compile(request["program"], args={"params": request["params"]})
             answer({"loaded": True})
-        else:
-            answer({"result": programs[request["key"]].input_text(doc).first()})
     except MemoryError:
         answer({"fault": "budget_exhausted", "detail": "memory cap reached"})
     except Exception as exc:
@@ -228,15 +251,16 @@ class _Child:
             self.kill()
             raise EvaluatorUnavailable("the evaluator did not start")
 
-    def send(self, header: dict, doc: bytes = b"") -> None:
+    def send(self, header: dict, docs: list[bytes] | None = None) -> None:
+        frame = json.dumps(header if docs is None else {**header, "sizes": [len(doc) for doc in docs]}).encode()
         try:
-            self.proc.stdin.write(json.dumps({**header, "doc_bytes": len(doc)}).encode() + b"\n" + doc)
+            self.proc.stdin.write(b"".join([frame, b"\n", *(docs or ())]))
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise EvaluatorDied("the evaluator is gone") from None
 
-    def ask(self, header: dict, doc: bytes, timeout: float) -> dict | None:
-        self.send(header, doc)
+    def ask(self, header: dict, timeout: float) -> dict | None:
+        self.send(header)
         return self.read(timeout)
 
     def read(self, timeout: float) -> dict | None:
@@ -285,7 +309,7 @@ class Evaluator:
         self.size = size
         self.budget = budget
         self.kill_after = kill_after
-        self.per_tenant = per_tenant or max(1, size - 1)
+        self.per_tenant = per_tenant or EVAL_CHILDREN_PER_OWNER
         self._idle: list[_Child] = []
         self._changed = threading.Condition()
         self._count = 0
@@ -359,14 +383,18 @@ class Evaluator:
             self._count -= 1
             self._changed.notify_all()
 
-    def _overrun(self, child: _Child, started: float, tenant: str | None) -> None:
+    def _overrun(self, child: _Child, started: float, tenant: str | None, owed: int) -> None:
+        """A child that overran gets until the kill deadline for the `owed` answers it still writes (the late one
+        and a batch's after it, which are not used: those deliveries are evaluated again elsewhere)."""
+        answered = 0
         try:
-            late = child.read(max(0.0, started + self.kill_after - time.monotonic()))
+            while answered < owed and child.read(max(0.0, started + self.kill_after - time.monotonic())) is not None:
+                answered += 1
         except EvaluatorUnavailable:
-            late = None
+            pass
         with self._changed:
             self._overrunning -= 1
-            rejoin = late is not None and not self._closed and self._count < self.size
+            rejoin = answered == owed and not self._closed and self._count < self.size
             if rejoin:
                 self._count += 1
                 self._idle.append(child)
@@ -375,46 +403,43 @@ class Evaluator:
             child.kill()
         self._exit(tenant)
 
-    def _call(self, header: dict, doc: bytes, compile_only: bool = False, tenant: str | None = None,
-              program: str | None = None, until: float | None = None) -> dict | None:
-        """The child's reply; None when it overran (and has left the pool, still counting for its tenant). An
-        evaluation names its compiled `program` by the header's key; a child that lacks it loads it first. With
-        `until`, waiting for a child ends then (EvaluatorBusy)."""
+    def _enter_child(self, tenant: str | None, until: float | None) -> _Child:
         self._enter(tenant, until)
         try:
-            child = self._acquire(until)
+            return self._acquire(until)
         except BaseException:
             self._exit(tenant)
             raise
-        started = time.monotonic()
-        try:
-            if compile_only or header["key"] in child.known:
-                reply = child.ask(header, doc, self.kill_after if compile_only else self.budget)
-            else:
-                # Compiling gets a round trip of its own, once per child and rule set: the budget is for evaluating,
-                # and compiling a large rule set on a busy machine can take a good part of it. The child forgets its
-                # programs all at once when it holds EVAL_PROGRAMS_PER_CHILD, and so does `known`.
-                if len(child.known) >= EVAL_PROGRAMS_PER_CHILD:
-                    child.known.clear()
-                reply = child.ask({"op": "load", "key": header["key"], "program": program, "params": header["params"]},
-                                  b"", self.kill_after)
-                if reply is not None and reply.get("loaded") is True:
-                    child.known.add(header["key"])
-                    started = time.monotonic()
-                    reply = child.ask(header, doc, self.budget)
-        except EvaluatorUnavailable:
-            self._leave(child)
-            self._exit(tenant)
-            raise
-        if reply is None:
-            with self._changed:
-                self._count -= 1
-                self._overrunning += 1
-                self._changed.notify_all()
-            threading.Thread(target=self._overrun, args=(child, started, tenant), daemon=True).start()
-            return None
+
+    def _done_with(self, child: _Child, tenant: str | None) -> None:
         self._release(child)
         self._exit(tenant)
+
+    def _gone(self, child: _Child, tenant: str | None) -> None:
+        self._leave(child)
+        self._exit(tenant)
+
+    def _overran(self, child: _Child, started: float, tenant: str | None, owed: int = 1) -> None:
+        """The child leaves the pool at once, still counting for its tenant until it answers or is killed."""
+        with self._changed:
+            self._count -= 1
+            self._overrunning += 1
+            self._changed.notify_all()
+        threading.Thread(target=self._overrun, args=(child, started, tenant, owed), daemon=True).start()
+
+    def _ask_alone(self, header: dict, tenant: str | None) -> dict | None:
+        """One request and its one reply (a compile check), within the kill deadline; None when it overran."""
+        child = self._enter_child(tenant, None)
+        started = time.monotonic()
+        try:
+            reply = child.ask(header, self.kill_after)
+        except EvaluatorUnavailable:
+            self._gone(child, tenant)
+            raise
+        if reply is None:
+            self._overran(child, started, tenant)
+        else:
+            self._done_with(child, tenant)
         return reply
 
     def compile_errors(self, programs: list[str], params: dict, tenant: str | None = None) -> list[dict]:
@@ -424,8 +449,7 @@ class Evaluator:
         with self._changed:
             if key in self._compiled_clean:
                 return []
-        reply = self._call({"op": "compile", "programs": programs, "params": params}, b"", compile_only=True,
-                            tenant=tenant)
+        reply = self._ask_alone({"op": "compile", "programs": programs, "params": params}, tenant)
         if reply is None:
             raise ApiError("invalid_argument", "rules: compiling took too long")
         errors = reply.get("errors")
@@ -446,19 +470,55 @@ class Evaluator:
         "detail"}. A fault the child could not pin on one rule has rule_index None. The child's reply is
         untrusted: anything but a well-formed reply is a fault. With `until` (time.monotonic()), no child free
         by then raises EvaluatorBusy."""
+        return self.run_batch(exprs, params, [doc], tenant, until)[0]
+
+    def run_batch(self, exprs: list[str], params: dict, docs: list[bytes], tenant: str | None = None,
+                  until: float | None = None) -> list[dict | None]:
+        """`run` for several envelopes under one rule set, in one frame to one child: a verdict for each, in
+        order, each within its own budget (counted from the answer before it). When one overruns or kills its
+        child, that one is the fault and the ones after it are None: not evaluated, to be sent again."""
         program = combined_program(tuple(exprs))
         key = hashlib.sha256(program.encode() + b"\x00" + json.dumps(params, sort_keys=True).encode()).hexdigest()
+        child = self._enter_child(tenant, until)
+        verdicts: list[dict | None] = []
+        started = time.monotonic()
         try:
-            reply = self._call({"op": "eval", "key": key, "params": params}, doc, tenant=tenant, program=program,
-                               until=until)
+            if key not in child.known:
+                # Compiling gets a round trip of its own, once per child and rule set: the budget is for
+                # evaluating, and compiling a large rule set on a busy machine can take a good part of it. The
+                # child forgets its programs all at once when it holds EVAL_PROGRAMS_PER_CHILD, and so does `known`.
+                if len(child.known) >= EVAL_PROGRAMS_PER_CHILD:
+                    child.known.clear()
+                loaded = child.ask({"op": "load", "key": key, "program": program, "params": params}, self.kill_after)
+                if loaded is None:
+                    self._overran(child, started, tenant)
+                    return [self._timeout() for _ in docs]
+                if loaded.get("loaded") is not True:
+                    self._done_with(child, tenant)
+                    return [_read_reply(loaded, len(exprs)) for _ in docs]
+                child.known.add(key)
+            child.send({"op": "eval", "key": key}, docs)
+            for _ in docs:
+                started = time.monotonic()
+                reply = child.read(self.budget)
+                if reply is None:
+                    self._overran(child, started, tenant, owed=len(docs) - len(verdicts))
+                    return [*verdicts, self._timeout(), *[None] * (len(docs) - len(verdicts) - 1)]
+                verdicts.append(_read_reply(reply, len(exprs)))
         except EvaluatorDied:
             # It started and then died mid-evaluation: the memory cap, or a crash in jq. A fault, not an outage.
-            return {"fault": "budget_exhausted", "rule_index": None,
+            self._gone(child, tenant)
+            died = {"fault": "budget_exhausted", "rule_index": None,
                     "detail": "the evaluator died (memory cap or crash)"}
-        if reply is None:
-            return {"fault": "timeout", "rule_index": None,
-                    "detail": f"no reply within {int(self.budget * 1000)} ms"}
-        return _read_reply(reply, len(exprs))
+            return [*verdicts, died, *[None] * (len(docs) - len(verdicts) - 1)]
+        except EvaluatorUnavailable:
+            self._gone(child, tenant)
+            raise
+        self._done_with(child, tenant)
+        return verdicts
+
+    def _timeout(self) -> dict:
+        return {"fault": "timeout", "rule_index": None, "detail": f"no reply within {int(self.budget * 1000)} ms"}
 
     def close(self) -> None:
         with self._changed:

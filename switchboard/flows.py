@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import json
@@ -32,6 +33,8 @@ from switchboard.database import Database, connect
 from switchboard.doorbell import RING_FIELDS, Doorbell, Session
 from switchboard.envelope import build_envelope, decode_payload, envelope_document, envelope_record, payload_text
 from switchboard.evaluator import (
+    EVAL_BATCH,
+    EVAL_FRAME_BYTES,
     EVAL_QUEUE_PER_TENANT,
     EVAL_THREADS,
     EVAL_WAIT_SECONDS,
@@ -41,7 +44,7 @@ from switchboard.evaluator import (
     EvaluatorBusy,
     EvaluatorUnavailable,
 )
-from switchboard.limits import RateLimited, RateLimiter, TenantGate
+from switchboard.limits import PendingRules, RateLimited, RateLimiter, TenantGate
 from switchboard.metrics import Metrics
 from switchboard.models import ClaimNext, NotifyCreate, ReleaseQuarantine, ReplayMany, ReplayOne, RuleSet, RulesTest
 from switchboard.notifier import Notifier
@@ -58,7 +61,8 @@ from switchboard.store.replay import (
     replay_subjects,
     replay_summary,
 )
-from switchboard.store.routing import decide_for_webhook, dry_run_rules, gate, set_rules
+from switchboard.store.routing import decide_for_webhook, dry_run_rules, gate, set_rules, verdict
+from switchboard.store.rules import rules_view
 from switchboard.store.todos import _json
 from switchboard.store.transitions import _claim_queues, claim_next, hand_back_unheard
 from switchboard.store.upkeep import prune, rings_for_new_session, scheduler_tick
@@ -246,6 +250,7 @@ class Flows:
         # Evaluator calls get threads of their own, so reads, claims and /healthz never queue behind rules.
         self.eval_threads = concurrent.futures.ThreadPoolExecutor(EVAL_THREADS, thread_name_prefix="switchboard-eval")
         self.tenant_gates: dict[str, TenantGate] = {}
+        self.frames: set[asyncio.Task] = set()  # the frames on their way to a child (a task needs a holder)
         self.shed: dict[str, Shedding] = {}  # by webhook id: what the Board's webhook page shows
         self.changes = Changes()  # told by the background loop's probe; the Board's live view listens
 
@@ -255,8 +260,8 @@ class Flows:
         tenant: the others wait in line here, on the event loop, holding no thread. A tenant with
         EVAL_QUEUE_PER_TENANT already waiting is refused (503) at once. With `wait`, the whole wait for a child
         (this line, then the pool's) ends after that many seconds with EvaluationShed; `fn` then takes `until`."""
-        gate = self.tenant_gates.setdefault(tenant, TenantGate(asyncio.Semaphore(self.evaluator.per_tenant)))
-        if gate.waiting >= EVAL_QUEUE_PER_TENANT:
+        gate = self._gate(tenant)
+        if gate.waiting + len(gate.deliveries) >= EVAL_QUEUE_PER_TENANT:
             if wait is not None:
                 raise EvaluationShed(wait)
             raise ApiError("unavailable", "this owner's deliveries are queued too deep; retry later")
@@ -281,6 +286,109 @@ class Flows:
             raise ApiError("unavailable", f"the rule evaluator cannot run ({exc}); retry later") from None
         finally:
             gate.slots.release()
+
+    def _gate(self, tenant: str) -> TenantGate:
+        return self.tenant_gates.setdefault(tenant, TenantGate(asyncio.Semaphore(self.evaluator.per_tenant)))
+
+    async def evaluate_delivery(self, tenant: str, stored: dict, doc: bytes) -> dict:
+        """The evaluator's result for one delivery's envelope under its webhook's rule set (`rules_view`). It
+        waits in its owner's line; when one of the owner's slots comes free, the waiting deliveries that share
+        the first one's rule set go to a child together (`_dispatch`). Not taken within EVAL_WAIT_SECONDS:
+        EvaluationShed, and it is not evaluated."""
+        gate = self._gate(tenant)
+        if gate.waiting + len(gate.deliveries) >= EVAL_QUEUE_PER_TENANT:
+            raise EvaluationShed(EVAL_WAIT_SECONDS)
+        pending = PendingRules(tuple(rule["expr"] for rule in stored["rules"]), stored["params"], doc,
+                               time.monotonic() + EVAL_WAIT_SECONDS, asyncio.get_running_loop().create_future())
+        gate.deliveries.append(pending)
+        self._keep_dispatching(tenant, gate)
+        try:
+            await asyncio.wait({pending.answer}, timeout=EVAL_WAIT_SECONDS)
+            if not pending.answer.done() and not pending.taken:
+                raise EvaluationShed(EVAL_WAIT_SECONDS)
+            return await pending.answer
+        finally:
+            if not pending.taken:
+                with contextlib.suppress(ValueError):
+                    gate.deliveries.remove(pending)
+                pending.answer.cancel()
+
+    def _keep_dispatching(self, tenant: str, gate: TenantGate) -> None:
+        if gate.deliveries and not gate.dispatching:
+            gate.dispatching = True
+            self._hold(asyncio.get_running_loop().create_task(self._dispatch(tenant, gate)))
+
+    def _hold(self, task: asyncio.Task) -> None:
+        self.frames.add(task)
+        task.add_done_callback(self.frames.discard)
+
+    async def _dispatch(self, tenant: str, gate: TenantGate) -> None:
+        """While the owner has deliveries waiting: on each of its slots that comes free, one frame of them."""
+        try:
+            while gate.deliveries:
+                await gate.slots.acquire()
+                frame = self._take_frame(gate)
+                if frame:
+                    self._hold(asyncio.get_running_loop().create_task(self._evaluate_frame(tenant, gate, frame)))
+                else:
+                    gate.slots.release()
+        finally:
+            gate.dispatching = False
+
+    @staticmethod
+    def _take_frame(gate: TenantGate) -> list[PendingRules]:
+        """The first waiting delivery and up to EVAL_BATCH - 1 more with its rule set, in their order; the others
+        keep their places, and so do those past EVAL_FRAME_BYTES. One whose caller left is dropped, one whose time
+        has passed is shed."""
+        now, frame, kept, size = time.monotonic(), [], collections.deque(), 0
+        while gate.deliveries:
+            pending = gate.deliveries.popleft()
+            if pending.answer.done():
+                continue
+            if now >= pending.until:
+                pending.answer.set_exception(EvaluationShed(EVAL_WAIT_SECONDS))
+            elif not frame or (len(frame) < EVAL_BATCH and size + len(pending.doc) <= EVAL_FRAME_BYTES
+                               and (pending.exprs, pending.params) == (frame[0].exprs, frame[0].params)):
+                pending.taken = True
+                frame.append(pending)
+                size += len(pending.doc)
+            else:
+                kept.append(pending)
+        gate.deliveries = kept
+        return frame
+
+    async def _evaluate_frame(self, tenant: str, gate: TenantGate, frame: list[PendingRules]) -> None:
+        """One frame through the evaluator's threads; each delivery gets its result, is sent again (after one
+        that overran or killed its child), or is shed or refused with the pool's own reason."""
+        first = frame[0]
+        results: list[dict | None | BaseException] = [None] * len(frame)
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(self.eval_threads, functools.partial(
+                self.evaluator.run_batch, first.exprs, first.params, [p.doc for p in frame], tenant,
+                min(p.until for p in frame)))
+        except EvaluatorBusy:
+            results = [EvaluationShed(EVAL_WAIT_SECONDS) if time.monotonic() >= p.until else None for p in frame]
+        except EvaluatorUnavailable as exc:
+            log.error("rules not evaluated: %s", exc)
+            results = [ApiError("unavailable", f"the rule evaluator cannot run ({exc}); retry later")] * len(frame)
+        except BaseException:
+            results = [ApiError("unavailable", "the rule evaluator cannot run; retry later")] * len(frame)
+            raise
+        finally:
+            again = []
+            for pending, result in zip(frame, results, strict=True):
+                if pending.answer.done():
+                    continue
+                if result is None:
+                    pending.taken = False
+                    again.append(pending)
+                elif isinstance(result, BaseException):
+                    pending.answer.set_exception(result)
+                else:
+                    pending.answer.set_result(result)
+            gate.deliveries.extendleft(reversed(again))
+            gate.slots.release()
+            self._keep_dispatching(tenant, gate)
 
     # -- deliveries ----------------------------------------------------------------------------------
     async def open_webhook(self, token: str, source: str) -> sqlite3.Row:
@@ -333,13 +441,14 @@ class Flows:
             return gated
         if not webhook["rules"]:
             return decide_for_webhook(self.evaluator, webhook, b"")
+        stored = rules_view(webhook)
         document = envelope_document(record, headers_json, payload_text(envelope["payload"], body)).encode()
         try:
-            return await self.evaluate(webhook["human_id"], decide_for_webhook, self.evaluator, webhook, document,
-                                       webhook["human_id"], wait=EVAL_WAIT_SECONDS)
+            result = await self.evaluate_delivery(webhook["human_id"], stored, document)
         except EvaluationShed:
             self._count_shed(webhook)
             raise
+        return verdict(stored["rules"], stored["default_action"], webhook["queue"], result)
 
     def _count_shed(self, webhook: sqlite3.Row) -> None:
         """A shed delivery, counted for /metrics and the Board's webhook page, and logged at most once a minute

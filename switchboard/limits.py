@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from switchboard.configuration import ApiError
 
@@ -47,8 +48,23 @@ class RateLimited(ApiError):
         self.retry_after = max(1, math.ceil(seconds))
 
 
+@dataclass(eq=False)
+class PendingRules:
+    """A delivery waiting for its owner's rules: its rule set and params, its envelope, when it stops waiting
+    (time.monotonic()), and its answer. `taken` while it is in a frame on its way to a child."""
+    exprs: tuple[str, ...]
+    params: dict
+    doc: bytes
+    until: float
+    answer: asyncio.Future
+    taken: bool = False
+
+
 @dataclass
 class TenantGate:
-    """One owner's share of the evaluator: its slots, and how many of its deliveries wait for one."""
+    """One owner's share of the evaluator: its slots, how many calls wait for one, and its deliveries waiting
+    to be evaluated (taken a frame at a time while `dispatching`)."""
     slots: asyncio.Semaphore
     waiting: int = 0
+    deliveries: collections.deque = field(default_factory=collections.deque)
+    dispatching: bool = False

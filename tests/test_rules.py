@@ -437,14 +437,14 @@ def test_a_rule_set_that_compiled_cleanly_is_not_compiled_again():
     every time."""
     evaluator = Evaluator(size=1)
     compiles = []
-    call = evaluator._call
+    call = evaluator._ask_alone
 
     def counting(header, *args, **kwargs):
         if header["op"] == "compile":
             compiles.append(header["programs"])
         return call(header, *args, **kwargs)
 
-    evaluator._call = counting
+    evaluator._ask_alone = counting
     try:
         good, bad = [".n == 1", ".n == 2"], [".n == 1", ".n =="]
         assert evaluator.compile_errors(good, {}) == []

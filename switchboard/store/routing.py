@@ -42,10 +42,16 @@ def decide(evaluator: Evaluator, rules: list[dict], default: dict | None, params
            doc: bytes, tenant: str | None = None, until: float | None = None) -> tuple[dict, dict]:
     """The action for one envelope and the trace saying why. No rules: the child is never touched. `until`
     bounds the wait for a child (Evaluator.run)."""
-    fallback = default or {"queue": fallback_queue}
     if not rules:
+        fallback = default or {"queue": fallback_queue}
         return fallback, {"stage": "default", "cause": "no_rules", "action": fallback}
-    result = evaluator.run([r["expr"] for r in rules], params, doc, tenant, until)
+    return verdict(rules, default, fallback_queue, evaluator.run([r["expr"] for r in rules], params, doc, tenant,
+                                                                  until))
+
+
+def verdict(rules: list[dict], default: dict | None, fallback_queue: str, result: dict) -> tuple[dict, dict]:
+    """The action and trace for the evaluator's result over a rule set that has rules."""
+    fallback = default or {"queue": fallback_queue}
     if "match" in result:
         rule = rules[result["match"]]
         return rule["action"], {"stage": "rule", "rule_index": result["match"], "rule_id": rule["id"],
