@@ -8,6 +8,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 import select
@@ -30,19 +31,19 @@ from switchboard.configuration import ApiError
 EVAL_BUDGET_SECONDS = 0.25
 EVAL_KILL_SECONDS = 2.0
 EVAL_MEMORY_BYTES = 256 << 20
-# Three children, one per owner at a time: an owner's deliveries that arrive while its child is busy wait and go
-# to it together in the next frame, so one child keeps up with an owner's flood (its batches grow) at the
-# memory of one, and two other owners always find a child free.
+# Three children: one owner (a homelab's usual case) uses at most two at once, and another owner always finds the
+# third free. An owner's deliveries go one frame at a time, so a flood holds one child (its frames grow instead);
+# the second serves a rules save, a dry run or a replay meanwhile, or replaces a child that overran.
 EVAL_POOL_SIZE = 3
-EVAL_CHILDREN_PER_OWNER = 1
-EVAL_BATCH = 16  # deliveries in one frame at most: the last of them waits for the ones before it
+EVAL_BATCH = 8  # deliveries in one frame at most: the last of them waits for the ones before it (8 budgets)
 EVAL_FRAME_BYTES = 1 << 20  # and their envelopes' bytes at most (a frame always takes one, however large)
 EVAL_PROGRAMS_PER_CHILD = 128  # compiled rule sets a child keeps (and the pool the same count of keys)
 # Deliveries of one owner waiting for the evaluator beyond this are refused (503) rather than queued.
 EVAL_QUEUE_PER_TENANT = 256
-# A delivery waits at most this long for a sandbox child (its owner's share of them, then a free one). Past it,
-# ingress answers 503 with Retry-After and stores nothing: producers give up on an answer within about 10 s,
-# and their redelivery is evaluated then (dedup keeps one).
+# A delivery waits at most this long for a sandbox child (its owner's line, then a free child). Past it, ingress
+# answers 503 with Retry-After and stores nothing: producers give up on an answer within about 10 s, and their
+# redelivery is evaluated then (dedup keeps one). Once taken, a delivery waits for its frame: the envelopes before
+# it (EVAL_BATCH budgets at most) and, on a child new to its rule set, the compile.
 EVAL_WAIT_SECONDS = 5.0
 EVAL_THREADS = 16
 # A webhook failing its signature check this many times within the window tells its human (at most hourly).
@@ -243,6 +244,9 @@ class _Child:
             raise EvaluatorUnavailable(f"cannot start the evaluator: {exc}") from None
         self.known: set[str] = set()
         self._buffer = b""
+        # poll, not select: a busy server can give the child's pipe a descriptor number above select's 1024.
+        self._readable = select.poll()
+        self._readable.register(self.proc.stdout.fileno(), select.POLLIN)
         try:
             ready = self.read(10.0)
         except EvaluatorUnavailable:
@@ -269,7 +273,7 @@ class _Child:
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buffer:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            if remaining <= 0 or not self._readable.poll(max(1, math.ceil(remaining * 1000))):
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
@@ -309,7 +313,7 @@ class Evaluator:
         self.size = size
         self.budget = budget
         self.kill_after = kill_after
-        self.per_tenant = per_tenant or EVAL_CHILDREN_PER_OWNER
+        self.per_tenant = per_tenant or max(1, size - 1)
         self._idle: list[_Child] = []
         self._changed = threading.Condition()
         self._count = 0
@@ -433,7 +437,7 @@ class Evaluator:
         started = time.monotonic()
         try:
             reply = child.ask(header, self.kill_after)
-        except EvaluatorUnavailable:
+        except BaseException:
             self._gone(child, tenant)
             raise
         if reply is None:
@@ -492,7 +496,7 @@ class Evaluator:
                 loaded = child.ask({"op": "load", "key": key, "program": program, "params": params}, self.kill_after)
                 if loaded is None:
                     self._overran(child, started, tenant)
-                    return [self._timeout() for _ in docs]
+                    return [self._timeout(self.kill_after), *[None] * (len(docs) - 1)]
                 if loaded.get("loaded") is not True:
                     self._done_with(child, tenant)
                     return [_read_reply(loaded, len(exprs)) for _ in docs]
@@ -503,7 +507,7 @@ class Evaluator:
                 reply = child.read(self.budget)
                 if reply is None:
                     self._overran(child, started, tenant, owed=len(docs) - len(verdicts))
-                    return [*verdicts, self._timeout(), *[None] * (len(docs) - len(verdicts) - 1)]
+                    return [*verdicts, self._timeout(self.budget), *[None] * (len(docs) - len(verdicts) - 1)]
                 verdicts.append(_read_reply(reply, len(exprs)))
         except EvaluatorDied:
             # It started and then died mid-evaluation: the memory cap, or a crash in jq. A fault, not an outage.
@@ -511,14 +515,15 @@ class Evaluator:
             died = {"fault": "budget_exhausted", "rule_index": None,
                     "detail": "the evaluator died (memory cap or crash)"}
             return [*verdicts, died, *[None] * (len(docs) - len(verdicts) - 1)]
-        except EvaluatorUnavailable:
+        except BaseException:
             self._gone(child, tenant)
             raise
         self._done_with(child, tenant)
         return verdicts
 
-    def _timeout(self) -> dict:
-        return {"fault": "timeout", "rule_index": None, "detail": f"no reply within {int(self.budget * 1000)} ms"}
+    @staticmethod
+    def _timeout(seconds: float) -> dict:
+        return {"fault": "timeout", "rule_index": None, "detail": f"no reply within {int(seconds * 1000)} ms"}
 
     def close(self) -> None:
         with self._changed:

@@ -213,6 +213,16 @@ class FailedChecks:
             kept.popleft()
 
 
+def _settle(pending: PendingRules, result: Any) -> None:
+    """A delivery's answer: its result, or the error to raise; nothing when its caller has left."""
+    if pending.answer.done():
+        return
+    if isinstance(result, BaseException):
+        pending.answer.set_exception(result)
+    else:
+        pending.answer.set_result(result)
+
+
 class EvaluationShed(ApiError):
     """A delivery whose rules found no sandbox child within EVAL_WAIT_SECONDS: 503 with Retry-After (the HTTP layer
     sends `retry_after`), and nothing stored, so the producer's redelivery is evaluated then."""
@@ -250,36 +260,27 @@ class Flows:
         # Evaluator calls get threads of their own, so reads, claims and /healthz never queue behind rules.
         self.eval_threads = concurrent.futures.ThreadPoolExecutor(EVAL_THREADS, thread_name_prefix="switchboard-eval")
         self.tenant_gates: dict[str, TenantGate] = {}
-        self.frames: set[asyncio.Task] = set()  # the frames on their way to a child (a task needs a holder)
+        self.dispatchers: set[asyncio.Task] = set()  # one per owner with deliveries waiting (a task needs a holder)
+        self.closing = False
         self.shed: dict[str, Shedding] = {}  # by webhook id: what the Board's webhook page shows
         self.changes = Changes()  # told by the background loop's probe; the Board's live view listens
 
     # -- the evaluator's fair share ------------------------------------------------------------------
-    async def evaluate(self, tenant: str, fn: Callable, *args, wait: float | None = None) -> Any:
-        """Run `fn` (which talks to the evaluator) on the evaluator's threads, at most `per_tenant` at once per
-        tenant: the others wait in line here, on the event loop, holding no thread. A tenant with
-        EVAL_QUEUE_PER_TENANT already waiting is refused (503) at once. With `wait`, the whole wait for a child
-        (this line, then the pool's) ends after that many seconds with EvaluationShed; `fn` then takes `until`."""
+    async def evaluate(self, tenant: str, fn: Callable, *args) -> Any:
+        """Run `fn` (which talks to the evaluator: a rules save, a dry run, a release, a replay) on the evaluator's
+        threads, at most `per_tenant` at once per tenant: the others wait in line here, on the event loop, holding
+        no thread. A tenant with EVAL_QUEUE_PER_TENANT already waiting is refused (503) at once."""
         gate = self._gate(tenant)
         if gate.waiting + len(gate.deliveries) >= EVAL_QUEUE_PER_TENANT:
-            if wait is not None:
-                raise EvaluationShed(wait)
             raise ApiError("unavailable", "this owner's deliveries are queued too deep; retry later")
-        until = time.monotonic() + wait if wait is not None else None
         gate.waiting += 1
         try:
-            async with asyncio.timeout(wait):
-                await gate.slots.acquire()
-        except TimeoutError:
-            raise EvaluationShed(wait) from None
+            await gate.slots.acquire()
         finally:
             gate.waiting -= 1
-        call = functools.partial(fn, *args, until=until) if until is not None else functools.partial(fn, *args)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.eval_threads, call)
+            return await asyncio.get_running_loop().run_in_executor(self.eval_threads, functools.partial(fn, *args))
         except EvaluatorBusy as exc:
-            if wait is not None:
-                raise EvaluationShed(wait) from None
             raise ApiError("unavailable", f"the rule evaluator is busy ({exc}); retry later") from None
         except EvaluatorUnavailable as exc:
             log.error("rules not evaluated: %s", exc)
@@ -292,16 +293,20 @@ class Flows:
 
     async def evaluate_delivery(self, tenant: str, stored: dict, doc: bytes) -> dict:
         """The evaluator's result for one delivery's envelope under its webhook's rule set (`rules_view`). It
-        waits in its owner's line; when one of the owner's slots comes free, the waiting deliveries that share
-        the first one's rule set go to a child together (`_dispatch`). Not taken within EVAL_WAIT_SECONDS:
-        EvaluationShed, and it is not evaluated."""
+        waits in its owner's line, and goes to a child in a frame with the deliveries that wait with it under the
+        same rule set (`_dispatch`). Not taken within EVAL_WAIT_SECONDS: EvaluationShed, and not evaluated."""
         gate = self._gate(tenant)
-        if gate.waiting + len(gate.deliveries) >= EVAL_QUEUE_PER_TENANT:
+        if self.closing or gate.waiting + len(gate.deliveries) >= EVAL_QUEUE_PER_TENANT:
             raise EvaluationShed(EVAL_WAIT_SECONDS)
-        pending = PendingRules(tuple(rule["expr"] for rule in stored["rules"]), stored["params"], doc,
+        exprs = tuple(rule["expr"] for rule in stored["rules"])
+        pending = PendingRules((exprs, json.dumps(stored["params"], sort_keys=True)), exprs, stored["params"], doc,
                                time.monotonic() + EVAL_WAIT_SECONDS, asyncio.get_running_loop().create_future())
         gate.deliveries.append(pending)
-        self._keep_dispatching(tenant, gate)
+        if not gate.dispatching:
+            gate.dispatching = True
+            task = asyncio.get_running_loop().create_task(self._dispatch(tenant, gate))
+            self.dispatchers.add(task)
+            task.add_done_callback(self.dispatchers.discard)
         try:
             await asyncio.wait({pending.answer}, timeout=EVAL_WAIT_SECONDS)
             if not pending.answer.done() and not pending.taken:
@@ -311,35 +316,28 @@ class Flows:
             if not pending.taken:
                 with contextlib.suppress(ValueError):
                     gate.deliveries.remove(pending)
-                pending.answer.cancel()
-
-    def _keep_dispatching(self, tenant: str, gate: TenantGate) -> None:
-        if gate.deliveries and not gate.dispatching:
-            gate.dispatching = True
-            self._hold(asyncio.get_running_loop().create_task(self._dispatch(tenant, gate)))
-
-    def _hold(self, task: asyncio.Task) -> None:
-        self.frames.add(task)
-        task.add_done_callback(self.frames.discard)
+            # Whatever its frame still brings is for nobody now (a caller that left, or one that was shed).
+            pending.answer.cancel()
 
     async def _dispatch(self, tenant: str, gate: TenantGate) -> None:
-        """While the owner has deliveries waiting: on each of its slots that comes free, one frame of them."""
+        """While the owner has deliveries waiting: one frame of them at a time, so a flood holds one child and its
+        frames grow instead."""
         try:
-            while gate.deliveries:
-                await gate.slots.acquire()
+            while gate.deliveries and not self.closing:
                 frame = self._take_frame(gate)
                 if frame:
-                    self._hold(asyncio.get_running_loop().create_task(self._evaluate_frame(tenant, gate, frame)))
-                else:
-                    gate.slots.release()
+                    await self._evaluate_frame(tenant, gate, frame)
         finally:
             gate.dispatching = False
+            if self.closing:
+                while gate.deliveries:
+                    _settle(gate.deliveries.popleft(), ApiError("unavailable", "the server is stopping; retry"))
 
     @staticmethod
     def _take_frame(gate: TenantGate) -> list[PendingRules]:
-        """The first waiting delivery and up to EVAL_BATCH - 1 more with its rule set, in their order; the others
-        keep their places, and so do those past EVAL_FRAME_BYTES. One whose caller left is dropped, one whose time
-        has passed is shed."""
+        """The first waiting delivery and up to EVAL_BATCH - 1 more under its rule set, in their order, within
+        EVAL_FRAME_BYTES of envelopes; the others keep their places. One whose caller left is dropped, one whose
+        time has passed is shed."""
         now, frame, kept, size = time.monotonic(), [], collections.deque(), 0
         while gate.deliveries:
             pending = gate.deliveries.popleft()
@@ -348,7 +346,7 @@ class Flows:
             if now >= pending.until:
                 pending.answer.set_exception(EvaluationShed(EVAL_WAIT_SECONDS))
             elif not frame or (len(frame) < EVAL_BATCH and size + len(pending.doc) <= EVAL_FRAME_BYTES
-                               and (pending.exprs, pending.params) == (frame[0].exprs, frame[0].params)):
+                               and pending.rule_set == frame[0].rule_set):
                 pending.taken = True
                 frame.append(pending)
                 size += len(pending.doc)
@@ -358,37 +356,34 @@ class Flows:
         return frame
 
     async def _evaluate_frame(self, tenant: str, gate: TenantGate, frame: list[PendingRules]) -> None:
-        """One frame through the evaluator's threads; each delivery gets its result, is sent again (after one
-        that overran or killed its child), or is shed or refused with the pool's own reason."""
+        """One frame through the evaluator's threads. Each delivery gets its result, is shed or refused with the
+        pool's reason, or goes back to the front of the line (after one that overran or killed its child)."""
         first = frame[0]
-        results: list[dict | None | BaseException] = [None] * len(frame)
         try:
-            results = await asyncio.get_running_loop().run_in_executor(self.eval_threads, functools.partial(
+            results: list = await asyncio.get_running_loop().run_in_executor(self.eval_threads, functools.partial(
                 self.evaluator.run_batch, first.exprs, first.params, [p.doc for p in frame], tenant,
                 min(p.until for p in frame)))
         except EvaluatorBusy:
-            results = [EvaluationShed(EVAL_WAIT_SECONDS) if time.monotonic() >= p.until else None for p in frame]
+            now = time.monotonic()
+            results = [EvaluationShed(EVAL_WAIT_SECONDS) if now >= p.until else None for p in frame]
         except EvaluatorUnavailable as exc:
             log.error("rules not evaluated: %s", exc)
-            results = [ApiError("unavailable", f"the rule evaluator cannot run ({exc}); retry later")] * len(frame)
+            results = [ApiError("unavailable", f"the rule evaluator cannot run ({exc}); retry later") for _ in frame]
+        except Exception:  # noqa: BLE001 - the owner's line must outlive one bad frame; the cause is logged
+            log.exception("rules not evaluated")
+            results = [ApiError("unavailable", "the rule evaluator failed; retry later") for _ in frame]
         except BaseException:
-            results = [ApiError("unavailable", "the rule evaluator cannot run; retry later")] * len(frame)
+            for pending in frame:
+                _settle(pending, ApiError("unavailable", "the server is stopping; retry later"))
             raise
-        finally:
-            again = []
-            for pending, result in zip(frame, results, strict=True):
-                if pending.answer.done():
-                    continue
-                if result is None:
-                    pending.taken = False
-                    again.append(pending)
-                elif isinstance(result, BaseException):
-                    pending.answer.set_exception(result)
-                else:
-                    pending.answer.set_result(result)
-            gate.deliveries.extendleft(reversed(again))
-            gate.slots.release()
-            self._keep_dispatching(tenant, gate)
+        again = []
+        for pending, result in zip(frame, results, strict=True):
+            if result is None and not pending.answer.done():
+                pending.taken = False
+                again.append(pending)
+            else:
+                _settle(pending, result)
+        gate.deliveries.extendleft(reversed(again))
 
     # -- deliveries ----------------------------------------------------------------------------------
     async def open_webhook(self, token: str, source: str) -> sqlite3.Row:
@@ -605,6 +600,10 @@ class Flows:
             probe.close()
 
     async def close(self) -> None:
+        self.closing = True
+        for task in list(self.dispatchers):
+            task.cancel()
+        await asyncio.gather(*self.dispatchers, return_exceptions=True)
         await self.notifier.close()
         self.eval_threads.shutdown(wait=False, cancel_futures=True)
         self.evaluator.close()

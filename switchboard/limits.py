@@ -50,8 +50,10 @@ class RateLimited(ApiError):
 
 @dataclass(eq=False)
 class PendingRules:
-    """A delivery waiting for its owner's rules: its rule set and params, its envelope, when it stops waiting
-    (time.monotonic()), and its answer. `taken` while it is in a frame on its way to a child."""
+    """A delivery waiting for its owner's rules: its rule set (`rule_set`, the rules and the params as JSON, which
+    a frame shares), its envelope, when it stops waiting (time.monotonic()), and its answer. `taken` while it is in
+    a frame on its way to a child."""
+    rule_set: tuple[tuple[str, ...], str]
     exprs: tuple[str, ...]
     params: dict
     doc: bytes
@@ -62,8 +64,8 @@ class PendingRules:
 
 @dataclass
 class TenantGate:
-    """One owner's share of the evaluator: its slots, how many calls wait for one, and its deliveries waiting
-    to be evaluated (taken a frame at a time while `dispatching`)."""
+    """One owner's share of the evaluator: its slots for rules saves, dry runs and replays, how many calls wait
+    for one, and its deliveries waiting to be evaluated (a frame at a time, while `dispatching`)."""
     slots: asyncio.Semaphore
     waiting: int = 0
     deliveries: collections.deque = field(default_factory=collections.deque)

@@ -1223,9 +1223,11 @@ def spread(runs: list[dict]) -> dict:
             met = "busy"
         else:
             met = passes(first["test"], median, median)
+        ratios = [r["ratio"] for r in rows if r["met"] not in ("failed", "busy") and r["ratio"] is not None]
         out.append({"key": first["key"], "figure": first["figure"], "unit": first["unit"], "field": field,
                     "runs": [r[field] if r["met"] not in ("failed", "busy") else r["met"] for r in rows],
-                    "median": median, "goal": first["goal"], "met": met})
+                    "median": median, "median_ratio": statistics.median(ratios) if ratios else None,
+                    "goal": first["goal"], "met": met})
     return {"runs": len(runs), "goals": out}
 
 
@@ -1237,7 +1239,10 @@ def spread_table(combined: dict) -> list[str]:
                 return str(x)
             return f"{x:.2f}×" if row["field"] == "ratio" else _num(x, row["unit"])
         met = {None: "info", "failed": "FAILED", "busy": "busy: not a result", True: "**yes**", False: "**no**"}
-        lines.append(f"| {row['figure']} | {', '.join(show(x) for x in row['runs'])} | {show(row['median'])} | "
+        median = show(row["median"])
+        if row["field"] == "value" and row["median_ratio"] is not None and row["met"] is None:
+            median += f" ({row['median_ratio']:.2f}×)"  # an information row: its ratio to the reference too
+        lines.append(f"| {row['figure']} | {', '.join(show(x) for x in row['runs'])} | {median} | "
                      f"{row['goal']} | {met[row['met']]} |")
     return lines
 
