@@ -1,6 +1,7 @@
 """The rule sandbox's frames (issue 30): deliveries of one owner under one rule set that wait together go to one
 child in one frame, each with its own verdict and its own budget; one that overruns or kills its child is the
-fault, the ones after it are evaluated again; and an owner holds one child at a time.
+fault, the ones after it are evaluated again; an owner's flood holds one child; and its rules saves and replays do
+not hold up its deliveries.
 
 The evaluator here is the real pool of sandboxed children; the served tests run `python switchboard.py serve`."""
 
@@ -10,6 +11,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -83,6 +85,27 @@ def test_when_the_child_dies_mid_frame_that_envelope_is_the_fault_and_the_rest_g
         assert evaluator.run_batch([LOOP_WHEN_ASKED], {}, [doc(6)]) == [{"match": 0}], "a fresh child took its place"
     finally:
         evaluator.close()
+
+
+def test_an_owners_long_rules_jobs_do_not_hold_up_its_deliveries(world, app, alice):
+    """A rules save, dry run, release or replay holds one of its owner's slots for as long as it runs; the
+    owner's deliveries have a line of their own, so with every slot taken they are still evaluated at once."""
+    endpoint = world.endpoint(alice, ["triage", "build"], verbs=["all"])
+    hook = world.webhook(alice, endpoint)
+    saved = world.client.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=alice.auth, json={
+        "rules": [{"id": "build", "expr": ".issue != null", "action": {"queue": "build"}}]})
+    assert saved.status_code == 200, saved.text
+    flows = app.state.flows
+    release = threading.Event()
+    jobs = [world.client.portal.start_task_soon(flows.evaluate, alice.id, release.wait, 30)
+            for _ in range(flows.evaluator.per_tenant)]
+    try:
+        answer = world.deliver(hook, *producers.github("issues.opened", hook["secret"]))
+        assert answer.status_code == 202, answer.text
+        assert [t["queue"] for t in answer.json()["todos"]] == ["build"]
+    finally:
+        release.set()
+    assert [job.result(timeout=10) for job in jobs] == [True] * len(jobs)
 
 
 # -- served ------------------------------------------------------------------------------------------------
