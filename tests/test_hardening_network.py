@@ -985,6 +985,7 @@ def test_the_served_process_exits_1_when_the_scheduler_dies(patched_server, tmp_
                             "switchboard.flows.scheduler_tick = tick\n")
     assert httpx.get(server.url + "/healthz").status_code == 200
     trigger.touch()
+    seed(str(tmp_path / "switchboard.db"), "bob")  # another connection commits: the scheduler ticks within a second
     assert server.proc.wait(timeout=15) == 1
     assert "exiting: the scheduler stopped" in server.logged()
 
