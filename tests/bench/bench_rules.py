@@ -27,7 +27,11 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import producers  # noqa: E402
 from bench_ingest import PARAMS, labeled_delivery  # noqa: E402
-from bench_store import ROOT, percentile, sb  # noqa: E402
+from bench_store import ROOT, percentile  # noqa: E402
+
+from switchboard.envelope import build_envelope  # noqa: E402 - on the path bench_store put it on
+from switchboard.evaluator import Evaluator, combined_program  # noqa: E402
+from switchboard.store.routing import decide  # noqa: E402
 
 TARGET_BYTES = 15 * 1024
 
@@ -46,9 +50,9 @@ def build_doc() -> tuple[bytes, bytes]:
                "x-hub-signature-256": "sha256=" + producers.hex_hmac("secret", raw),
                "user-agent": "GitHub-Hookshot/bench"}
     # The webhook trusts the fixture's sender, as bench_ingest's topology does.
-    envelope = sb.build_envelope(provider="github", webhook_id="wh_x", trust_mode="signed", verified=True,
-                                 headers=headers, body=raw, payload=json.loads(raw),
-                                 trusted_actors={"logins": ["Codertocat"], "match": "sender"})
+    envelope = build_envelope(provider="github", webhook_id="wh_x", trust_mode="signed", verified=True,
+                              headers=headers, body=raw, payload=json.loads(raw),
+                              trusted_actors={"logins": ["Codertocat"], "match": "sender"})
     return raw, json.dumps(envelope).encode()
 
 
@@ -72,21 +76,21 @@ def bench_rules(n: int, warmup: int = 200) -> dict:
     pack = json.loads((ROOT / "switchboard" / "packs" / "fleet.json").read_text())
     rules, default = pack["rules"], pack.get("default_action")
     raw, doc = build_doc()
-    ev = sb.Evaluator()
+    ev = Evaluator()
     try:
-        action, trace = sb.decide(ev, rules, default, PARAMS, "hold", doc)
+        action, trace = decide(ev, rules, default, PARAMS, "hold", doc)
         if trace.get("rule_id") != "issue-size-s" or action.get("queue") != "lane-s":
             raise RuntimeError(f"the fleet pack did not route the padded delivery to lane-s: {trace}")
-        fleet = _series(lambda: sb.decide(ev, rules, default, PARAMS, "hold", doc), n, warmup)
+        fleet = _series(lambda: decide(ev, rules, default, PARAMS, "hold", doc), n, warmup)
         trivial_rules = [{"id": "never", "expr": "false", "action": {"drop": True}}]
-        trivial = _series(lambda: sb.decide(ev, trivial_rules, default, PARAMS, "hold", doc), n, warmup)
+        trivial = _series(lambda: decide(ev, trivial_rules, default, PARAMS, "hold", doc), n, warmup)
     finally:
         ev.close()
     inproc = None
     try:
         import jq  # the module the sandbox child uses
 
-        program = jq.compile(sb.combined_program(tuple(r["expr"] for r in rules)), args={"params": PARAMS})
+        program = jq.compile(combined_program(tuple(r["expr"] for r in rules)), args={"params": PARAMS})
         first = program.input_text(doc.decode()).first()
         inproc = _summary(_series(lambda: program.input_text(doc.decode()).first(), n, warmup))
         inproc["first_output"] = first
