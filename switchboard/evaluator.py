@@ -68,6 +68,40 @@ def answer(message):
     write.flush()
 
 answer({"ready": True})
+
+def guarded(work):
+    """Run `work` (which answers) under the hard deadline; a failure is answered as a fault instead."""
+    signal.alarm(DEADLINE)
+    try:
+        work()
+    except MemoryError:
+        answer({"fault": "budget_exhausted", "detail": "memory cap reached"})
+    except Exception as exc:
+        answer({"fault": "error", "detail": str(exc)[:500]})
+    finally:
+        signal.alarm(0)
+
+def evaluate(program, doc):
+    if program is None:
+        answer({"fault": "error", "detail": "the rule set is not loaded"})
+    else:
+        answer({"result": program.input_text(doc.decode()).first()})
+
+def compile_or_load(request):
+    if request["op"] == "compile":
+        errors = []
+        for index, program in enumerate(request["programs"]):
+            try:
+                jq.compile(program, args={"params": request["params"]})
+            except ValueError as exc:
+                errors.append({"index": index, "detail": str(exc)[:500]})
+        answer({"errors": errors})
+    elif request["op"] == "load":
+        if len(programs) >= PROGRAMS:
+            programs.clear()
+        programs[request["key"]] = jq.compile(request["program"], args={"params": request["params"]})
+        answer({"loaded": True})
+
 # The child dies with the server: at end of input when idle, and (SIGALRM's default action, which ends the
 # process even inside jq's C loop) at its hard deadline when busy, whether or not anyone is left to kill it.
 for header in read:
@@ -77,43 +111,11 @@ for header in read:
     if request["op"] == "eval":
         program = programs.get(request["key"])
         # The whole frame is read first: the server writes it in one go, and must not block on a full pipe while
-        # this child is busy with the frame's first envelope.
-        docs = [read.read(size) for size in request["sizes"]]
-        for doc in docs:
-            signal.alarm(DEADLINE)
-            try:
-                if program is None:
-                    answer({"fault": "error", "detail": "the rule set is not loaded"})
-                else:
-                    answer({"result": program.input_text(doc.decode()).first()})
-            except MemoryError:
-                answer({"fault": "budget_exhausted", "detail": "memory cap reached"})
-            except Exception as exc:
-                answer({"fault": "error", "detail": str(exc)[:500]})
-            finally:
-                signal.alarm(0)
-        continue
-    signal.alarm(DEADLINE)
-    try:
-        if request["op"] == "compile":
-            errors = []
-            for index, program in enumerate(request["programs"]):
-                try:
-                    jq.compile(program, args={"params": request["params"]})
-                except ValueError as exc:
-                    errors.append({"index": index, "detail": str(exc)[:500]})
-            answer({"errors": errors})
-        elif request["op"] == "load":
-            if len(programs) >= PROGRAMS:
-                programs.clear()
-            programs[request["key"]] = jq.compile(request["program"], args={"params": request["params"]})
-            answer({"loaded": True})
-    except MemoryError:
-        answer({"fault": "budget_exhausted", "detail": "memory cap reached"})
-    except Exception as exc:
-        answer({"fault": "error", "detail": str(exc)[:500]})
-    finally:
-        signal.alarm(0)
+        # this child is busy with the frame's first envelope. Each envelope gets the deadline of its own.
+        for doc in [read.read(size) for size in request["sizes"]]:
+            guarded(lambda: evaluate(program, doc))
+    else:
+        guarded(lambda: compile_or_load(request))
 '''.replace("MEMORY", str(EVAL_MEMORY_BYTES)).replace("DEADLINE", str(int(EVAL_KILL_SECONDS) + 1)).replace(
     "PROGRAMS", str(EVAL_PROGRAMS_PER_CHILD))
 
