@@ -147,16 +147,22 @@ def fill(path: str, made: dict, todos: int, events: int, seed: int = 7) -> None:
     conn.close()
 
 
+def signed_in(client: TestClient, app, token: str) -> str:
+    """Sign the test client in to the Board with a human's token, as the login form does; the oldest todo in
+    review, the one the todo page is measured on."""
+    signed = client.post("/board/login", data={"token": token}, headers={"Origin": "http://bench"},
+                         follow_redirects=False)
+    assert signed.status_code == 303, signed.text
+    return app.state.db.read_sync(lambda txn: txn.one(
+        "SELECT id FROM todos WHERE state = 'review' ORDER BY created_at LIMIT 1")["id"])
+
+
 def measure(path: str, made: dict, runs: int) -> list[dict]:
     app = create_app(path, background=False)
     timed = Timed(app)
     hook_id = made["webhook"]["id"]
     with TestClient(timed, base_url="http://bench") as client:
-        signed = client.post("/board/login", data={"token": made["human"]["token"]},
-                             headers={"Origin": "http://bench"}, follow_redirects=False)
-        assert signed.status_code == 303, signed.text
-        todo_id = app.state.db.read_sync(lambda txn: txn.one(
-            "SELECT id FROM todos WHERE state = 'review' ORDER BY created_at LIMIT 1")["id"])
+        todo_id = signed_in(client, app, made["human"]["token"])
         event_id = app.state.db.read_sync(lambda txn: txn.one(
             "SELECT id FROM events ORDER BY received_at DESC LIMIT 1")["id"])
         pages = [("inbox", "/board"), ("inbox: dead letters, page 1", "/board/inbox/dead"),

@@ -78,7 +78,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # tests/, for producers
 import producers  # noqa: E402
-from bench_board import Timed  # noqa: E402
+from bench_board import Timed, signed_in  # noqa: E402
 from bench_compare import load_gate, machine_snapshot, other_cores  # noqa: E402
 from bench_store import (  # noqa: E402
     ROOT,
@@ -422,11 +422,7 @@ def board_pages(path: str, made: dict) -> dict:
     hook_id = made["hook"]["id"]
     results = {}
     with TestClient(timed, base_url="http://bench") as client:
-        signed = client.post("/board/login", data={"token": made["human"]["token"]},
-                             headers={"Origin": "http://bench"}, follow_redirects=False)
-        assert signed.status_code == 303, signed.text
-        todo_id = app.state.db.read_sync(lambda txn: txn.one(
-            "SELECT id FROM todos WHERE state = 'review' ORDER BY created_at LIMIT 1")["id"])
+        todo_id = signed_in(client, app, made["human"]["token"])
         auth = {"Authorization": f"Bearer {made['human']['token']}"}
         pages = [("inbox", "/board", {}), ("queues", "/board/queues", {}),
                  ("deliveries", f"/board/webhooks/{hook_id}/deliveries", {}), ("a todo", f"/board/todos/{todo_id}", {}),
