@@ -298,8 +298,8 @@ class Flows:
         gate = self._gate(tenant)
         if self.closing or gate.waiting + len(gate.deliveries) >= EVAL_QUEUE_PER_TENANT:
             raise EvaluationShed(EVAL_WAIT_SECONDS)
-        exprs = tuple(rule["expr"] for rule in stored["rules"])
-        pending = PendingRules((exprs, json.dumps(stored["params"], sort_keys=True)), exprs, stored["params"], doc,
+        pending = PendingRules((tuple(rule["expr"] for rule in stored["rules"]),
+                                json.dumps(stored["params"], sort_keys=True)), stored["params"], doc,
                                time.monotonic() + EVAL_WAIT_SECONDS, asyncio.get_running_loop().create_future())
         gate.deliveries.append(pending)
         if not gate.dispatching:
@@ -361,7 +361,7 @@ class Flows:
         first = frame[0]
         try:
             results: list = await asyncio.get_running_loop().run_in_executor(self.eval_threads, functools.partial(
-                self.evaluator.run_batch, first.exprs, first.params, [p.doc for p in frame], tenant,
+                self.evaluator.run_batch, first.rule_set[0], first.params, [p.doc for p in frame], tenant,
                 min(p.until for p in frame)))
         except EvaluatorBusy:
             now = time.monotonic()

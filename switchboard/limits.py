@@ -54,7 +54,6 @@ class PendingRules:
     a frame shares), its envelope, when it stops waiting (time.monotonic()), and its answer. `taken` while it is in
     a frame on its way to a child."""
     rule_set: tuple[tuple[str, ...], str]
-    exprs: tuple[str, ...]
     params: dict
     doc: bytes
     until: float
