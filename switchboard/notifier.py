@@ -17,17 +17,19 @@ import threading
 import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
-import httpx
 from prometheus_client import Counter
 
 from switchboard.configuration import UNSAFE_TEXT, VERSION, ApiError, _yes, iso, log
 from switchboard.crypto import SecretBox
 from switchboard.database import Database
 from switchboard.store.outbox import Outgoing, due_messages, record_sending
+
+if TYPE_CHECKING:
+    import httpx
 
 # The outbox rows are written by the store in the transaction that made the human needed; this sender
 # delivers them after commit: one message per channel per 30 s (the rest become one digest), retries with
@@ -269,6 +271,7 @@ class Addresses:
         and checks its host again (a name may point elsewhere by then), so nothing reaches a refused address."""
         if self.allow_private:
             return
+        import httpx  # with the first channel: see _notify_client
         try:
             host, port = _host_and_port(httpx.URL(url))
         except (httpx.InvalidURL, UnicodeError, ValueError):
@@ -336,7 +339,9 @@ async def _notify_client() -> httpx.AsyncClient:
     """The HTTP client notifications go out on: no redirects (a channel URL is the one the human set), no proxy or
     credentials from the environment, and a new connection for every send (each goes to the address just checked,
     and TLS is never reused across host names that share one). The TLS trust store is loaded in a worker thread:
-    0.2 s on a slow box, not to be spent on the event loop."""
+    0.2 s on a slow box, not to be spent on the event loop. httpx is imported here and in the send path, not
+    with this module: a box without channels never spends its 2.6 MiB."""
+    import httpx
     context = await anyio.to_thread.run_sync(httpx.create_ssl_context, True, None, False)
     return httpx.AsyncClient(verify=context, timeout=NOTIFY_TIMEOUT_SECONDS, follow_redirects=False, trust_env=False,
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
@@ -468,6 +473,7 @@ class Notifier:
 
     async def send(self, client: httpx.AsyncClient, message: Outgoing, patience: float | None = None) -> str | None:
         """One message to its channel within NOTIFY_TIMEOUT_SECONDS from start to end; the error, or None."""
+        import httpx  # with the first channel: see _notify_client
         channel = message.channel
         url = token = None
         try:
@@ -491,6 +497,7 @@ class Notifier:
     async def _post(self, client: httpx.AsyncClient, target: str, headers: dict[str, str], body: bytes) -> str | None:
         """POST to the channel's host at an address just resolved and checked (a name that resolves elsewhere by
         the time of connecting changes nothing), trying its addresses in turn while they refuse connections."""
+        import httpx  # with the first channel: see _notify_client
         url = httpx.URL(target)
         host, port = _host_and_port(url)
         addresses = await resolve(host, port)

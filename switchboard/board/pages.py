@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import re
@@ -12,9 +13,8 @@ import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
 import markupsafe
 from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
@@ -82,6 +82,9 @@ from switchboard.store.principals import Principal, vend_endpoint
 from switchboard.store.transitions import revoke_endpoint
 from switchboard.store.upkeep import HUMAN_ACTIONS
 from switchboard.store.webhooks import add_route, remove_route, rotate_webhook, set_trusted_actors, update_webhook
+
+if TYPE_CHECKING:
+    import jinja2
 
 # -- rendering helpers ---------------------------------------------------------------------------------------
 
@@ -351,12 +354,6 @@ class Board:
         self.api = api
         self.mcp = mcp
         self.trust_proxy = trust_proxy
-        self.templates = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(BOARD_DIR / "templates"), autoescape=True, finalize=_board_text,
-            trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
-        self.templates.filters["json"] = pretty_json
-        self.templates.filters["iso"] = lambda value: iso(_as_ms(value)) or ""
-        self.templates.globals["inbox_groups"] = INBOX_GROUPS
         # One-shot notices for the next page a session sees (post-redirect-get): kept in memory, popped on read.
         self.notices: dict[str, list[dict]] = {}
         # The open streams. At shutdown the doorbell's close_all ends them, as it ends the workers' streams: a
@@ -364,6 +361,18 @@ class Board:
         self.live = LiveViews(self.db, flows.changes)
         flows.doorbell.attach(Session("board:live", frozenset(), "stream", lambda ring: None, self.live.close,
                                       via="board"))
+
+    @functools.cached_property
+    def templates(self) -> jinja2.Environment:
+        """The template engine, made for the first page shown: a box only agents use never loads jinja2."""
+        import jinja2
+        templates = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(BOARD_DIR / "templates"), autoescape=True, finalize=_board_text,
+            trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+        templates.filters["json"] = pretty_json
+        templates.filters["iso"] = lambda value: iso(_as_ms(value)) or ""
+        templates.globals["inbox_groups"] = INBOX_GROUPS
+        return templates
 
     def routes(self) -> list[BaseRoute]:
         """The Board's routes; none when its files (board/ beside this module) are not installed."""
