@@ -241,14 +241,17 @@ def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) 
         if row["state"] == "pending":
             queue["oldest_pending"] = txn.one("SELECT min(created_at) FROM todos WHERE endpoint_id = ?"
                                               " AND state = 'pending' AND queue = ?", (row["endpoint_id"], row["queue"]))[0]
-    sql = (f"SELECT t.id, t.title, t.queue, t.endpoint_id, t.lease_expires_at, t.created_at, a.claimant, a.claimed_at,"
-           f" a.summary, a.heartbeats, a.seq FROM todos t JOIN attempts a ON a.todo_id = t.id AND a.ended_at IS NULL"
-           f" WHERE t.state = 'claimed' AND t.{clause}")
+    # The page's todos are picked from the todos alone, then joined to their open attempts: the sort of every
+    # claimed todo (bounded by the workers, but it grows with a backlog's stale leases) carries two columns.
+    page = f"SELECT id FROM todos WHERE state = 'claimed' AND {clause}"
     args = list(params)
     if after is not None:
-        sql += " AND (t.created_at, t.id) > (?, ?)"
+        page += " AND (created_at, id) > (?, ?)"
         args += list(after)
-    running = [dict(r) for r in txn.all(sql + " ORDER BY t.created_at, t.id LIMIT ?", (*args, BOARD_PAGE_SIZE + 1))]
+    sql = (f"SELECT t.id, t.title, t.queue, t.endpoint_id, t.lease_expires_at, t.created_at, a.claimant, a.claimed_at,"
+           f" a.summary, a.heartbeats, a.seq FROM ({page} ORDER BY created_at, id LIMIT ?) p JOIN todos t ON t.id = p.id"
+           f" JOIN attempts a ON a.todo_id = t.id AND a.ended_at IS NULL ORDER BY t.created_at, t.id")
+    running = [dict(r) for r in txn.all(sql, (*args, BOARD_PAGE_SIZE + 1))]
     more = running[BOARD_PAGE_SIZE - 1] if len(running) > BOARD_PAGE_SIZE else None
     return {"endpoints": list(endpoints.values()), "running": running[:BOARD_PAGE_SIZE],
             "more": f"{more['created_at']}.{more['id']}" if more else None}
