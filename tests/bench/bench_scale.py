@@ -17,8 +17,7 @@ history line and its ring just as served ingest does. The deliveries arrive over
 `claim_next`, `complete`, `fail`, `needs_input`, `block`, `defer` and `reroute` on the oldest pending work
 (first in, first out), the states a homelab's backlog has: a third done (each with its attempt and history),
 and a few of every kind of waiting work (`MIX`); a share of the deliveries come from an untrusted sender and
-are held by the trust gate. On top of the N todos, N/10 older deliveries were done 29 days ago: retention's
-work once they pass 30 days, for the prune step. Re-rings: todos that waited longer than the last re-ring
+are held by the trust gate. Re-rings: todos that waited longer than the last re-ring
 (7 h 25 min) are marked rung five times, the state the scheduler's sweep leaves them in (the sweep itself is
 measured on its own, first).
 
@@ -27,21 +26,25 @@ Every database is built first (they all stay on disk until the end). Then, on ea
  1. bytes per todo: the file (after a checkpoint) over the todos in it
  2. `migrate --dry-run` (median of 3) and `backup` (the CLI, a child process each; backup as MB/s of database)
  3. the re-ring sweep: how much of the backlog one pass rings (every pending todo), at 500 rings a tick
+ 4. retention's first pass (`prune`, nothing else running): a database past the 500,000-row cap (1M: 1M todos,
+    two thirds of them open) loses its terminal todos, oldest first, and the events only they pointed at, as the
+    first server on it would; the rounds measure serving on what retention leaves, not that pass
 
 Then three rounds, each over every size in turn (another order each round, so that a machine whose pace drifts
 weighs on every size alike; each figure below is the median of the rounds), a fresh server for each part:
 
- 4. server start: `serve` spawned to its first `/healthz` 200
- 5. claim + complete over REST, 8 workers, 1,000 cycles: rate, claim p50/p99
- 6. ingest without rules over HTTP, 16 senders, 1,500 signed deliveries: rate, ack p50/p99
- 7. Board pages (inbox, queues, deliveries, a todo) and the human's `GET /api/v1/todos?queue=inbox`: server
+ 5. server start: `serve` spawned to its first `/healthz` 200
+ 6. claim + complete over REST, 8 workers, 1,000 cycles: rate, claim p50/p99
+ 7. ingest without rules over HTTP, 16 senders, 1,500 signed deliveries: rate, ack p50/p99
+ 8. Board pages (inbox, queues, deliveries, a todo) and the human's `GET /api/v1/todos?queue=inbox`: server
     time p50/p95 over 30 requests each, in-process through Starlette's test client (bench_board's Timed)
- 8. a re-ring tick: every pending todo made due (in a transaction rolled back after), then scheduler ticks of
+ 9. a re-ring tick: every pending todo made due (in a transaction rolled back after), then scheduler ticks of
     500 rings each, timed in-process
 
 Last (it changes the database), on each:
 
- 9. `prune` (the CLI, a child process) once the N/10 old todos passed 30 days, while a warmed-up server ingests
+10. `prune` (the CLI, a child process) once N/10 more todos, received and done 29 days ago (added now, so that
+    no server of the rounds pruned them), passed 30 days, while a warmed-up server ingests
     300 deliveries a second from 16 paced senders: rows per second, and the ack p99 of the deliveries sent while
     it ran (and in the second before)
 
@@ -223,7 +226,7 @@ def setup(path: str) -> dict:
 
 
 def build(path: str, n: int) -> dict:
-    """A database of n todos (plus n/10 old done ones); returns the principals and the build's figures."""
+    """A database of n todos; returns the principals and the build's figures."""
     started = time.perf_counter()
     made = setup(path)
     builder = Builder(path, made)
@@ -248,9 +251,6 @@ def build(path: str, n: int) -> dict:
                 builder.work(txn, outcome)
             builder.commit()
 
-    old = round(n * OLD_SHARE)
-    deliveries(old, now - 29 * DAY_MS - 6 * 3_600_000, now - 29 * DAY_MS - 3_600_000, held=False)
-    transitions(["done"] * old, now - 29 * DAY_MS)
     deliveries(n, now - 25 * DAY_MS, now - 3_600_000)
     plan = [outcome for outcome in MIX if outcome != "held" for _ in range(round(n * MIX[outcome]))]
     plan.sort(key=lambda outcome: outcome != "done")  # the oldest work was done first
@@ -264,6 +264,30 @@ def build(path: str, n: int) -> dict:
     builder.commit()
     builder.close()
     return {**made, "build_s": round(time.perf_counter() - started, 1)}
+
+
+def add_old_work(path: str, made: dict, n: int) -> int:
+    """n/10 deliveries received 29 days ago and done then (the oldest pending work, so `claim_next` takes them):
+    the work the prune step's retention finds past 30 days once their stamps move back two days."""
+    builder = Builder(path, made)
+    now = Clock().now_ms()
+    old = round(n * OLD_SHARE)
+    first_ms, last_ms = now - 29 * DAY_MS - 6 * 3_600_000, now - 29 * DAY_MS - 3_600_000
+    number = 20 * n  # issue numbers nobody else uses: the build's are 1..n, the ingest rounds' from 10n + 1
+    for start in range(0, old, BATCH):
+        txn = builder.transaction(first_ms)
+        for i in range(start, min(old, start + BATCH)):
+            number += 1
+            txn.now = first_ms + (last_ms - first_ms) * i // max(1, old)
+            builder.deliver(txn, number)
+        builder.commit()
+    for start in range(0, old, BATCH):
+        txn = builder.transaction(now - 29 * DAY_MS)
+        for _ in range(start, min(old, start + BATCH)):
+            builder.work(txn, "done")
+        builder.commit()
+    builder.close()
+    return old
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -478,7 +502,9 @@ def prune_under_ingest(path: str, made: dict, deliveries: Deliveries) -> dict:
 
 def prepare(folder: str, n: int) -> dict:
     """Build the database of n todos, then what is measured on it alone: its size, `migrate --dry-run`, `backup`
-    and the re-ring sweep."""
+    and the re-ring sweep. Last, retention's first pass (`switchboard prune`, unloaded): past the 500,000-row cap
+    it deletes the terminal todos, oldest first, and the events only they pointed at. Every server the rounds
+    start runs retention at once, so on a database past the cap the rounds would measure that pass instead."""
     path = os.path.join(folder, f"scale-{n}.db")
     log(f"{n:,} todos: building")
     made = build(path, n)
@@ -497,6 +523,13 @@ def prepare(folder: str, n: int) -> dict:
     out["backup_s"] = took
     out["backup_mb_s"] = out["db_bytes"] / 1e6 / took
     out["rering"] = rering_tick(path)
+    log(f"{n:,} todos: retention's first pass")
+    took, answer = run_cli(path, "prune")
+    out["retention"] = {"pruned": answer["pruned"], "s": took}
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    out["todos_served"] = conn.execute("SELECT count(*) FROM todos").fetchone()[0]
+    conn.close()
     out["deliveries"] = Deliveries(10 * n)
     return out
 
@@ -600,6 +633,10 @@ def markdown(report: dict) -> str:
 
     row("database (MB) / bytes per todo", (f"{r['db_bytes'] / 1e6:,.0f} / {r['bytes_per_todo']:,.0f}" for r in results))
     row("build (s)", (f"{r['build_s']:.0f}" for r in results))
+    row("retention's first pass: todos, events deleted; s",
+        (f"{r['retention']['pruned']['todos']:,}, {r['retention']['pruned']['events']:,}; {r['retention']['s']:.0f}"
+         for r in results))
+    row("todos in the rounds", (f"{r['todos_served']:,}" for r in results))
     row("claim + complete, 8 workers (/s)", (f"{r['claim']['rate']:,.0f}" for r in results))
     row("claim p50 / p99 (ms)", (f"{r['claim']['claim_p50_ms']:.1f} / {r['claim']['claim_p99_ms']:.1f}" for r in results))
     row("ingest, no rules, 16 senders (/s)", (f"{r['ingest']['rate']:,.0f}" for r in results))
@@ -649,6 +686,8 @@ def main(argv: list[str] | None = None) -> int:
             for out in prepared[round_ % len(prepared):] + prepared[:round_ % len(prepared)]:
                 measure_round(out, round_)
         for out in prepared:
+            log(f"{out['todos']:,} todos: old work for the prune")
+            out["old_todos"] = add_old_work(out["path"], out["made"], out["todos"])
             log(f"{out['todos']:,} todos: prune while ingesting")
             out["gates"].append(load_gate(f"{out['todos']} prune", GATE_MAX_S))
             out["prune"] = prune_under_ingest(out["path"], out["made"], out["deliveries"])
