@@ -62,7 +62,8 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         db.loop = asyncio.get_running_loop()
-        loops = {"scheduler": flows.background(), "notifier": notifier.run()} if background else {}
+        loops = ({"scheduler": flows.background(), "retention": flows.retention(), "notifier": notifier.run()}
+                 if background else {})
         tasks = [asyncio.create_task(coroutine) for coroutine in loops.values()]
         for task, what in zip(tasks, loops, strict=True):
             watch(task, what)

@@ -12,12 +12,11 @@ import hashlib
 import json
 import math
 import sqlite3
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
-
-import anyio.to_thread
 
 from switchboard.configuration import (
     KEEPALIVE_SECONDS,
@@ -572,20 +571,16 @@ class Flows:
         """Every second, look; run a tick (leases, deferrals, rings) only when another connection committed
         (PRAGMA data_version moved: a request, the CLI), when what the last tick saw falls due, or at least every
         SCHEDULER_IDLE_SECONDS. Idle, that costs one pragma a second, not a scan. A move is also told to
-        `changes` (the Board's open streams then read their counts again; idle, they read nothing). Hourly and at
-        start, retention. One bad round is logged and the loop goes on. (Checkpoints are the checkpointer thread's and the writer's:
+        `changes` (the Board's open streams then read their counts again; idle, they read nothing). One bad round
+        is logged and the loop goes on. (Checkpoints are the checkpointer thread's and the writer's:
         the WAL file keeps its size, because a commit that grows the file costs about twice one that reuses it.)"""
-        last_prune = last_tick = -math.inf
+        last_tick = -math.inf
         seen, due_ms = None, None
         probe = connect(self.db.path, self.db.synchronous)
         try:
             while True:
                 try:
                     now = time.monotonic()
-                    if now - last_prune >= PRUNE_EVERY_SECONDS:
-                        last_prune = now
-                        pruned = await anyio.to_thread.run_sync(prune, self.db)
-                        log.info("retention: pruned %d todos and %d events", pruned["todos"], pruned["events"])
                     version = probe.execute("PRAGMA data_version").fetchone()[0]
                     if seen is not None and version != seen:
                         self.changes.moved()
@@ -598,6 +593,28 @@ class Flows:
                 await asyncio.sleep(SCHEDULER_TICK_SECONDS)
         finally:
             probe.close()
+
+    async def retention(self) -> None:
+        """At start and hourly, retention (`prune`), in a loop of its own: a big box's first pass past the row cap
+        takes minutes, and the scheduler's ticks (lapsed leases, rings) must not wait for it. Cancelled (the server
+        stopping), it ends the pass after the step under way, before the writer closes. One failed pass is logged
+        and the next comes an hour later."""
+        stop = threading.Event()
+        while True:
+            passing = asyncio.ensure_future(asyncio.to_thread(prune, self.db, stop))
+            try:
+                pruned = await asyncio.shield(passing)
+            except asyncio.CancelledError:
+                stop.set()
+                await asyncio.wait([passing])
+                raise
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad pass; the cause is logged
+                log.exception("retention failed")
+            else:
+                if any(pruned.values()):
+                    log.info("retention: pruned %d todos, %d events and %d sent notifications", pruned["todos"],
+                             pruned["events"], pruned["notifications"])
+            await asyncio.sleep(PRUNE_EVERY_SECONDS)
 
     async def close(self) -> None:
         self.closing = True

@@ -3,6 +3,8 @@ bounded under a reader, and the health check."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sqlite3
 import threading
@@ -123,6 +125,49 @@ def test_retention_keeps_at_most_the_row_cap(world, monkeypatch):
     assert pruned["todos"] == 4 and pruned["events"] == 4
     remaining = world.client.get("/api/v1/todos?limit=200", headers=alice.auth).json()["todos"]
     assert len(remaining) == 5 and live["id"] in {t["id"] for t in remaining}
+
+
+def _cancelled_todos(world, count: int) -> None:
+    alice = world.human("alice")
+    worker = world.endpoint(alice, ["build"], name="worker")
+    for n in range(count):
+        todo = world.push(alice, worker, "build", f"job {n}")
+        world.act(alice, todo["id"], "cancel", reason="done with it")
+
+
+def test_retention_stopped_ends_after_its_step_and_the_next_pass_goes_on(world, monkeypatch):
+    monkeypatch.setattr(store_upkeep_module, "RETENTION_ROWS", 1)
+    monkeypatch.setattr(store_upkeep_module, "PRUNE_BATCH", 2)
+    _cancelled_todos(world, 7)
+    stopped = threading.Event()
+    stopped.set()
+    assert prune(world.db, stopped) == {"todos": 2, "events": 0, "notifications": 0}, "one step, then the stop"
+    assert prune(world.db) == {"todos": 4, "events": 6, "notifications": 0}, "down to the cap; the events follow"
+
+
+def test_a_stopping_server_does_not_wait_for_retention_to_finish(world, app, db_path, monkeypatch):
+    """A big box's first pass past the row cap takes minutes; cancelling the retention loop (a shutdown) ends it
+    after the step under way, before the writer closes, and cuts the pause between two steps short."""
+    monkeypatch.setattr(store_upkeep_module, "RETENTION_ROWS", 1)
+    monkeypatch.setattr(store_upkeep_module, "PRUNE_BATCH", 1)
+    monkeypatch.setattr(store_upkeep_module, "PRUNE_PAUSE_MS", 600_000)  # a pause no test could wait out
+    _cancelled_todos(world, 4)
+    conn = sqlite3.connect(db_path)
+
+    def todos() -> int:
+        return conn.execute("SELECT count(*) FROM todos").fetchone()[0]
+
+    async def stop_during_the_pass() -> None:
+        loop = asyncio.create_task(app.state.flows.retention())
+        while todos() == 4:
+            await asyncio.sleep(0.01)
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(loop, 30)
+
+    asyncio.run(stop_during_the_pass())
+    assert todos() == 3, "one step ran; the stop ended the pass in the pause after it"
+    conn.close()
 
 
 def test_wal_stays_bounded_over_4000_deliveries_with_a_reader_open(world, app, db_path):

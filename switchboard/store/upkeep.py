@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -164,9 +165,6 @@ def prune_batch(txn: Txn, progress: dict | None = None) -> dict:
                                         PRUNE_BATCH - sum(pruned.values()))
         if not place["done"]:
             break  # events wait for the todos that point at them
-    if any(pruned.values()):
-        txn.logs.append(f"pruned {pruned['todos']} todos, {pruned['events']} events and {pruned['notifications']}"
-                        f" sent notifications")
     return pruned
 
 
@@ -196,16 +194,17 @@ def _prune_walk(txn: Txn, place: dict, rows_of: str, eligible: str, stamp: str, 
     return len(doomed)
 
 
-def prune(db: Database) -> dict:
-    """Retention to the end, in short transactions with a pause after each, so that deliveries keep flowing."""
+def prune(db: Database, stop: threading.Event | None = None) -> dict:
+    """Retention to the end, in short transactions with a pause after each, so that deliveries keep flowing; or
+    until `stop` is set (a server shutting down), after the step under way. What it deleted, by table."""
     progress = db.read_sync(retention_progress)
     total = {name: 0 for name, *_ in _RETAINED}
+    stop = stop or threading.Event()
     while True:
         step = db.write_sync(prune_batch, progress)
         total = {k: total[k] + step[k] for k in total}
-        if all(place["done"] for place in progress.values()):
+        if all(place["done"] for place in progress.values()) or stop.wait(PRUNE_PAUSE_MS / 1000):
             return total
-        time.sleep(PRUNE_PAUSE_MS / 1000)
 
 
 def queue_stats(txn: Txn) -> dict:
