@@ -242,7 +242,7 @@ def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) 
             queue["oldest_pending"] = txn.one("SELECT min(created_at) FROM todos WHERE endpoint_id = ?"
                                               " AND state = 'pending' AND queue = ?", (row["endpoint_id"], row["queue"]))[0]
     # The page's todos are picked from the todos alone, then joined to their open attempts: the sort of every
-    # claimed todo (bounded by the workers, but it grows with a backlog's stale leases) carries two columns.
+    # claimed todo (as many as the workers hold) carries two columns, and only the page's attempts are read.
     page = f"SELECT id FROM todos WHERE state = 'claimed' AND {clause}"
     args = list(params)
     if after is not None:
