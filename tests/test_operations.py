@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import os
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from datetime import datetime
@@ -314,3 +316,22 @@ def test_serve_run_as_a_script_from_the_checkout_serves_and_stops_on_sigterm(db_
     finally:
         server.stop()
     assert server.proc.returncode == 0
+
+
+def test_a_server_loads_httpx_and_jinja2_only_when_it_first_needs_them(tmp_path):
+    """The footprint goal (RSS under 80 MiB with the fleet pack) counts on it: a box with no notification channel
+    never sends, and one only agents use never renders a Board page, so neither library is loaded at start. (The
+    Board and notification tests show both load when they are needed.)"""
+    program = (
+        "import asyncio, sys\n"
+        "from switchboard.app import create_app\n"
+        "app = create_app(sys.argv[1])\n"
+        "async def serve_briefly():\n"
+        "    async with app.router.lifespan_context(app):\n"
+        "        await asyncio.sleep(0.5)\n"
+        "asyncio.run(serve_briefly())\n"
+        "print(sorted(name for name in ('httpx', 'jinja2') if name in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", program, str(tmp_path / "sb.db")], capture_output=True, text=True,
+                          cwd=str(ROOT), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"loaded at start: {done.stdout.strip()}"
