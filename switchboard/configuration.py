@@ -39,7 +39,7 @@ WRITER_CHECKPOINT_BYTES = 16 << 20
 PRUNE_EVERY_SECONDS = 3600.0
 WRITER_BATCH = 64
 WAL_LIMIT_BYTES = 64 << 20
-WRITER_CACHE_KIB = 512
+WRITER_CACHE_KIB = 1024
 QUARANTINE_DAYS = 30
 # An open stream with nothing to say sends a comment this often, so proxies keep it open.
 KEEPALIVE_SECONDS = 15.0

@@ -93,8 +93,9 @@ class Database:
         # of it inside the commit, stalled every delivery queued behind that commit). Under steady writes the
         # checkpointer seldom catches up at the moment a transaction starts, so this one starts the WAL over; the
         # file keeps its size, and later commits reuse it (one that grows the file costs about twice as much).
-        # Most pages the writer touches are bodies it writes once; 512 KiB keeps the index pages a commit walks
-        # (SQLite's 2 MiB default held 1.3 MiB more after 10,000 deliveries, and ingest measured no faster).
+        # Most pages the writer touches are bodies it writes once. 1 MiB still keeps the index pages a commit walks:
+        # with 1M todos a served delivery costs the writer about 20 page reads with 1 or 2 MiB, and 32 with 512 KiB.
+        # SQLite's 2 MiB default held about 1 MiB more after 10,000 deliveries.
         writer.execute(f"PRAGMA cache_size=-{WRITER_CACHE_KIB}")
         page_size = writer.execute("PRAGMA page_size").fetchone()[0]
         writer.execute(f"PRAGMA wal_autocheckpoint={WRITER_CHECKPOINT_BYTES // page_size}")
