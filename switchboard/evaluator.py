@@ -470,19 +470,18 @@ class Evaluator:
                     del self._compiled_clean[next(iter(self._compiled_clean))]
         return errors
 
-    def run(self, exprs: list[str], params: dict, doc: bytes, tenant: str | None = None,
-            until: float | None = None) -> dict:
+    def run(self, exprs: list[str], params: dict, doc: bytes, tenant: str | None = None) -> dict:
         """Evaluate a rule set over one envelope: {"match": i}, {"none": True} or {"fault": cause, "rule_index",
         "detail"}. A fault the child could not pin on one rule has rule_index None. The child's reply is
-        untrusted: anything but a well-formed reply is a fault. With `until` (time.monotonic()), no child free
-        by then raises EvaluatorBusy."""
-        return self.run_batch(exprs, params, [doc], tenant, until)[0]
+        untrusted: anything but a well-formed reply is a fault."""
+        return self.run_batch(exprs, params, [doc], tenant)[0]
 
     def run_batch(self, exprs: list[str], params: dict, docs: list[bytes], tenant: str | None = None,
                   until: float | None = None) -> list[dict | None]:
         """`run` for several envelopes under one rule set, in one frame to one child: a verdict for each, in
         order, each within its own budget (counted from the answer before it). When one overruns or kills its
-        child, that one is the fault and the ones after it are None: not evaluated, to be sent again."""
+        child, that one is the fault and the ones after it are None: not evaluated, to be sent again. With
+        `until` (time.monotonic()), no child free by then raises EvaluatorBusy."""
         program = combined_program(tuple(exprs))
         key = hashlib.sha256(program.encode() + b"\x00" + json.dumps(params, sort_keys=True).encode()).hexdigest()
         child = self._enter_child(tenant, until)

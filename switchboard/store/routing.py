@@ -39,14 +39,12 @@ def gate(envelope: dict) -> tuple[dict, dict] | None:
 
 
 def decide(evaluator: Evaluator, rules: list[dict], default: dict | None, params: dict, fallback_queue: str,
-           doc: bytes, tenant: str | None = None, until: float | None = None) -> tuple[dict, dict]:
-    """The action for one envelope and the trace saying why. No rules: the child is never touched. `until`
-    bounds the wait for a child (Evaluator.run)."""
+           doc: bytes, tenant: str | None = None) -> tuple[dict, dict]:
+    """The action for one envelope and the trace saying why. No rules: the child is never touched."""
     if not rules:
         fallback = default or {"queue": fallback_queue}
         return fallback, {"stage": "default", "cause": "no_rules", "action": fallback}
-    return verdict(rules, default, fallback_queue, evaluator.run([r["expr"] for r in rules], params, doc, tenant,
-                                                                  until))
+    return verdict(rules, default, fallback_queue, evaluator.run([r["expr"] for r in rules], params, doc, tenant))
 
 
 def verdict(rules: list[dict], default: dict | None, fallback_queue: str, result: dict) -> tuple[dict, dict]:
@@ -66,11 +64,11 @@ def verdict(rules: list[dict], default: dict | None, fallback_queue: str, result
                     "action": action, "faults": [fault]}
 
 
-def decide_for_webhook(evaluator: Evaluator, webhook: sqlite3.Row, doc: bytes, tenant: str | None = None,
-                       until: float | None = None) -> tuple[dict, dict]:
+def decide_for_webhook(evaluator: Evaluator, webhook: sqlite3.Row, doc: bytes,
+                       tenant: str | None = None) -> tuple[dict, dict]:
     stored = rules_view(webhook)
     return decide(evaluator, stored["rules"], stored["default_action"], stored["params"], webhook["queue"], doc,
-                  tenant, until)
+                  tenant)
 
 
 def _first_faulting_rule(evaluator: Evaluator, rules: list[dict], params: dict, doc: bytes,
