@@ -13,9 +13,18 @@ from pathlib import Path
 from typing import Any
 
 VERSION = "0.3.0"
-SCHEMA_PATH = Path(__file__).with_name("schema.sql")
-# The rule packs that ship with the package (`rules set --pack fleet`), wherever it is installed.
-PACKS_DIR = Path(__file__).with_name("packs")
+
+
+def shipped_path(name: str) -> Path:
+    """schema.sql and packs/ live once, at the top of the repository (the design card's layout); a wheel carries
+    them inside the package (setup.py copies them in). Inside the package when installed, else beside it."""
+    inside = Path(__file__).with_name(name)
+    return inside if inside.exists() else Path(__file__).resolve().parent.parent / name
+
+
+SCHEMA_PATH = shipped_path("schema.sql")
+# The rule packs that ship with Switchboard (`rules set --pack fleet`), wherever it is installed.
+PACKS_DIR = shipped_path("packs")
 PACK_NAMES = ("fleet", "pool-review")
 SCHEMA_VERSION = 6
 
@@ -158,13 +167,13 @@ def default_db_path() -> str:
 
 # -- the parser --------------------------------------------------------------------------------------
 
-def _env(flag: str, default: Any) -> Any:
+def env_default(flag: str, default: Any) -> Any:
     """A serve flag's default from SWITCHBOARD_<FLAG>, so a unit file or a container sets it once. argparse
     converts (and refuses) it like a value given on the command line, and only when `serve` runs."""
     return os.environ.get("SWITCHBOARD_" + flag.upper().replace("-", "_"), default)
 
 
-def _yes(flag: str, value: bool | str) -> bool:
+def switch_value(flag: str, value: bool | str) -> bool:
     """A switch's value: True when given on the command line, else SWITCHBOARD_<FLAG> as 1/true/yes/on or
     0/false/no/off (any case); anything else refuses to serve."""
     if isinstance(value, bool):

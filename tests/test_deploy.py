@@ -660,7 +660,7 @@ def test_dockerfile_structure():
     copied = " ".join(args for word, args in instructions if word in ("COPY", "ADD"))
     assert "/opt/venv" in copied, "the final stage takes the virtualenv the package was installed into"
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
-    for name in ("switchboard", "pyproject.toml", "README.md"):
+    for name in ("switchboard", "schema.sql", "packs", "setup.py", "pyproject.toml", "README.md"):
         assert f"!{name}" in ignore, f"{name} is not let through Dockerfile.dockerignore"
     assert "**/*.key" in ignore and "**/*.db" in ignore
     assert re.search(r"pip install --no-cache-dir /src\b", " ".join(args for _, args in instructions))

@@ -17,6 +17,9 @@ import httpx
 import pytest
 from conftest import ROOT, free_port
 
+# What deploy/Dockerfile.dockerignore lets through (its `!name` lines): all a build gets.
+DOCKER_CONTEXT = [line[1:] for line in (ROOT / "deploy" / "Dockerfile.dockerignore").read_text().splitlines()
+                  if line.startswith("!")]
 BOOT = ("import sys; sys.path.insert(0, sys.argv.pop(1)); import switchboard; "
         "assert switchboard.__file__.startswith(sys.path[0]), switchboard.__file__; "
         "from switchboard.cli.parser import main; sys.exit(main(sys.argv[1:]))")
@@ -28,9 +31,11 @@ def installed(tmp_path_factory) -> Path:
     It is built from a copy of just what the Docker context lets through, so the build leaves nothing in the
     checkout and needs nothing else."""
     source = tmp_path_factory.mktemp("source")
-    shutil.copytree(ROOT / "switchboard", source / "switchboard", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
+    for name in DOCKER_CONTEXT:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, source / name)
     wheels = tmp_path_factory.mktemp("wheels")
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                             "--wheel-dir", str(wheels), str(source)], capture_output=True, text=True, timeout=300)
@@ -61,6 +66,13 @@ def test_the_wheel_carries_the_data_files_and_the_console_script(installed):
     entry_points = configparser.ConfigParser()
     entry_points.read(dist_info / "entry_points.txt")
     assert entry_points["console_scripts"]["switchboard"] == "switchboard.cli.parser:main"
+
+
+def test_schema_and_packs_live_once_at_the_top_of_the_repository():
+    """The design card's layout: schema.sql and packs/ beside switchboard.py, and no second copy in the package
+    (the wheel gets theirs at build time)."""
+    assert (ROOT / "schema.sql").is_file() and (ROOT / "packs" / "fleet.json").is_file()
+    assert not (ROOT / "switchboard" / "schema.sql").exists() and not (ROOT / "switchboard" / "packs").exists()
 
 
 def test_the_installed_copy_serves_from_another_directory(installed, tmp_path):

@@ -23,7 +23,7 @@ import producers
 import pytest
 from helpers import GATED_PROVIDERS
 
-PACKS = Path(__file__).resolve().parent.parent / "switchboard" / "packs"
+PACKS = Path(__file__).resolve().parent.parent / "packs"
 FIXTURES = producers.FIXTURES
 
 # SPEC section 6, spelled out here rather than imported, so that a drift in the implementation shows.

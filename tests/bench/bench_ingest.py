@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE.parent))  # tests/, for producers
 import producers  # noqa: E402
 from bench_store import ROOT, Server, cli, percentile, read_only, run_timed  # noqa: E402
 
-PACK = ROOT / "switchboard" / "packs" / "fleet.json"
+PACK = ROOT / "packs" / "fleet.json"
 LANES = ("lane-s", "lane-m", "lane-l", "lane-vision", "triage")
 SIZES = ("S", "M", "L")
 PARAMS = {"require_verified": True, "trusted_humans": ["Codertocat"], "trusted_agents": [],

@@ -73,7 +73,7 @@ def _summary(lat: list[float]) -> dict:
 
 
 def bench_rules(n: int, warmup: int = 200) -> dict:
-    pack = json.loads((ROOT / "switchboard" / "packs" / "fleet.json").read_text())
+    pack = json.loads((ROOT / "packs" / "fleet.json").read_text())
     rules, default = pack["rules"], pack.get("default_action")
     raw, doc = build_doc()
     ev = Evaluator()
