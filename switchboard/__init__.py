@@ -7,6 +7,7 @@ checks it from the import graph).
   migrations         schema.sql and the numbered migrations
   database           connections, the single writer, readers
   crypto             tokens, ids, sealed webhook secrets
+  payload            producer JSON read safely: strict parsing, depth, fields along a path, producer strings
   providers          per-producer signature, freshness, delivery id, event kind
   models             request bodies, rule documents, work items, answers (pydantic, extra="forbid")
   envelope           the document every rule sees
@@ -21,6 +22,6 @@ checks it from the import graph).
   board.*            the Board's queries and pages (templates and static files beside them)
   app                the app factory: every part put together
   server             uvicorn, logging, the process's lifetime
+  worker.*           `switchboard worker`, the client side: job, park, api, exec_runner, triage, loop, main
   cli.*              output, commands, parser and main()
-  worker             `switchboard worker`: a lane worker over REST, outside the server
 """

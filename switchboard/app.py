@@ -17,7 +17,7 @@ from switchboard.database import Database
 from switchboard.doorbell import Doorbell
 from switchboard.evaluator import Evaluator
 from switchboard.flows import Flows
-from switchboard.http.mcp import Mcp, _api_error, _http_error, _unexpected
+from switchboard.http.mcp import Mcp, api_error, http_error, unexpected_error
 from switchboard.http.rest import MCP_ROUTES, Api
 from switchboard.limits import RateLimiter
 from switchboard.metrics import Metrics
@@ -80,7 +80,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     routes = [*(Route(r.path, getattr(mcp, r.handler), methods=[r.method]) for r in MCP_ROUTES), *api.route_table()]
     routes += Board(flows, api, mcp, trust_proxy).routes()
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected})
+                    exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: unexpected_error})
     app.state.db = db
     app.state.doorbell = doorbell
     app.state.api = api

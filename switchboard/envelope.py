@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import urllib.parse
 from collections.abc import Iterable
 from typing import Any
 
-from switchboard.configuration import MAX_PAYLOAD_DEPTH, UNSAFE_TEXT
-from switchboard.providers import PROVIDER_TABLE, _finite_float, _get, _reject_constant, _text, event_kind
+from switchboard.configuration import UNSAFE_TEXT
+from switchboard.payload import producer_text, stored_payload, value_at
+from switchboard.providers import PROVIDER_TABLE, event_kind
 
 # Switchboard decides the top-level fields; producer data lives only under .payload and .headers.
 
@@ -34,7 +33,7 @@ def redact_headers(headers: dict[str, str]) -> dict[str, str]:
 
 def _forge_number(payload: Any) -> int | None:
     for path in (("issue", "number"), ("pull_request", "number"), ("number",)):
-        number = _get(payload, *path)
+        number = value_at(payload, *path)
         if isinstance(number, int) and not isinstance(number, bool) and number > 0:
             return number
     return None
@@ -54,17 +53,17 @@ def forge_view(provider: str, kind: str | None, headers: dict[str, str]) -> tupl
 
 def subject_key(provider: str, kind: str | None, payload: Any, headers: dict[str, str]) -> str | None:
     if provider == "cairn":
-        artifact_id = _text(_get(payload, "data", "id"))
+        artifact_id = producer_text(value_at(payload, "data", "id"))
         return f"cairn:{artifact_id}" if artifact_id else None
     forge = forge_view(provider, kind, headers)
     if forge is None or forge[1] is None:
         return None
     provider, kind = forge
-    repo = _text(_get(payload, "repository", "full_name"))
+    repo = producer_text(value_at(payload, "repository", "full_name"))
     if not repo:
         return None
     if kind == "push":
-        ref = _text(_get(payload, "ref"))
+        ref = producer_text(value_at(payload, "ref"))
         return f"{provider}:{repo}@{ref}" if ref else None
     if kind.startswith("issue") or kind.startswith("pull_request"):
         number = _forge_number(payload)
@@ -75,36 +74,36 @@ def subject_key(provider: str, kind: str | None, payload: Any, headers: dict[str
 def _label_names(labels: Any) -> list[str]:
     if not isinstance(labels, list):
         return []
-    return [_text(label["name"]) for label in labels if isinstance(label, dict) and isinstance(label.get("name"), str)]
+    return [producer_text(label["name"]) for label in labels if isinstance(label, dict) and isinstance(label.get("name"), str)]
 
 
 def _string(value: Any) -> str:
     """A producer string inside .issue: absent or of the wrong type reads as "" (rules may call string
     functions on it unguarded, as packs written for the reference design do)."""
-    return _text(value) or ""
+    return producer_text(value) or ""
 
 
 def issue_view(provider: str, kind: str | None, headers: dict[str, str], payload: Any, key: str | None) -> dict | None:
     """Forge issue events only: kind `issues`, a positive issue number, and no pull request (a non-null
     `issue.pull_request` or top-level `pull_request`; Gitea sends `"pull_request": null` on plain issues)."""
     forge = forge_view(provider, kind, headers)
-    issue = _get(payload, "issue")
+    issue = value_at(payload, "issue")
     if forge is None or forge[1] != "issues" or not isinstance(issue, dict):
         return None
     number = issue.get("number")
     if (not isinstance(number, int) or isinstance(number, bool) or number <= 0
-            or issue.get("pull_request") is not None or _get(payload, "pull_request") is not None):
+            or issue.get("pull_request") is not None or value_at(payload, "pull_request") is not None):
         return None
-    action = _string(_get(payload, "action"))
+    action = _string(value_at(payload, "action"))
     body = issue.get("body")
     return {
         "provider": forge[0], "action": action,
         "event_type": headers.get("x-gitea-event-type") or "issues",
-        "repo": _string(_get(payload, "repository", "full_name")), "number": number,
+        "repo": _string(value_at(payload, "repository", "full_name")), "number": number,
         "title": _string(issue.get("title")), "url": _string(issue.get("html_url")),
-        "state": _string(issue.get("state")), "author": _string(_get(issue, "user", "login")),
-        "sender": _string(_get(payload, "sender", "login")), "labels": _label_names(issue.get("labels")),
-        "label": _text(_get(payload, "label", "name")),
+        "state": _string(issue.get("state")), "author": _string(value_at(issue, "user", "login")),
+        "sender": _string(value_at(payload, "sender", "login")), "labels": _label_names(issue.get("labels")),
+        "label": producer_text(value_at(payload, "label", "name")),
         "label_event": action in ("labeled", "unlabeled", "label_updated", "label_cleared"),
         "body_size": len(body.encode("utf-8", "surrogatepass")) if isinstance(body, str) else 0,
         "key": key,
@@ -114,7 +113,7 @@ def issue_view(provider: str, kind: str | None, headers: dict[str, str], payload
 def _thread_author(payload: Any) -> str | None:
     """Who opened the thread (issue, pull request or discussion) a delivery is about."""
     return next((login for part in ("issue", "pull_request", "discussion")
-                 if (login := _login(_get(payload, part, "user", "login")))), None)
+                 if (login := _login(value_at(payload, part, "user", "login")))), None)
 
 
 ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
@@ -131,11 +130,11 @@ def actor_view(provider: str, payload: Any, trusted_actors: dict | None) -> dict
     maintainer's comment on an outsider's issue is not author-trusted). Under allow_all the per-actor flags
     are null and the delivery is trusted; a webhook with no gate has everything null."""
     if provider == "cairn":
-        sender = author = thread = _login(_get(payload, "data", "actor_id"))
+        sender = author = thread = _login(value_at(payload, "data", "actor_id"))
     elif PROVIDER_TABLE[provider].forge:
-        sender = _login(_get(payload, "sender", "login"))
+        sender = _login(value_at(payload, "sender", "login"))
         author = next((login for part in ("comment", "review", "pull_request", "issue", "discussion")
-                       if (login := _login(_get(payload, part, "user", "login")))), None)
+                       if (login := _login(value_at(payload, part, "user", "login")))), None)
         thread = _thread_author(payload)
     else:
         return {"sender": None, "author": None, "sender_trusted": None, "author_trusted": None, "trusted": None}
@@ -179,57 +178,15 @@ def untrusted_names(envelope: dict, trusted_actors: dict | None) -> list[str]:
 
 
 def artifact_view(payload: Any) -> dict | None:
-    data = _get(payload, "data")
+    data = value_at(payload, "data")
     if not isinstance(data, dict) or not isinstance(data.get("id"), str):
         return None
     return {
-        "id": data["id"], "handle": f"mcp://cairn/{data['id']}", "event_id": _get(payload, "event_id"),
-        "kind": _get(payload, "kind"), "created_at": _get(payload, "created_at"),
+        "id": data["id"], "handle": f"mcp://cairn/{data['id']}", "event_id": value_at(payload, "event_id"),
+        "kind": value_at(payload, "kind"), "created_at": value_at(payload, "created_at"),
         **{name: data.get(name) for name in ("url", "title", "share_type", "channel", "model", "actor_id",
                                              "on_behalf_of", "expires_at", "tags", "metadata")},
     }
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether JSON containers nest more than `limit` deep; iterative, so depth itself cannot break it."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
-
-
-def decode_payload(headers: dict[str, str], body: bytes) -> tuple[Any, str | None]:
-    """The body as one JSON value, or None and why not. GitHub's form encoding (its default content type)
-    carries the JSON in the `payload` field; the signature covers the raw form bytes, verified before this."""
-    return parse_payload(headers, body)[:2]
-
-
-def parse_payload(headers: dict[str, str], body: bytes) -> tuple[Any, str | None, str | None]:
-    """decode_payload, with the parser's own words when the body gives no payload (shown to the human)."""
-    media_type = headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type == "application/x-www-form-urlencoded":
-        try:
-            fields = urllib.parse.parse_qs(body, keep_blank_values=True, strict_parsing=True, max_num_fields=64)
-        except ValueError as exc:
-            return None, "bad_form", f"not a form: {exc}"
-        if len(fields.get(b"payload", ())) != 1:
-            return None, "form_without_payload", "a form without exactly one payload field"
-        body = fields[b"payload"][0]
-    if not body.strip():
-        return None, "empty", "the body is empty"
-    try:
-        payload = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
-    except RecursionError:
-        return None, "too_deep", f"JSON nested deeper than {MAX_PAYLOAD_DEPTH} levels"
-    except ValueError as exc:
-        return None, "not_json", f"not JSON: {exc}"
-    if body.count(b"[") + body.count(b"{") > MAX_PAYLOAD_DEPTH and _deeper_than(payload, MAX_PAYLOAD_DEPTH):
-        return None, "too_deep", f"JSON nested deeper than {MAX_PAYLOAD_DEPTH} levels"
-    return payload, None, None
 
 
 def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified: bool, headers: dict[str, str],
@@ -243,15 +200,6 @@ def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified:
         "artifact": artifact_view(payload) if provider == "cairn" else None,
         "subject_key": key, "release": released, "actor": actor_view(provider, payload, trusted_actors),
     }
-
-
-def payload_text(payload: Any, body: bytes) -> str:
-    """The payload as JSON text: the body itself when it is a plain UTF-8 JSON object or array (no re-encoding),
-    else the parsed value written out again (a form, a BOM, UTF-16, a NUL or a lone surrogate)."""
-    if payload is not None and body[:1] in (b"{", b"[") and b"\x00" not in body and b"\\ud" not in body.lower():
-        with contextlib.suppress(UnicodeDecodeError):
-            return body.decode("utf-8")
-    return json.dumps(payload)
 
 
 # A delivery's body is stored once, in event_bodies. The envelope is stored without `.payload` and `.headers` (its
@@ -269,14 +217,6 @@ def envelope_document(record: str, headers_json: str, payload_json: str) -> str:
     return f'{record[:-1]}, "headers": {headers_json}, "payload": {payload_json}}}'
 
 
-def stored_payload(body: bytes | str | None, content_type: str | None) -> Any:
-    """A stored body's payload, parsed as it was on arrival (an operator-pushed todo's body is its JSON)."""
-    if body is None:
-        return None
-    raw = body.encode() if isinstance(body, str) else body
-    return decode_payload({"content-type": content_type} if content_type else {}, raw)[0]
-
-
 def stored_envelope(record: str, headers_json: str, body: bytes | None) -> dict:
     envelope = json.loads(record)
     return {**envelope, "headers": json.loads(headers_json), "payload": stored_payload(body, envelope["content_type"])}
@@ -285,17 +225,17 @@ def stored_envelope(record: str, headers_json: str, body: bytes | None) -> dict:
 def envelope_title(envelope: dict) -> str:
     """A one-line title for a todo made from a delivery; producer text, so only ever shown as data."""
     payload = envelope["payload"]
-    repo = _text(_get(payload, "repository", "full_name"))
+    repo = producer_text(value_at(payload, "repository", "full_name"))
     number = _forge_number(payload)
-    title = (_text(_get(payload, "issue", "title")) or _text(_get(payload, "pull_request", "title"))
+    title = (producer_text(value_at(payload, "issue", "title")) or producer_text(value_at(payload, "pull_request", "title"))
              if number else None)
     if envelope["artifact"]:
         text = envelope["artifact"].get("title") or envelope["artifact"]["id"]
     elif repo and number:
         text = f"{repo}#{number}: {title or envelope['kind']}"
     elif repo and envelope["kind"] == "push":
-        text = f"{repo}: push to {_text(_get(payload, 'ref'))}"
+        text = f"{repo}: push to {producer_text(value_at(payload, 'ref'))}"
     else:
         text = f"{envelope['source']} {envelope['kind'] or 'delivery'}"
-    text = " ".join(re.sub(f"[{UNSAFE_TEXT}]", " ", _text(str(text))).split())
+    text = " ".join(re.sub(f"[{UNSAFE_TEXT}]", " ", producer_text(str(text))).split())
     return text[:512] or "delivery"

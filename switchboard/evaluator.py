@@ -544,14 +544,14 @@ def _read_reply(reply: dict, count: int) -> dict:
     if isinstance(result, dict) and _rule_index(result.get("match"), count) is not None:
         return {"match": result["match"]}
     if isinstance(result, dict) and _rule_index(result.get("fault"), count) is not None:
-        return {"fault": "error", "rule_index": result["fault"], "detail": _fault_detail(result.get("detail"))}
+        return {"fault": "error", "rule_index": result["fault"], "detail": fault_detail(result.get("detail"))}
     if result == {"none": True}:
         return {"none": True}
     cause = reply.get("fault") if reply.get("fault") in ("error", "budget_exhausted") else "error"
-    return {"fault": cause, "rule_index": None, "detail": _fault_detail(reply.get("detail", "no usable reply"))}
+    return {"fault": cause, "rule_index": None, "detail": fault_detail(reply.get("detail", "no usable reply"))}
 
 
-def _fault_detail(detail: Any) -> str:
+def fault_detail(detail: Any) -> str:
     try:
         text = detail if isinstance(detail, str) else json.dumps(detail)
     except (ValueError, RecursionError):

@@ -30,7 +30,7 @@ from switchboard.configuration import (
 from switchboard.crypto import SecretBox
 from switchboard.database import Database, connect
 from switchboard.doorbell import RING_FIELDS, Doorbell, Session
-from switchboard.envelope import build_envelope, decode_payload, envelope_document, envelope_record, payload_text
+from switchboard.envelope import build_envelope, envelope_document, envelope_record
 from switchboard.evaluator import (
     EVAL_BATCH,
     EVAL_FRAME_BYTES,
@@ -47,7 +47,8 @@ from switchboard.limits import PendingRules, RateLimited, RateLimiter, TenantGat
 from switchboard.metrics import Metrics
 from switchboard.models import ClaimNext, NotifyCreate, ReleaseQuarantine, ReplayMany, ReplayOne, RuleSet, RulesTest
 from switchboard.notifier import Notifier
-from switchboard.providers import VerificationFailed, _get, delivery_key, verify_delivery
+from switchboard.payload import decode_payload, payload_text, value_at
+from switchboard.providers import VerificationFailed, delivery_key, verify_delivery
 from switchboard.store.deliveries import Delivery, duplicate_of, find_webhook, record_delivery
 from switchboard.store.outbox import add_channel, notify_verification_failures, queue_test_message
 from switchboard.store.principals import Principal
@@ -62,8 +63,8 @@ from switchboard.store.replay import (
 )
 from switchboard.store.routing import decide_for_webhook, dry_run_rules, gate, set_rules, verdict
 from switchboard.store.rules import rules_view
-from switchboard.store.todos import _json
-from switchboard.store.transitions import _claim_queues, claim_next, hand_back_unheard
+from switchboard.store.todos import stored_json
+from switchboard.store.transitions import claim_next, claim_queues, hand_back_unheard
 from switchboard.store.upkeep import prune, rings_for_new_session, scheduler_tick
 
 
@@ -96,7 +97,7 @@ class WaitingClaim:
         self.principal = principal
         self.body = body
         self.gone = gone
-        self.queues = _claim_queues(principal, body.queue_filter())
+        self.queues = claim_queues(principal, body.queue_filter())
         self.owed: dict | None = None  # a ring this waiter was given and has not yet claimed
         self.claimed: str | None = None
 
@@ -465,9 +466,9 @@ class Flows:
         payload, payload_error = decode_payload(headers, body)
         envelope = build_envelope(provider=provider, webhook_id=webhook["id"], trust_mode=webhook["trust_mode"],
                                   verified=verified, headers=headers, body=body, payload=payload,
-                                  trusted_actors=_json(webhook["trusted_actors"]))
-        if provider == "slack" and _get(payload, "type") == "url_verification":
-            return 200, {"challenge": _get(payload, "challenge")}
+                                  trusted_actors=stored_json(webhook["trusted_actors"]))
+        if provider == "slack" and value_at(payload, "type") == "url_verification":
+            return 200, {"challenge": value_at(payload, "challenge")}
         key, body_hash = delivery_key(provider, headers, payload, body), hashlib.sha256(body).hexdigest()
         # With rules, dedup comes before evaluation: a redelivery answers its first outcome even when the sandbox
         # is down. The write transaction checks again (and alone, without rules), so racing redeliveries mint once.

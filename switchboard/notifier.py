@@ -23,7 +23,7 @@ import anyio
 import anyio.to_thread
 from prometheus_client import Counter
 
-from switchboard.configuration import UNSAFE_TEXT, VERSION, ApiError, _yes, iso, log
+from switchboard.configuration import UNSAFE_TEXT, VERSION, ApiError, iso, log, switch_value
 from switchboard.crypto import SecretBox
 from switchboard.database import Database
 from switchboard.store.outbox import Outgoing, due_messages, record_sending
@@ -254,7 +254,7 @@ class Addresses:
             allow_private = os.environ.get("SWITCHBOARD_NOTIFY_ALLOW_PRIVATE", "")
         if allow is None:
             allow = os.environ.get("SWITCHBOARD_NOTIFY_ALLOW", "")
-        return cls(_yes("notify-allow-private", allow_private),
+        return cls(switch_value("notify-allow-private", allow_private),
                    tuple(_allowed_entry(entry) for entry in allow.split(",") if entry.strip()))
 
     def permits(self, address: IpAddress, port: int) -> bool:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,26 +12,11 @@ from datetime import datetime
 from typing import Any, Literal
 
 from switchboard.configuration import to_ms
+from switchboard.payload import parse_json, producer_text, value_at
 
 # HMAC-SHA256 over the raw bytes before any parsing, compared in constant time. A failure names its
 # reason (for the metric and the one log line) and never the secret or the signature. Everything that
 # differs between producers is one row of PROVIDER_TABLE at the end of this section.
-
-def _get(document: Any, *path: str) -> Any:
-    for key in path:
-        if not isinstance(document, dict):
-            return None
-        document = document.get(key)
-    return document
-
-
-def _text(value: Any) -> str | None:
-    """A producer string, or None. Lone surrogates (legal in JSON escapes, not in UTF-8) become U+FFFD."""
-    if not isinstance(value, str):
-        return None
-    if value.isascii():
-        return value
-    return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 
@@ -80,26 +63,6 @@ def _unix_seconds(text: str | None) -> int:
     return int(text.strip()) * 1000
 
 
-def _json_object(body: bytes) -> Any:
-    """The body as one JSON value, or None: empty, invalid, trailing data, NaN, a number too large for a
-    float, or absurd nesting."""
-    try:
-        return json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} does not fit a float")
-    return value
-
-
 def _verify_github(secret: bytes, headers: dict[str, str], body: bytes, now_ms: int) -> None:
     _require_match(_hmac_hex(secret, body), _hex_signature(headers.get("x-hub-signature-256"), "sha256="))
 
@@ -114,7 +77,7 @@ def _verify_gitea(secret: bytes, headers: dict[str, str], body: bytes, now_ms: i
 
 def _verify_cairn(secret: bytes, headers: dict[str, str], body: bytes, now_ms: int) -> None:
     _require_match(_hmac_hex(secret, body), _hex_signature(headers.get("x-cairn-signature"), "sha256="))
-    document = _json_object(body)
+    document = parse_json(body)
     if not isinstance(document, dict) or not isinstance(document.get("event_id"), str) or not document["event_id"]:
         raise VerificationFailed("missing_event_id")
     if "x-cairn-event-id" in headers and headers["x-cairn-event-id"] != document["event_id"]:
@@ -185,10 +148,10 @@ PROVIDER_TABLE: dict[str, Provider] = {p.name: p for p in (
              trust="logins"),
     Provider("gitea", _verify_gitea, lambda h, p: h.get("x-gitea-delivery"), _header_kind, True, forge=True,
              trust="logins"),
-    Provider("cairn", _verify_cairn, lambda h, p: _get(p, "event_id"), lambda h, p: _text(_get(p, "kind")), True,
+    Provider("cairn", _verify_cairn, lambda h, p: value_at(p, "event_id"), lambda h, p: producer_text(value_at(p, "kind")), True,
              trust="actor_ids"),
-    Provider("stripe", _verify_stripe, lambda h, p: _get(p, "id"), lambda h, p: _text(_get(p, "type")), False),
-    Provider("slack", _verify_slack, lambda h, p: _get(p, "event_id"), lambda h, p: _text(_get(p, "event", "type")),
+    Provider("stripe", _verify_stripe, lambda h, p: value_at(p, "id"), lambda h, p: producer_text(value_at(p, "type")), False),
+    Provider("slack", _verify_slack, lambda h, p: value_at(p, "event_id"), lambda h, p: producer_text(value_at(p, "event", "type")),
              False),
     Provider("generic", None, lambda h, p: h.get("x-delivery-id") or h.get("webhook-id"), _header_kind, False),
 )}
@@ -210,7 +173,7 @@ def event_kind(provider: str, headers: dict[str, str], payload: Any) -> str | No
 
 def delivery_key(provider: str, headers: dict[str, str], payload: Any, body: bytes) -> str:
     """The provider's delivery id, else the body's SHA-256 (as `sha256:<hex>`)."""
-    key = _text(PROVIDER_TABLE[provider].delivery_id(headers, payload if isinstance(payload, dict) else {}))
+    key = producer_text(PROVIDER_TABLE[provider].delivery_id(headers, payload if isinstance(payload, dict) else {}))
     if key and key.strip():
         key = key.strip()
         return key if len(key) <= 200 else "id-sha256:" + hashlib.sha256(key.encode()).hexdigest()

@@ -30,9 +30,9 @@ from switchboard.configuration import (
     MAX_CONNECTIONS,
     VERSION,
     ApiError,
-    _yes,
     iso,
     log,
+    switch_value,
 )
 
 # -- serve -----------------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def connection_limits(file_limit: int) -> tuple[int, int]:
     return cap, min(MAX_CONNECTIONS, usable - cap)
 
 
-def _cli_serve(args: argparse.Namespace) -> int:
+def cli_serve(args: argparse.Namespace) -> int:
     for name, allowed in (("synchronous", ("full", "normal")), ("log_format", ("plain", "json"))):
         if getattr(args, name) not in allowed:
             raise ApiError("invalid_argument", f"{name.replace('_', '-')} must be one of {', '.join(allowed)}"
@@ -281,8 +281,8 @@ def _serve(args: argparse.Namespace) -> int:
                     " ulimit -n for %d)", file_limit, cap, MAX_CONNECTIONS)
     app = create_app(args.db, synchronous=args.synchronous, ingest_rate=args.ingest_rate,
                      ingest_burst=args.ingest_burst, base_url=args.base_url, allowed_origins=args.allowed_origins,
-                     trust_proxy=_yes("trust-proxy", args.trust_proxy),
-                     notify_allow_private=_yes("notify-allow-private", args.notify_allow_private),
+                     trust_proxy=switch_value("trust-proxy", args.trust_proxy),
+                     notify_allow_private=switch_value("notify-allow-private", args.notify_allow_private),
                      notify_allow=args.notify_allow or "")
     # The access log is off because ingest URLs carry credentials; Switchboard logs its own lines. uvicorn's
     # own lines go through the handler above (log_config=None), so they share its format.

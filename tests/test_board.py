@@ -24,7 +24,7 @@ from switchboard.cli.parser import build_parser
 from switchboard.configuration import SCHEMA_VERSION, ApiError
 from switchboard.database import connect
 from switchboard.migrations import apply_schema
-from switchboard.server import _cli_serve
+from switchboard.server import cli_serve
 
 ORIGIN = {"Origin": "http://testserver"}
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; frame-ancestors 'none'; base-uri 'none';"
@@ -423,7 +423,7 @@ def test_serve_takes_trust_proxy_from_its_flag_or_the_environment(monkeypatch, d
     def trust_proxy(*flags: str) -> bool:
         seen.clear()
         with pytest.raises(SystemExit):
-            _cli_serve(build_parser().parse_args(["serve", "--db", db_path, *flags]))
+            cli_serve(build_parser().parse_args(["serve", "--db", db_path, *flags]))
         return seen["trust_proxy"]
 
     assert trust_proxy() is False and trust_proxy("--trust-proxy") is True
@@ -433,7 +433,7 @@ def test_serve_takes_trust_proxy_from_its_flag_or_the_environment(monkeypatch, d
     assert trust_proxy() is False and trust_proxy("--trust-proxy") is True
     monkeypatch.setenv("SWITCHBOARD_TRUST_PROXY", "maybe")
     with pytest.raises(ApiError, match="SWITCHBOARD_TRUST_PROXY"):
-        _cli_serve(build_parser().parse_args(["serve", "--db", db_path]))
+        cli_serve(build_parser().parse_args(["serve", "--db", db_path]))
 
 
 def test_a_huge_payload_is_cut_on_the_page_and_signed_in_users_skip_the_login_form(client, world, alice, lane):

@@ -12,17 +12,18 @@ PACKAGE = ROOT / "switchboard"
 
 # Lowest first. A module may import any module listed before it, never one after it.
 LAYERS = [
-    "configuration", "migrations", "database", "crypto", "providers", "models", "envelope", "evaluator",
+    "configuration", "migrations", "database", "crypto", "payload", "providers", "models", "envelope", "evaluator",
     "store.principals", "store.outbox", "store.todos", "store.transitions", "store.webhooks", "store.human_actions",
     "store.deliveries", "store.rules", "store.routing", "store.quarantine", "store.replay", "store.upkeep",
     "doorbell", "notifier", "limits", "metrics", "flows",
     "http.common", "http.streams", "http.rest", "http.mcp",
     "board.queries", "board.pages", "app", "server",
-    "worker_job", "worker_park", "worker_exec", "triage", "worker",
+    "worker.job", "worker.park", "worker.api", "worker.exec_runner", "worker.triage", "worker.loop", "worker.main",
     "cli.output", "cli.commands", "cli.parser",
 ]
 # Package markers (docstrings only) and the entry point, which sits above everything.
-OUTSIDE_THE_LAYERS = {"__init__", "store.__init__", "http.__init__", "board.__init__", "cli.__init__", "__main__"}
+OUTSIDE_THE_LAYERS = {"__init__", "store.__init__", "http.__init__", "board.__init__", "cli.__init__", "__main__",
+                      "worker.__init__", "worker.__main__"}
 MAX_MODULE_LINES = 1500
 
 
@@ -82,6 +83,24 @@ def test_the_store_knows_nothing_of_http():
         source = PACKAGE.joinpath(*module.split(".")).with_suffix(".py").read_text()
         for word in ("starlette", "uvicorn", "httpx", "switchboard.http", "switchboard.board"):
             assert word not in source, f"{module} mentions {word}"
+
+
+def test_the_worker_shares_no_code_with_the_server():
+    """The client side is a worker like any third party's: its modules import only one another."""
+    for module in (m for m in module_names() if m.startswith("worker.") and m in LAYERS):
+        outside = sorted(target for target in imports_of(module) if not target.startswith("worker."))
+        assert not outside, f"{module} imports {outside}"
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A name another module imports is part of its module's interface, so it has a public name."""
+    private = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("switchboard"):
+                private += [f"{path.relative_to(PACKAGE)}: {node.module}.{alias.name}"
+                            for alias in node.names if alias.name.startswith("_")]
+    assert not private, private
 
 
 def test_no_module_is_over_the_size_limit():

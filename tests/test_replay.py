@@ -19,7 +19,8 @@ from helpers import add_route, count, hook_token, make_webhook, post_delivery, q
 from switchboard.app import create_app
 from switchboard.configuration import iso
 from switchboard.crypto import token_hash
-from switchboard.envelope import build_envelope, decode_payload, envelope_record
+from switchboard.envelope import build_envelope, envelope_record
+from switchboard.payload import decode_payload
 from switchboard.providers import delivery_key
 from switchboard.store.deliveries import Delivery, record_delivery
 

@@ -35,8 +35,8 @@ import pytest
 from conftest import ROOT, LiveServer, cli_inproc
 from helpers import hook_path
 
-from switchboard.triage import DEFAULT_GITHUB_API, add_triage_arguments, chat_request, make_triage_runner
-from switchboard.worker_job import Complete, ConfigError, Fail, Job
+from switchboard.worker.job import Complete, ConfigError, Fail, Job
+from switchboard.worker.triage import DEFAULT_GITHUB_API, add_triage_arguments, chat_request, make_triage_runner
 
 BOT = "triage-bot"  # the forge account whose token the triage worker holds
 MODEL = "qwen-triage"
@@ -288,7 +288,7 @@ def site(tmp_path_factory):
             lane = site.call("POST", "/endpoints", name=queue, queues=[queue], verbs=["drain"])
             site.endpoints[queue] = lane["id"]
             site.token_files[queue] = secret_file(directory / f"{queue}.token", lane["token"])
-        pack = json.loads((ROOT / "switchboard" / "packs" / "fleet.json").read_text())
+        pack = json.loads((ROOT / "packs" / "fleet.json").read_text())
         for forge in (github, gitea):
             # The bot's label events pass the trust gate only because its login is trusted here, and route only
             # because the pack's trusted_agents names it too.

@@ -27,7 +27,7 @@ import pytest
 from conftest import ROOT, LiveServer, cli_inproc
 from helpers import query
 
-from switchboard.worker_park import FIRST_PARK_SECONDS, LONGEST_BACKOFF_SECONDS, LONGEST_PARK_SECONDS, QuotaPark
+from switchboard.worker.park import FIRST_PARK_SECONDS, LONGEST_BACKOFF_SECONDS, LONGEST_PARK_SECONDS, QuotaPark
 
 
 def worker_command() -> list[str]:

@@ -24,8 +24,7 @@ from starlette.routing import BaseRoute, Match, Mount, NoMatchFound, Route, get_
 from starlette.staticfiles import StaticFiles
 
 from switchboard.board.queries import (
-    _BOARD_BACK,
-    _BOARD_UNSAFE,
+    BOARD_BACK,
     BOARD_COOKIE,
     BOARD_DIR,
     BOARD_FORM_BYTES,
@@ -33,6 +32,7 @@ from switchboard.board.queries import (
     BOARD_JSON_CHARS,
     BOARD_MCP_IDLE_SECONDS,
     BOARD_TOUCH_MS,
+    BOARD_UNSAFE,
     EVENT_DISPOSITIONS,
     FORM_TYPE,
     INBOX_GROUPS,
@@ -59,7 +59,7 @@ from switchboard.crypto import token_hash
 from switchboard.database import Database, Txn
 from switchboard.doorbell import Session
 from switchboard.flows import Changes, Flows
-from switchboard.http.common import _shallow, read_capped, sse_response
+from switchboard.http.common import cut_to_depth, read_capped, sse_response
 from switchboard.http.mcp import Mcp
 from switchboard.http.rest import Api
 from switchboard.http.streams import sse_frame
@@ -76,7 +76,7 @@ from switchboard.models import (
     WebhookUpdate,
     parse_model,
 )
-from switchboard.providers import _reject_constant
+from switchboard.payload import refuse_constant
 from switchboard.store.outbox import list_channels, remove_channel
 from switchboard.store.principals import Principal, vend_endpoint
 from switchboard.store.transitions import revoke_endpoint
@@ -93,7 +93,7 @@ def _board_text(value: Any) -> Any:
     is escaped after this)."""
     if isinstance(value, markupsafe.Markup):
         return value  # our own markup (a macro's output), whose text was finalized when it was made
-    return _BOARD_UNSAFE.sub("\ufffd", value) if isinstance(value, str) else ("" if value is None else value)
+    return BOARD_UNSAFE.sub("\ufffd", value) if isinstance(value, str) else ("" if value is None else value)
 
 
 def pretty_json(value: Any) -> str:
@@ -102,10 +102,10 @@ def pretty_json(value: Any) -> str:
     try:
         text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
     except (RecursionError, ValueError):
-        text = json.dumps(_shallow(value), indent=2, ensure_ascii=False)
+        text = json.dumps(cut_to_depth(value), indent=2, ensure_ascii=False)
     if len(text) > BOARD_JSON_CHARS:
         text = f"{text[:BOARD_JSON_CHARS]}\n… {len(text) - BOARD_JSON_CHARS:,} more characters (the API has all of it)"
-    return _BOARD_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return BOARD_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _as_ms(value: Any) -> int | None:
@@ -478,7 +478,7 @@ class Board:
 
     def back(self, form: dict[str, str], default: str) -> RedirectResponse:
         target = form.get("back", "")
-        return RedirectResponse(target if _BOARD_BACK.match(target) and "//" not in target else default,
+        return RedirectResponse(target if BOARD_BACK.match(target) and "//" not in target else default,
                                 status_code=303)
 
     async def page_data(self, session: BoardSession, fn: Callable, *args: Any) -> dict:
@@ -535,12 +535,12 @@ class Board:
     def _came_from(self, request: Request, form: dict) -> str:
         """The Board page a form was posted from: its `back` field, else the Referer's path on this server."""
         target = form.get("back", "")
-        if not (_BOARD_BACK.match(target) and "//" not in target):
+        if not (BOARD_BACK.match(target) and "//" not in target):
             referer = urllib.parse.urlsplit(request.headers.get("referer", ""))
             target = referer.path + (f"?{referer.query}" if referer.query else "")
             if f"{referer.scheme}://{referer.netloc}".lower() not in self._origins(request):
                 target = ""
-        return target if _BOARD_BACK.match(target) and "//" not in target else "/board"
+        return target if BOARD_BACK.match(target) and "//" not in target else "/board"
 
     async def _error_page(self, request: Request, session: BoardSession | None, error: ApiError,
                           back: str | None = None) -> Response:
@@ -556,7 +556,7 @@ class Board:
     # -- sign in and out ----------------------------------------------------------------------------------
     async def login(self, request: Request) -> Response:
         target = request.query_params.get("next", "")
-        target = target if _BOARD_BACK.match(target) and "//" not in target else "/board"
+        target = target if BOARD_BACK.match(target) and "//" not in target else "/board"
         if request.method == "GET":
             if await self._session(request) is not None:
                 return RedirectResponse(target, status_code=303)
@@ -723,7 +723,7 @@ class Board:
         webhook_id = request.path_params["webhook_id"]
         editor = form.get("rules", "")
         try:
-            document = json.loads(editor, parse_constant=_reject_constant)
+            document = json.loads(editor, parse_constant=refuse_constant)
             if not isinstance(document, dict):
                 raise ApiError("invalid_argument", "the rules document is a JSON object: {\"rules\": [...], ...}")
         except (ValueError, RecursionError) as exc:
@@ -755,7 +755,7 @@ class Board:
                 raise ApiError("invalid_argument", "choose a stored delivery, or paste a payload")
             return {"event_id": form["event_id"]}
         try:
-            payload = json.loads(form.get("payload") or "null", parse_constant=_reject_constant)
+            payload = json.loads(form.get("payload") or "null", parse_constant=refuse_constant)
         except (ValueError, RecursionError) as exc:
             raise ApiError("invalid_argument", f"payload: not JSON: {exc}") from None
         headers = {}

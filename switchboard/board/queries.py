@@ -13,12 +13,13 @@ from pathlib import Path
 from switchboard.configuration import HOLD_QUEUE, RESERVED_QUEUES, VERB_PRESETS
 from switchboard.crypto import new_token, token_hash
 from switchboard.database import Txn
-from switchboard.envelope import stored_envelope, stored_payload, untrusted_names
-from switchboard.providers import PROVIDER_TABLE, _get
+from switchboard.envelope import stored_envelope, untrusted_names
+from switchboard.payload import stored_payload, value_at
+from switchboard.providers import PROVIDER_TABLE
 from switchboard.store.deliveries import EVENT_WITH_BODY, get_event
 from switchboard.store.principals import Principal, authenticate, list_endpoints
 from switchboard.store.rules import get_rules
-from switchboard.store.todos import _json, _scope_clause, get_todo, grouped_page, todo_groups
+from switchboard.store.todos import get_todo, grouped_page, scope_clause, stored_json, todo_groups
 from switchboard.store.webhooks import get_webhook, list_routes, list_webhooks, webhook_targets
 
 # Server-rendered HTML for the human's half of the loop: what waits on them (held deliveries, reviews,
@@ -55,8 +56,8 @@ INBOX_GROUPS: dict[str, tuple[str, str]] = {
 _INBOX_CASE = "CASE " + " ".join(f"WHEN {where} THEN '{name}'" for name, (_, where) in INBOX_GROUPS.items()) + " END"
 _OPEN = "state NOT IN ('done', 'cancelled')"  # open work: what the inbox and the queues page show
 # Producer text keeps no bidirectional controls or lone surrogates on a page: they would make it read otherwise.
-_BOARD_UNSAFE = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-_BOARD_BACK = re.compile(r"^/board(?:/[A-Za-z0-9_.~/-]*)?(?:\?[A-Za-z0-9_.~=&%:-]*)?$")
+BOARD_UNSAFE = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+BOARD_BACK = re.compile(r"^/board(?:/[A-Za-z0-9_.~/-]*)?(?:\?[A-Za-z0-9_.~=&%:-]*)?$")
 EVENT_DISPOSITIONS = ("routed", "dropped", "repeat", "quarantined", "ping")
 # A delivery's line on a page (`issues.opened · org/repo#41 · Spelling error…`) reads its body for what the
 # stored envelope does not keep (a pull request's action and title) only up to this size.
@@ -119,7 +120,7 @@ def board_counts(txn: Txn, principal: Principal) -> dict:
     anything on the inbox or the queues page would. The counts are todo_counts' (kept by triggers with every
     change, each group's `changes` moving whenever a todo enters or leaves it): a few rows, whatever the todos
     number. The running work (few) is read for its heartbeats."""
-    clause, params = _scope_clause(principal)
+    clause, params = scope_clause(principal)
     counts = {name: 0 for name in INBOX_GROUPS}
     open_rows = [tuple(r) for r in txn.all(f"SELECT endpoint_id, queue, state, n, changes, {_INBOX_CASE} AS grp"
                                            f" FROM todo_counts WHERE {clause} AND {_OPEN}"
@@ -163,7 +164,7 @@ def _todo_rows(txn: Txn, principal: Principal, where: str, params: tuple, after:
 
 
 def _inbox_item(row: sqlite3.Row) -> dict:
-    trace = _json(row["trace"]) or {}
+    trace = stored_json(row["trace"]) or {}
     return {"id": row["id"], "endpoint_id": row["endpoint_id"], "queue": row["queue"], "state": row["state"],
             "title": row["title"], "source": row["source"], "kind": row["kind"], "state_reason": row["state_reason"],
             "created_at": row["created_at"], "updated_at": row["updated_at"], "attempt": row["attempt"],
@@ -206,7 +207,7 @@ def _trust_names(txn: Txn, todo: dict) -> list[str]:
     if webhook is None or event["envelope"] is None:
         return []
     return untrusted_names(stored_envelope(event["envelope"], event["headers"], event["body"]),
-                           _json(webhook["trusted_actors"]))
+                           stored_json(webhook["trusted_actors"]))
 
 
 def _with_choices(txn: Txn, principal: Principal, todo: dict, cache: dict) -> dict:
@@ -230,7 +231,7 @@ def board_inbox(txn: Txn, principal: Principal, group: str | None, after: tuple[
 def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) -> dict:
     """Per endpoint and queue: open counts by state and the age of the oldest pending todo; the running work
     with its claimant, lease and latest heartbeat note."""
-    clause, params = _scope_clause(principal)
+    clause, params = scope_clause(principal)
     endpoints = {e["id"]: {**e, "queues": {q: {"counts": {}, "oldest_pending": None} for q in e["queues"]}}
                  for e in list_endpoints(txn, principal)["endpoints"]}
     # The counts are todo_counts' (a few rows); the oldest pending todo of a queue is the first of its range.
@@ -298,11 +299,11 @@ def _line(source: str, kind: str | None, record: dict, payload: object) -> dict:
     """What a delivery was about, for one line: its kind and action (`issues.opened`), its subject (`org/repo#41`,
     the subject key without its provider) and its title, cut to SUMMARY_TITLE_CHARS. Producer text, shown escaped."""
     issue, artifact = record.get("issue") or {}, record.get("artifact") or {}
-    action = _one_line(issue.get("action")) or _one_line(_get(payload, "action"), 40)
-    commit = _get(payload, "head_commit", "message")
+    action = _one_line(issue.get("action")) or _one_line(value_at(payload, "action"), 40)
+    commit = value_at(payload, "head_commit", "message")
     title = next((text for text in (
         _one_line(issue.get("title")), _one_line(artifact.get("title")),
-        *(_one_line(_get(payload, part, field)) for part, field in (("pull_request", "title"),
+        *(_one_line(value_at(payload, part, field)) for part, field in (("pull_request", "title"),
                                                                     ("discussion", "title"), ("release", "name"))),
         _one_line(commit.splitlines()[0] if isinstance(commit, str) and commit.strip() else None)) if text), None)
     subject = record.get("subject_key")
@@ -319,13 +320,13 @@ def delivery_line(row: sqlite3.Row) -> dict:
     """A row of _EVENT_LINE with its line (`issues.opened · org/repo#41 · Spelling error…`): from the stored
     envelope, and for a forge's other deliveries from the body when it is small."""
     event = dict(row)
-    record = _json(event.pop("envelope")) or {}
+    record = stored_json(event.pop("envelope")) or {}
     body = event.pop("line_body")
     payload = stored_payload(body, record.get("content_type")) if body is not None else None
     line = _line(event["source"], event["kind"], record, payload)
     if event["payload_error"] and line["title"] is None:
         line["title"] = f"no payload ({event['payload_error'].replace('_', ' ')})"
-    return {**event, "outcome": _json(event["outcome"]) or {}, **line}
+    return {**event, "outcome": stored_json(event["outcome"]) or {}, **line}
 
 
 def _webhook_summary(txn: Txn, webhook: dict, names: dict[str, str]) -> dict:
@@ -383,7 +384,7 @@ def board_deliveries(txn: Txn, principal: Principal, webhook_id: str, dispositio
 
 def board_delivery(txn: Txn, principal: Principal, event_id: str) -> dict:
     event = get_event(txn, principal, event_id)
-    clause, params = _scope_clause(principal)
+    clause, params = scope_clause(principal)
     todos = [dict(r) for r in txn.all(f"SELECT id, title, state, queue, endpoint_id FROM todos WHERE event_id = ?"
                                       f" AND {clause} ORDER BY created_at, id", (event_id, *params))]
     webhook = txn.one("SELECT id, name, provider, queue FROM webhooks WHERE id = ?", (event["webhook_id"],)) \
@@ -394,7 +395,7 @@ def board_delivery(txn: Txn, principal: Principal, event_id: str) -> dict:
 
 
 def board_endpoints(txn: Txn, principal: Principal) -> dict:
-    clause, params = _scope_clause(principal)
+    clause, params = scope_clause(principal)
     open_counts = {r["endpoint_id"]: r["n"] for r in txn.all(
         f"SELECT endpoint_id, sum(n) AS n FROM todo_counts WHERE {clause} AND {_OPEN} AND state NOT IN ('failed',"
         f" 'quarantined') GROUP BY endpoint_id", params)}

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from switchboard.cli.output import _read_json_file, _with_out
+from switchboard.cli.output import read_json_file, with_out
 from switchboard.configuration import PACKS_DIR, SCHEMA_VERSION, ApiError
 from switchboard.crypto import SecretBox, key_file_path, parse_key, sealed_sample
 from switchboard.database import Database
@@ -65,7 +65,6 @@ from switchboard.store.todos import get_todo, list_todos
 from switchboard.store.transitions import revoke_endpoint
 from switchboard.store.upkeep import HUMAN_ACTIONS, check_database, prune
 from switchboard.store.webhooks import (
-    _visible_webhook,
     add_route,
     create_webhook,
     delete_webhook,
@@ -76,41 +75,42 @@ from switchboard.store.webhooks import (
     set_trusted_actors,
     set_webhook_secret,
     update_webhook,
+    visible_webhook,
 )
 
 # -- handlers ----------------------------------------------------------------------------------------
 
-def _cli_init(args: argparse.Namespace, db: Database) -> dict:
+def cli_init(args: argparse.Namespace, db: Database) -> dict:
     return {"path": str(Path(args.db).resolve()), "schema_version": SCHEMA_VERSION}
 
 
-def _cli_human_add(args: argparse.Namespace, db: Database) -> dict:
-    return _with_out(args, db.write_sync(add_human, args.name))
+def cli_human_add(args: argparse.Namespace, db: Database) -> dict:
+    return with_out(args, db.write_sync(add_human, args.name))
 
 
-def _cli_human_list(args: argparse.Namespace, db: Database) -> dict:
+def cli_human_list(args: argparse.Namespace, db: Database) -> dict:
     return db.read_sync(list_humans)
 
 
-def _cli_endpoint_vend(args: argparse.Namespace, db: Database) -> dict:
+def cli_endpoint_vend(args: argparse.Namespace, db: Database) -> dict:
     spec = parse_model(EndpointCreate, {
         "name": args.name, "queues": [q for q in args.queues.split(",") if q],
         "verbs": [v for v in args.verbs.split(",") if v],
         **({"default_lease_seconds": args.lease} if args.lease is not None else {})})
     human = db.read_sync(find_human, args.human)
     vended = db.write_sync(vend_endpoint, human["id"], spec)
-    return _with_out(args, {k: vended[k] for k in ("id", "name", "token", "queues", "verbs")})
+    return with_out(args, {k: vended[k] for k in ("id", "name", "token", "queues", "verbs")})
 
 
-def _cli_endpoint_list(args: argparse.Namespace, db: Database) -> dict:
+def cli_endpoint_list(args: argparse.Namespace, db: Database) -> dict:
     return db.read_sync(list_endpoints, OPERATOR)
 
 
-def _cli_endpoint_revoke(args: argparse.Namespace, db: Database) -> dict:
+def cli_endpoint_revoke(args: argparse.Namespace, db: Database) -> dict:
     return db.write_sync(revoke_endpoint, OPERATOR, args.id)
 
 
-def _cli_todo_push(args: argparse.Namespace, db: Database) -> dict:
+def cli_todo_push(args: argparse.Namespace, db: Database) -> dict:
     fields: dict[str, Any] = {"title": args.title, "queue": args.queue, "priority": args.priority}
     if args.payload is not None:
         try:
@@ -120,22 +120,22 @@ def _cli_todo_push(args: argparse.Namespace, db: Database) -> dict:
     if args.key is not None:
         fields["key"] = args.key
     if args.work_item is not None:
-        fields["work_item"] = _read_json_file(args.work_item)
+        fields["work_item"] = read_json_file(args.work_item)
     return db.write_sync(push_todo, OPERATOR, args.endpoint, parse_model(TodoPush, json.dumps(fields)))
 
 
-def _cli_todo_list(args: argparse.Namespace, db: Database) -> dict:
+def cli_todo_list(args: argparse.Namespace, db: Database) -> dict:
     query = parse_model(TodoListQuery, {k: v for k, v in (("queue", args.queue), ("state", args.state),
                                                           ("endpoint", args.endpoint), ("limit", args.limit))
                                         if v is not None})
     return db.read_sync(list_todos, OPERATOR, query)
 
 
-def _cli_todo_show(args: argparse.Namespace, db: Database) -> dict:
+def cli_todo_show(args: argparse.Namespace, db: Database) -> dict:
     return db.read_sync(get_todo, OPERATOR, args.id)
 
 
-def _cli_todo_release(args: argparse.Namespace, db: Database) -> dict:
+def cli_todo_release(args: argparse.Namespace, db: Database) -> dict:
     body = parse_model(ReleaseQuarantine, {k: v for k, v in (("queue", args.queue), ("note", args.note),
                                                              ("trust_actor", args.trust_actor or None)) if v is not None})
     with _evaluator() as evaluator:
@@ -143,7 +143,7 @@ def _cli_todo_release(args: argparse.Namespace, db: Database) -> dict:
     return db.write_sync(apply_quarantine_release, OPERATOR, release, body.note)
 
 
-def _cli_todo_action(args: argparse.Namespace, db: Database) -> dict:
+def cli_todo_action(args: argparse.Namespace, db: Database) -> dict:
     fields = {name: getattr(args, name) for name in ("note", "answer", "reason", "until", "queue")
               if getattr(args, name, None) is not None}
     model, fn = HUMAN_ACTIONS[args.action]
@@ -176,7 +176,7 @@ def _trust_fields(args: argparse.Namespace, provider: str) -> dict | None:
     return {"logins": names, **({"match": args.match} if args.match else {})}
 
 
-def _cli_webhook_create(args: argparse.Namespace, db: Database) -> dict:
+def cli_webhook_create(args: argparse.Namespace, db: Database) -> dict:
     fields = {"endpoint_id": args.endpoint, "provider": args.provider, "queue": args.queue}
     if args.name is not None:
         fields["name"] = args.name
@@ -190,57 +190,57 @@ def _cli_webhook_create(args: argparse.Namespace, db: Database) -> dict:
     if "warning" in made:
         print(f"warning: {made['warning']}", file=sys.stderr)
     # The shape SPEC section 9 names (`webhook list` shows the name).
-    return _with_out(args, {k: made[k] for k in ("id", "url", "secret", "provider", "queue")})
+    return with_out(args, {k: made[k] for k in ("id", "url", "secret", "provider", "queue")})
 
 
-def _cli_webhook_rename(args: argparse.Namespace, db: Database) -> dict:
+def cli_webhook_rename(args: argparse.Namespace, db: Database) -> dict:
     """NAME, or --clear: through the model PATCH /api/v1/webhooks/{id} takes."""
     body = parse_model(WebhookUpdate, {"name": None if args.clear else args.name})
     return db.write_sync(update_webhook, OPERATOR, args.id, body)
 
 
-def _cli_webhook_trust(args: argparse.Namespace, db: Database) -> dict:
-    provider = db.read_sync(lambda txn: _visible_webhook(txn, OPERATOR, args.id, "set_trusted_actors"))["provider"]
+def cli_webhook_trust(args: argparse.Namespace, db: Database) -> dict:
+    provider = db.read_sync(lambda txn: visible_webhook(txn, OPERATOR, args.id, "set_trusted_actors"))["provider"]
     trusted = _trust_fields(args, provider)
     if trusted is None:
         raise ApiError("invalid_argument", "give --trust A,B (with --match for logins) or --allow-all")
     return db.write_sync(set_trusted_actors, OPERATOR, args.id, parse_model(TrustedActors, trusted))
 
 
-def _cli_webhook_list(args: argparse.Namespace, db: Database) -> dict:
+def cli_webhook_list(args: argparse.Namespace, db: Database) -> dict:
     return db.read_sync(list_webhooks, OPERATOR)
 
 
-def _cli_webhook_rotate(args: argparse.Namespace, db: Database) -> dict:
-    return _with_out(args, db.write_sync(rotate_webhook, OPERATOR, _secret_box(args, db), args.id, _base_url(args)))
+def cli_webhook_rotate(args: argparse.Namespace, db: Database) -> dict:
+    return with_out(args, db.write_sync(rotate_webhook, OPERATOR, _secret_box(args, db), args.id, _base_url(args)))
 
 
-def _cli_webhook_delete(args: argparse.Namespace, db: Database) -> dict:
+def cli_webhook_delete(args: argparse.Namespace, db: Database) -> dict:
     return db.write_sync(delete_webhook, OPERATOR, args.id)
 
 
-def _cli_webhook_set_secret(args: argparse.Namespace, db: Database) -> dict:
+def cli_webhook_set_secret(args: argparse.Namespace, db: Database) -> dict:
     return db.write_sync(set_webhook_secret, OPERATOR, _secret_box(args, db), args.id,
                          parse_model(WebhookSecret, {"secret": args.secret}))
 
 
-def _cli_route_add(args: argparse.Namespace, db: Database) -> dict:
+def cli_route_add(args: argparse.Namespace, db: Database) -> dict:
     return db.write_sync(add_route, OPERATOR, args.webhook, parse_model(RouteAdd, {"endpoint_id": args.endpoint}))
 
 
-def _cli_route_list(args: argparse.Namespace, db: Database) -> dict:
+def cli_route_list(args: argparse.Namespace, db: Database) -> dict:
     return db.read_sync(list_routes, OPERATOR, args.webhook)
 
 
-def _cli_route_remove(args: argparse.Namespace, db: Database) -> dict:
+def cli_route_remove(args: argparse.Namespace, db: Database) -> dict:
     return db.write_sync(remove_route, OPERATOR, args.webhook, args.endpoint)
 
 
-def _cli_friend_link(args: argparse.Namespace, db: Database) -> dict:
+def cli_friend_link(args: argparse.Namespace, db: Database) -> dict:
     return db.write_sync(friend_link, args.human_a, args.human_b)
 
 
-def _cli_events_replay(args: argparse.Namespace, db: Database) -> dict:
+def cli_events_replay(args: argparse.Namespace, db: Database) -> dict:
     """One event (EVENT) or a webhook's events (--webhook): a dry run unless --apply."""
     if (args.event is None) == (args.webhook is None):
         raise ApiError("invalid_argument", "give EVENT or --webhook ID (not both)")
@@ -279,12 +279,12 @@ def _replay_wording(answer: dict, one: bool) -> str:
     return f"replayed {answer['matched']} deliveries: {answer['changed']} changed, {answer['created']} todo(s) created"
 
 
-def _cli_notify_add(args: argparse.Namespace, db: Database) -> dict:
+def cli_notify_add(args: argparse.Namespace, db: Database) -> dict:
     human = db.read_sync(find_human, args.human)
     body = parse_model(NotifyCreate, json.dumps({"kind": args.kind, "url": args.url, "events": [
         e for e in args.events.split(",") if e], **({"token": args.token} if args.token else {})}))
     _vet_channel_url(body.url)
-    return _with_out(args, db.write_sync(add_channel, OPERATOR, _secret_box(args, db), body, human["id"]))
+    return with_out(args, db.write_sync(add_channel, OPERATOR, _secret_box(args, db), body, human["id"]))
 
 
 def _vet_channel_url(url: str) -> None:
@@ -297,15 +297,15 @@ def _vet_channel_url(url: str) -> None:
     asyncio.run(Addresses.configured().vet(url))
 
 
-def _cli_notify_list(args: argparse.Namespace, db: Database) -> dict:
+def cli_notify_list(args: argparse.Namespace, db: Database) -> dict:
     return db.read_sync(list_channels, OPERATOR)
 
 
-def _cli_notify_remove(args: argparse.Namespace, db: Database) -> dict:
+def cli_notify_remove(args: argparse.Namespace, db: Database) -> dict:
     return db.write_sync(remove_channel, OPERATOR, args.id)
 
 
-def _cli_notify_test(args: argparse.Namespace, db: Database) -> dict:
+def cli_notify_test(args: argparse.Namespace, db: Database) -> dict:
     """Send one test message from here, now, and say how it went."""
     import asyncio
 
@@ -315,7 +315,7 @@ def _cli_notify_test(args: argparse.Namespace, db: Database) -> dict:
     return asyncio.run(notifier.send_now(db.write_sync(queue_test_message, OPERATOR, args.id)))
 
 
-def _cli_events_list(args: argparse.Namespace, db: Database) -> dict:
+def cli_events_list(args: argparse.Namespace, db: Database) -> dict:
     query = parse_model(EventListQuery, {k: v for k, v in (("disposition", args.disposition), ("limit", args.limit))
                                          if v is not None})
     return db.read_sync(list_events, OPERATOR, args.webhook, query)
@@ -333,29 +333,29 @@ def _evaluator() -> Iterable[Evaluator]:
         evaluator.close()
 
 
-def _cli_rules_get(args: argparse.Namespace, db: Database) -> dict:
+def cli_rules_get(args: argparse.Namespace, db: Database) -> dict:
     return db.read_sync(get_rules, OPERATOR, args.webhook)
 
 
-def _cli_rules_set(args: argparse.Namespace, db: Database) -> dict:
+def cli_rules_set(args: argparse.Namespace, db: Database) -> dict:
     source = args.file or str(PACKS_DIR / f"{args.pack}.json")
-    pack = _read_json_file(source)
+    pack = read_json_file(source)
     if not isinstance(pack, dict):
         raise ApiError("invalid_argument", f"{source}: a rules document is a JSON object")
     if args.params is not None:
-        pack = {**pack, "params": _read_json_file(args.params)}
+        pack = {**pack, "params": read_json_file(args.params)}
     with _evaluator() as evaluator:
         return set_rules(db, evaluator, OPERATOR, args.webhook, parse_model(RuleSet, json.dumps(pack)))
 
 
-def _cli_rules_test(args: argparse.Namespace, db: Database) -> dict:
+def cli_rules_test(args: argparse.Namespace, db: Database) -> dict:
     headers = {}
     for line in args.header:
         name, sep, value = line.partition(":")
         if not sep or not name.strip():
             raise ApiError("invalid_argument", f"--header {line!r}: write 'Name: value'")
         headers[name.strip()] = value.strip()
-    fields = {"payload": _read_json_file(args.payload), "headers": headers}
+    fields = {"payload": read_json_file(args.payload), "headers": headers}
     if args.unverified:
         fields["verified"] = False
     with _evaluator() as evaluator:
@@ -365,7 +365,7 @@ def _cli_rules_test(args: argparse.Namespace, db: Database) -> dict:
 BACKUP_NAME = re.compile(r"^switchboard-\d{8}T\d{6}Z\.db$")
 
 
-def _cli_backup(args: argparse.Namespace, db: Database) -> dict:
+def cli_backup(args: argparse.Namespace, db: Database) -> dict:
     """One file (OUT), or a dated file in --dir keeping the newest --keep of them."""
     if (args.out is None) == (args.dir is None):
         raise ApiError("invalid_argument", "give OUT.db or --dir DIR (not both)")
@@ -392,7 +392,7 @@ def _cli_backup(args: argparse.Namespace, db: Database) -> dict:
             "key_file": "back up switchboard.key (or SWITCHBOARD_SECRET_KEY) separately, once"}
 
 
-def _cli_prune(args: argparse.Namespace, db: Database) -> dict:
+def cli_prune(args: argparse.Namespace, db: Database) -> dict:
     pruned = prune(db)
     return {"pruned": pruned, "checkpoint": list(db.checkpoint())}
 
@@ -421,7 +421,7 @@ def _sandbox_health() -> str:
         return exc.message
 
 
-def _cli_check(args: argparse.Namespace, db: Database) -> dict:
+def cli_check(args: argparse.Namespace, db: Database) -> dict:
     sealed = db.read_sync(sealed_sample)
     report = {**db.read_sync(check_database), "key": _key_health(args.db, sealed), "sandbox": _sandbox_health()}
     problems = []
@@ -439,7 +439,7 @@ def _cli_check(args: argparse.Namespace, db: Database) -> dict:
     return report
 
 
-def _cli_migrate(args: argparse.Namespace) -> dict:
+def cli_migrate(args: argparse.Namespace) -> dict:
     """What the schema change is; with --dry-run only that, without touching the file."""
     conn = sqlite3.connect(f"file:{Path(args.db).resolve()}?mode=ro", uri=True)
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from switchboard.configuration import ApiError
-from switchboard.providers import _reject_constant
+from switchboard.payload import refuse_constant
 
 # Each subcommand has its own handler (set with set_defaults); a handler takes the parsed arguments and an
 # open Database and returns one JSON object, which --json prints as is and otherwise prints for people.
@@ -71,13 +71,13 @@ def format_for_people(obj: dict) -> str:
     return "\n".join(lines).strip("\n")
 
 
-def _print(args: argparse.Namespace, obj: dict) -> None:
+def print_answer(args: argparse.Namespace, obj: dict) -> None:
     print(json.dumps(obj) if args.json else format_for_people(obj))
 
 
-def _read_json_file(path: str) -> Any:
+def read_json_file(path: str) -> Any:
     try:
-        return json.loads(Path(path).read_text(), parse_constant=_reject_constant)
+        return json.loads(Path(path).read_text(), parse_constant=refuse_constant)
     except (OSError, ValueError, RecursionError) as exc:
         raise ApiError("invalid_argument", f"{path}: not a readable JSON file ({type(exc).__name__})") from None
 
@@ -91,7 +91,7 @@ def write_private(path: str, obj: dict) -> str:
     return str(Path(path).resolve())
 
 
-def _with_out(args: argparse.Namespace, made: dict) -> dict:
+def with_out(args: argparse.Namespace, made: dict) -> dict:
     if getattr(args, "out", None):
         write_private(args.out, made)
     return made

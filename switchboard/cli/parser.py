@@ -11,60 +11,60 @@ from collections.abc import Callable
 from pathlib import Path
 
 from switchboard.cli.commands import (
-    _cli_backup,
-    _cli_check,
-    _cli_endpoint_list,
-    _cli_endpoint_revoke,
-    _cli_endpoint_vend,
-    _cli_events_list,
-    _cli_events_replay,
-    _cli_friend_link,
-    _cli_human_add,
-    _cli_human_list,
-    _cli_init,
-    _cli_migrate,
-    _cli_notify_add,
-    _cli_notify_list,
-    _cli_notify_remove,
-    _cli_notify_test,
-    _cli_prune,
-    _cli_route_add,
-    _cli_route_list,
-    _cli_route_remove,
-    _cli_rules_get,
-    _cli_rules_set,
-    _cli_rules_test,
-    _cli_todo_action,
-    _cli_todo_list,
-    _cli_todo_push,
-    _cli_todo_release,
-    _cli_todo_show,
-    _cli_webhook_create,
-    _cli_webhook_delete,
-    _cli_webhook_list,
-    _cli_webhook_rename,
-    _cli_webhook_rotate,
-    _cli_webhook_set_secret,
-    _cli_webhook_trust,
+    cli_backup,
+    cli_check,
+    cli_endpoint_list,
+    cli_endpoint_revoke,
+    cli_endpoint_vend,
+    cli_events_list,
+    cli_events_replay,
+    cli_friend_link,
+    cli_human_add,
+    cli_human_list,
+    cli_init,
+    cli_migrate,
+    cli_notify_add,
+    cli_notify_list,
+    cli_notify_remove,
+    cli_notify_test,
+    cli_prune,
+    cli_route_add,
+    cli_route_list,
+    cli_route_remove,
+    cli_rules_get,
+    cli_rules_set,
+    cli_rules_test,
+    cli_todo_action,
+    cli_todo_list,
+    cli_todo_push,
+    cli_todo_release,
+    cli_todo_show,
+    cli_webhook_create,
+    cli_webhook_delete,
+    cli_webhook_list,
+    cli_webhook_rename,
+    cli_webhook_rotate,
+    cli_webhook_set_secret,
+    cli_webhook_trust,
 )
-from switchboard.cli.output import _print
+from switchboard.cli.output import print_answer
 from switchboard.configuration import (
     DEFAULT_INGEST_BURST,
     DEFAULT_INGEST_RATE,
     NOTIFY_KINDS,
     PACK_NAMES,
     ApiError,
-    _env,
     default_db_path,
+    env_default,
 )
 from switchboard.database import Database
 from switchboard.providers import PROVIDERS
 
 
-def _cli_serve(args: argparse.Namespace) -> int:
+def cli_serve(args: argparse.Namespace) -> int:
     """`serve`: the web stack (uvicorn, Starlette, the Board) is imported here, so that the commands that only
     touch the database start without it."""
-    from switchboard.server import _cli_serve as serve
+    from switchboard.server import cli_serve as serve
 
     return serve(args)
 
@@ -83,47 +83,47 @@ def _group(commands: argparse._SubParsersAction, name: str, help_text: str, meta
 
 
 def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    serve = _subcommand(commands, "serve", _cli_serve,
+    serve = _subcommand(commands, "serve", cli_serve,
                         "run the server (creates the database on first start); every flag also reads"
                         " SWITCHBOARD_<FLAG>", common)
-    serve.add_argument("--host", default=_env("host", "127.0.0.1"), help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=_env("port", "8080"), help="port (default 8080)")
-    serve.add_argument("--synchronous", choices=["full", "normal"], default=_env("synchronous", "full"),
+    serve.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=env_default("port", "8080"), help="port (default 8080)")
+    serve.add_argument("--synchronous", choices=["full", "normal"], default=env_default("synchronous", "full"),
                        help="full: a 202 survives power loss (default); normal: faster, survives a crash")
     serve.add_argument("--ingest-rate", dest="ingest_rate", type=float,
-                       default=_env("ingest-rate", str(DEFAULT_INGEST_RATE)),
+                       default=env_default("ingest-rate", str(DEFAULT_INGEST_RATE)),
                        help="deliveries per second per source address (0 turns the limit off)")
     serve.add_argument("--ingest-burst", dest="ingest_burst", type=int,
-                       default=_env("ingest-burst", str(DEFAULT_INGEST_BURST)), help="deliveries allowed at once")
-    serve.add_argument("--base-url", dest="base_url", default=_env("base-url", None),
+                       default=env_default("ingest-burst", str(DEFAULT_INGEST_BURST)), help="deliveries allowed at once")
+    serve.add_argument("--base-url", dest="base_url", default=env_default("base-url", None),
                        help="public base of ingest URLs and Board links (default: as requested)")
-    serve.add_argument("--allowed-origins", dest="allowed_origins", default=_env("allowed-origins", None),
+    serve.add_argument("--allowed-origins", dest="allowed_origins", default=env_default("allowed-origins", None),
                        help="comma-separated browser origins allowed on /mcp (loopback origins are allowed on a"
                             " loopback address)")
     serve.add_argument("--trust-proxy", dest="trust_proxy", action="store_true",
-                       default=_env("trust-proxy", False),
+                       default=env_default("trust-proxy", False),
                        help="a reverse proxy in front sets X-Forwarded-Proto: `https` there makes the Board's"
                             " session cookie Secure")
     serve.add_argument("--notify-allow-private", dest="notify_allow_private", action="store_true",
-                       default=_env("notify-allow-private", False),
+                       default=env_default("notify-allow-private", False),
                        help="let notification channels reach loopback, link-local and unspecified addresses"
                             " (refused by default; LAN addresses are always allowed)")
-    serve.add_argument("--notify-allow", dest="notify_allow", default=_env("notify-allow", None),
+    serve.add_argument("--notify-allow", dest="notify_allow", default=env_default("notify-allow", None),
                        help="comma-separated addresses or networks, each with an optional :port, that notification"
                             " channels may reach although loopback or link-local (e.g. 127.0.0.1:8090)")
     serve.add_argument("--log-format", dest="log_format", choices=["plain", "json"],
-                       default=_env("log-format", "plain"), help="plain lines (default) or one JSON object per line")
+                       default=env_default("log-format", "plain"), help="plain lines (default) or one JSON object per line")
 
 
 def _add_principals(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     human = _group(commands, "human", "humans: the owners of endpoints and webhooks", "{add,list}")
-    add = _subcommand(human, "add", _cli_human_add, "add a human; prints its token (sbh_…) once", common)
+    add = _subcommand(human, "add", cli_human_add, "add a human; prints its token (sbh_…) once", common)
     add.add_argument("name", help="a unique name, e.g. alice")
     add.add_argument("--out", help="also write the answer (with the token) to this file, mode 0600")
-    _subcommand(human, "list", _cli_human_list, "list the humans", common)
+    _subcommand(human, "list", cli_human_list, "list the humans", common)
 
     endpoint = _group(commands, "endpoint", "endpoints: agents' capability grants", "{vend,list,revoke}")
-    vend = _subcommand(endpoint, "vend", _cli_endpoint_vend, "vend an endpoint for a human; prints its token"
+    vend = _subcommand(endpoint, "vend", cli_endpoint_vend, "vend an endpoint for a human; prints its token"
                        " (sbk_…) once", common)
     vend.add_argument("--human", required=True, help="the owning human's name or id")
     vend.add_argument("--name", required=True, help="a name unique per human, e.g. qwen")
@@ -132,12 +132,12 @@ def _add_principals(commands: argparse._SubParsersAction, common: argparse.Argum
                                                        " webhooks, all")
     vend.add_argument("--lease", type=int, help="default lease seconds (60..86400)")
     vend.add_argument("--out", help="also write the answer (with the token) to this file, mode 0600")
-    _subcommand(endpoint, "list", _cli_endpoint_list, "list every endpoint", common)
-    _subcommand(endpoint, "revoke", _cli_endpoint_revoke, "revoke an endpoint (its open work becomes dead"
+    _subcommand(endpoint, "list", cli_endpoint_list, "list every endpoint", common)
+    _subcommand(endpoint, "revoke", cli_endpoint_revoke, "revoke an endpoint (its open work becomes dead"
                 " letters)", common).add_argument("id", help="endpoint id (ep_…)")
 
     friend = _group(commands, "friend", "friend edges between humans", "{link}")
-    link = _subcommand(friend, "link", _cli_friend_link, "let HUMAN_A's webhooks route to HUMAN_B's endpoints"
+    link = _subcommand(friend, "link", cli_friend_link, "let HUMAN_A's webhooks route to HUMAN_B's endpoints"
                        " (request and approval at once)", common)
     link.add_argument("human_a", help="the human whose webhooks route")
     link.add_argument("human_b", help="the human whose endpoints receive")
@@ -146,7 +146,7 @@ def _add_principals(commands: argparse._SubParsersAction, common: argparse.Argum
 def _add_todos(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     todo = _group(commands, "todo", "todos: list, show, push and the human actions", "{push,list,show,release,approve,request-changes,answer,resume,retry,"
                                            "defer,undefer,cancel,reroute,discard}")
-    push = _subcommand(todo, "push", _cli_todo_push, "write a todo for an endpoint", common)
+    push = _subcommand(todo, "push", cli_todo_push, "write a todo for an endpoint", common)
     push.add_argument("endpoint", help="endpoint id (ep_…)")
     push.add_argument("--queue", required=True, help="one of the endpoint's queues")
     push.add_argument("--title", required=True, help="one line, up to 512 characters")
@@ -154,21 +154,21 @@ def _add_todos(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
     push.add_argument("--key", help="idempotency key: a repeat returns the live todo instead of a new one")
     push.add_argument("--priority", type=int, default=0, help="higher is claimed first (-1000..1000)")
     push.add_argument("--work-item", dest="work_item", help="work item JSON file (switchboard.work_item.v1)")
-    listing = _subcommand(todo, "list", _cli_todo_list, "list todos, newest first", common)
+    listing = _subcommand(todo, "list", cli_todo_list, "list todos, newest first", common)
     listing.add_argument("--queue", help="only this queue")
     listing.add_argument("--state", help="only this state (pending, claimed, review, failed, …)")
     listing.add_argument("--endpoint", help="only this endpoint id")
     listing.add_argument("--limit", type=int, help="at most this many (1..200, default 50)")
-    _subcommand(todo, "show", _cli_todo_show, "one todo with its attempts, history and receipt",
+    _subcommand(todo, "show", cli_todo_show, "one todo with its attempts, history and receipt",
                 common).add_argument("id", help="todo id (td_…)")
-    unhold = _subcommand(todo, "release", _cli_todo_release, "release a quarantined (held) delivery", common)
+    unhold = _subcommand(todo, "release", cli_todo_release, "release a quarantined (held) delivery", common)
     unhold.add_argument("id", help="todo id (td_…) of the held item")
     unhold.add_argument("--queue", help="send it to this queue instead of re-evaluating the rules")
     unhold.add_argument("--note", help="why, for the history")
     unhold.add_argument("--trust-actor", dest="trust_actor", action="store_true",
                         help="first add its actor to the webhook's trusted actors (trust-gate holds only)")
     for action, (options, help_text) in TODO_ACTION_OPTIONS.items():
-        sub = _subcommand(todo, action, _cli_todo_action, help_text, common)
+        sub = _subcommand(todo, action, cli_todo_action, help_text, common)
         sub.set_defaults(action=action)
         sub.add_argument("id", help="todo id (td_…)")
         for option, option_help in options:
@@ -201,7 +201,7 @@ def _add_trust_options(parser: argparse.ArgumentParser) -> None:
 def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     webhook = _group(commands, "webhook", "webhooks: signed ingress URLs",
                      "{create,rename,trust,list,rotate,delete,set-secret}")
-    create = _subcommand(webhook, "create", _cli_webhook_create, "make an ingest URL; prints its secret once",
+    create = _subcommand(webhook, "create", cli_webhook_create, "make an ingest URL; prints its secret once",
                          common)
     create.add_argument("--endpoint", required=True, help="owner endpoint id (ep_…)")
     create.add_argument("--provider", required=True, choices=PROVIDERS, help="who signs the deliveries")
@@ -211,48 +211,48 @@ def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.Argumen
     create.add_argument("--base-url", dest="base_url", help="public base of the ingest URL")
     create.add_argument("--out", help="also write the answer (URL and secret) to this file, mode 0600")
     _add_trust_options(create)
-    rename = _subcommand(webhook, "rename", _cli_webhook_rename, "name a webhook, or clear its name", common)
+    rename = _subcommand(webhook, "rename", cli_webhook_rename, "name a webhook, or clear its name", common)
     rename.add_argument("id", help="webhook id (wh_…)")
     named = rename.add_mutually_exclusive_group(required=True)
     named.add_argument("name", nargs="?", help="the new name (up to 64 characters)")
     named.add_argument("--clear", action="store_true", help="remove the name")
-    trust = _subcommand(webhook, "trust", _cli_webhook_trust, "set whom the trust gate lets through (github,"
+    trust = _subcommand(webhook, "trust", cli_webhook_trust, "set whom the trust gate lets through (github,"
                         " gitea: logins; cairn: actor ids)", common)
     trust.add_argument("id", help="webhook id (wh_…)")
     _add_trust_options(trust)
-    _subcommand(webhook, "list", _cli_webhook_list, "list every webhook", common)
-    rotate = _subcommand(webhook, "rotate", _cli_webhook_rotate, "new URL and secret (the old URL is 404 at once)",
+    _subcommand(webhook, "list", cli_webhook_list, "list every webhook", common)
+    rotate = _subcommand(webhook, "rotate", cli_webhook_rotate, "new URL and secret (the old URL is 404 at once)",
                          common)
     rotate.add_argument("id", help="webhook id (wh_…)")
     rotate.add_argument("--base-url", dest="base_url", help="public base of the ingest URL")
     rotate.add_argument("--out", help="also write the answer (URL and secret) to this file, mode 0600")
-    _subcommand(webhook, "delete", _cli_webhook_delete, "delete a webhook (its URL is 404 at once)",
+    _subcommand(webhook, "delete", cli_webhook_delete, "delete a webhook (its URL is 404 at once)",
                 common).add_argument("id", help="webhook id (wh_…)")
-    set_secret = _subcommand(webhook, "set-secret", _cli_webhook_set_secret, "set the secret Stripe or Slack"
+    set_secret = _subcommand(webhook, "set-secret", cli_webhook_set_secret, "set the secret Stripe or Slack"
                              " issued", common)
     set_secret.add_argument("id", help="webhook id (wh_…)")
     set_secret.add_argument("--secret", required=True, help="the producer's signing secret")
 
     route = _group(commands, "route", "webhook routes to more endpoints", "{add,list,remove}")
-    for name, handler, help_text in (("add", _cli_route_add, "route a webhook's deliveries to an endpoint too"),
-                                     ("remove", _cli_route_remove, "remove a route")):
+    for name, handler, help_text in (("add", cli_route_add, "route a webhook's deliveries to an endpoint too"),
+                                     ("remove", cli_route_remove, "remove a route")):
         sub = _subcommand(route, name, handler, help_text, common)
         sub.add_argument("webhook", help="webhook id (wh_…)")
         sub.add_argument("endpoint", help="endpoint id (ep_…)")
-    _subcommand(route, "list", _cli_route_list, "a webhook's routes", common).add_argument(
+    _subcommand(route, "list", cli_route_list, "a webhook's routes", common).add_argument(
         "webhook", help="webhook id (wh_…)")
 
     rules = _group(commands, "rules", "routing rules (jq)", "{get,set,test}")
-    _subcommand(rules, "get", _cli_rules_get, "a webhook's rules and params", common).add_argument(
+    _subcommand(rules, "get", cli_rules_get, "a webhook's rules and params", common).add_argument(
         "webhook", help="webhook id (wh_…)")
-    rules_set = _subcommand(rules, "set", _cli_rules_set, "validate and save rules (refused with the rule named)",
+    rules_set = _subcommand(rules, "set", cli_rules_set, "validate and save rules (refused with the rule named)",
                             common)
     rules_set.add_argument("webhook", help="webhook id (wh_…)")
     source = rules_set.add_mutually_exclusive_group(required=True)
     source.add_argument("--file", help="rules document: {rules, default_action?, params?}")
     source.add_argument("--pack", choices=PACK_NAMES, help="a pack shipped with Switchboard (its README: packs/)")
     rules_set.add_argument("--params", help="params JSON file (replaces the params in force)")
-    rules_test = _subcommand(rules, "test", _cli_rules_test, "dry run: what would this payload do?", common)
+    rules_test = _subcommand(rules, "test", cli_rules_test, "dry run: what would this payload do?", common)
     rules_test.add_argument("webhook", help="webhook id (wh_…)")
     rules_test.add_argument("--payload", required=True, help="payload JSON file")
     rules_test.add_argument("--header", action="append", default=[], help="'Name: value', repeatable")
@@ -261,11 +261,11 @@ def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.Argumen
 
 def _add_events(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     events = _group(commands, "events", "deliveries (events)", "{list,replay}")
-    events_list = _subcommand(events, "list", _cli_events_list, "a webhook's deliveries, newest first", common)
+    events_list = _subcommand(events, "list", cli_events_list, "a webhook's deliveries, newest first", common)
     events_list.add_argument("webhook", help="webhook id (wh_…)")
     events_list.add_argument("--disposition", help="routed, dropped, repeat, quarantined or ping")
     events_list.add_argument("--limit", type=int, help="at most this many (1..200, default 50)")
-    replay = _subcommand(events, "replay", _cli_events_replay, "evaluate stored deliveries under the current rules"
+    replay = _subcommand(events, "replay", cli_events_replay, "evaluate stored deliveries under the current rules"
                          " (a dry run unless --apply; once claims and earlier todos hold)", common)
     replay.add_argument("event", nargs="?", help="one event id (ev_…)")
     replay.add_argument("--webhook", help="or every matching event of this webhook (wh_…)")
@@ -279,7 +279,7 @@ def _add_events(commands: argparse._SubParsersAction, common: argparse.ArgumentP
 
 def _add_notify(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     notify = _group(commands, "notify", "humans' notification channels", "{add,list,remove,test}")
-    add = _subcommand(notify, "add", _cli_notify_add, "add a channel for a human (a webhook channel's secret is"
+    add = _subcommand(notify, "add", cli_notify_add, "add a channel for a human (a webhook channel's secret is"
                       " printed once)", common)
     add.add_argument("--human", required=True, help="the human's name or id")
     add.add_argument("--kind", required=True, choices=NOTIFY_KINDS,
@@ -290,24 +290,24 @@ def _add_notify(commands: argparse._SubParsersAction, common: argparse.ArgumentP
     add.add_argument("--events", required=True, help="comma-separated: needs_input, review, held, dead_letter,"
                                                      " verification_failures")
     add.add_argument("--out", help="also write the answer (with a webhook channel's secret) to this file, mode 0600")
-    _subcommand(notify, "list", _cli_notify_list, "every channel (no credentials)", common)
-    _subcommand(notify, "remove", _cli_notify_remove, "remove a channel", common).add_argument(
+    _subcommand(notify, "list", cli_notify_list, "every channel (no credentials)", common)
+    _subcommand(notify, "remove", cli_notify_remove, "remove a channel", common).add_argument(
         "id", help="channel id (nc_…)")
-    _subcommand(notify, "test", _cli_notify_test, "send one test message now", common).add_argument(
+    _subcommand(notify, "test", cli_notify_test, "send one test message now", common).add_argument(
         "id", help="channel id (nc_…)")
 
 
 def _add_operations(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    _subcommand(commands, "init", _cli_init, "create the database (or migrate it) and stop", common)
-    backup = _subcommand(commands, "backup", _cli_backup, "online backup to a new file (safe while serving)",
+    _subcommand(commands, "init", cli_init, "create the database (or migrate it) and stop", common)
+    backup = _subcommand(commands, "backup", cli_backup, "online backup to a new file (safe while serving)",
                          common)
     backup.add_argument("out", nargs="?", help="the new file")
     backup.add_argument("--dir", help="write switchboard-<UTC time>.db in this directory instead")
     backup.add_argument("--keep", type=int, help="with --dir: keep only the newest N dated backups")
-    _subcommand(commands, "check", _cli_check, "integrity, key, sandbox and schema report (exit 1 on a problem)",
+    _subcommand(commands, "check", cli_check, "integrity, key, sandbox and schema report (exit 1 on a problem)",
                 common)
-    _subcommand(commands, "prune", _cli_prune, "apply retention now and checkpoint the WAL", common)
-    migrate = _subcommand(commands, "migrate", _cli_migrate, "bring the schema up to this version", common)
+    _subcommand(commands, "prune", cli_prune, "apply retention now and checkpoint the WAL", common)
+    migrate = _subcommand(commands, "migrate", cli_migrate, "bring the schema up to this version", common)
     migrate.add_argument("--dry-run", dest="dry_run", action="store_true", help="only show what would change")
 
 
@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-CREATES_DATABASE = (_cli_init, _cli_serve)
+CREATES_DATABASE = (cli_init, cli_serve)
 
 
 def _fail(args: argparse.Namespace, body: dict) -> int:
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["worker"]:
         # A process of its own that talks to a server over REST: it opens no database and takes none of the
         # operator's options, so it has its own parser (and imports none of the server's modules).
-        from switchboard.worker import main as worker_main
+        from switchboard.worker.main import main as worker_main
 
         return worker_main(argv[1:])
     args = build_parser().parse_args(argv)
@@ -360,15 +360,15 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, {"error": "not_found", "message": f"no database at {Path(args.db).resolve()}: run"
                             " `switchboard.py init` there first, or point --db or $SWITCHBOARD_DB at it"})
     try:
-        if args.handler is _cli_serve:
-            return _cli_serve(args)
-        if args.handler is _cli_migrate:
-            _print(args, _cli_migrate(args))
+        if args.handler is cli_serve:
+            return cli_serve(args)
+        if args.handler is cli_migrate:
+            print_answer(args, cli_migrate(args))
             return 0
         # `check` reports the schema as it is and `backup` copies the file as it is: neither migrates it.
-        db = Database(args.db, inline_rings=False, migrate=args.handler not in (_cli_check, _cli_backup))
+        db = Database(args.db, inline_rings=False, migrate=args.handler not in (cli_check, cli_backup))
         try:
-            _print(args, args.handler(args, db))
+            print_answer(args, args.handler(args, db))
         finally:
             db.close()
         return 0

@@ -25,17 +25,17 @@ class JsonResponse(JSONResponse):
         except UnicodeEncodeError:
             return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
         except RecursionError:
-            return json.dumps(_shallow(content), allow_nan=False, separators=(",", ":")).encode()
+            return json.dumps(cut_to_depth(content), allow_nan=False, separators=(",", ":")).encode()
 
 
-def _shallow(value: Any, depth: int = 0) -> Any:
+def cut_to_depth(value: Any, depth: int = 0) -> Any:
     """A value cut off below MAX_PAYLOAD_DEPTH levels, so no stored document can fail an answer."""
     if depth >= MAX_PAYLOAD_DEPTH:
         return "«nested too deep to show»"
     if isinstance(value, dict):
-        return {k: _shallow(v, depth + 1) for k, v in value.items()}
+        return {k: cut_to_depth(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list):
-        return [_shallow(v, depth + 1) for v in value]
+        return [cut_to_depth(v, depth + 1) for v in value]
     return value
 
 
@@ -111,7 +111,7 @@ def gone_future(request: Request, body: ClaimNext) -> asyncio.Future | None:
     return asyncio.ensure_future(_disconnected(request)) if body.wait_seconds else None
 
 
-async def _then(frames: AsyncIterator[str], ended: Callable[[], None]) -> AsyncIterator[str]:
+async def ending_with(frames: AsyncIterator[str], ended: Callable[[], None]) -> AsyncIterator[str]:
     try:
         async for frame in frames:
             yield frame

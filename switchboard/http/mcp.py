@@ -21,9 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from switchboard.configuration import MAX_REQUEST_BYTES, VERSION, ApiError, log
-from switchboard.http.common import JsonResponse, _then, error_response, gone_future, read_capped, sse_response
+from switchboard.http.common import JsonResponse, ending_with, error_response, gone_future, read_capped, sse_response
 from switchboard.http.rest import Api
-from switchboard.http.streams import _is_loopback, channel_notification, sse_frame
+from switchboard.http.streams import channel_notification, is_loopback, sse_frame
 from switchboard.models import (
     Block,
     ClaimById,
@@ -45,7 +45,7 @@ from switchboard.models import (
     WebhookSecret,
     parse_model,
 )
-from switchboard.providers import _reject_constant
+from switchboard.payload import refuse_constant
 from switchboard.store.deliveries import get_event, list_events
 from switchboard.store.principals import Principal
 from switchboard.store.rules import get_rules
@@ -301,13 +301,13 @@ class Mcp:
             return True
         server = request.scope.get("server") or ("", 0)
         parts = urllib.parse.urlsplit(origin)
-        return (_is_loopback(server[0]) and parts.scheme in ("http", "https")
-                and _is_loopback(parts.hostname or "") and not parts.path.strip("/"))
+        return (is_loopback(server[0]) and parts.scheme in ("http", "https")
+                and is_loopback(parts.hostname or "") and not parts.path.strip("/"))
 
     async def _message(self, request: Request) -> dict:
         raw = await read_capped(request, MAX_REQUEST_BYTES)
         try:
-            message = json.loads(raw, parse_constant=_reject_constant)
+            message = json.loads(raw, parse_constant=refuse_constant)
         except (ValueError, RecursionError):
             raise JsonRpcError(-32700, "parse error", status=400) from None
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
@@ -427,7 +427,7 @@ class Mcp:
 
         frames = await self.api.flows.ring_frames(principal, None, lambda ring: sse_frame(channel_notification(ring)),
                                                   [], queue, via="mcp")
-        return sse_response(_then(frames, ended), {"Mcp-Session-Id": session.id})
+        return sse_response(ending_with(frames, ended), {"Mcp-Session-Id": session.id})
 
     async def _listen(self, request_id: Any, principal: Principal) -> Response:
         """The sessionless era's only push channel: this POST's SSE answer stays open and carries rings."""
@@ -454,16 +454,16 @@ def rpc_error(request_id: Any, code: int, message: str, status: int, data: Any =
     return JsonResponse({"jsonrpc": "2.0", "id": request_id, "error": error}, status_code=status)
 
 
-async def _api_error(request: Request, exc: ApiError) -> Response:
+async def api_error(request: Request, exc: ApiError) -> Response:
     return error_response(exc)
 
 
-async def _http_error(request: Request, exc: HTTPException) -> Response:
+async def http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "invalid_argument"}.get(exc.status_code, "invalid_argument")
     return JsonResponse({"error": code, "message": str(exc.detail)}, status_code=exc.status_code)
 
 
-async def _unexpected(request: Request, exc: Exception) -> Response:
+async def unexpected_error(request: Request, exc: Exception) -> Response:
     log.error("internal error on %s %s: %s", request.method, request.url.path.split("/hooks/")[0],
               type(exc).__name__)
     return JsonResponse({"error": "internal", "message": "internal error"}, status_code=500)

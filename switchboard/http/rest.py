@@ -74,7 +74,7 @@ from switchboard.store.principals import (
 )
 from switchboard.store.rules import get_rules
 from switchboard.store.todos import get_todo, list_todos
-from switchboard.store.transitions import _claim_queues, revoke_endpoint
+from switchboard.store.transitions import claim_queues, revoke_endpoint
 from switchboard.store.upkeep import AGENT_ACTIONS, HUMAN_ACTIONS
 from switchboard.store.webhooks import (
     add_route,
@@ -304,7 +304,7 @@ class Api:
         principal = await self.principal(request)
         principal.require_verb("claim_next")
         query = parse_model(DoorbellQuery, dict(request.query_params))
-        queues = _claim_queues(principal, [query.queue] if query.queue else None)
+        queues = claim_queues(principal, [query.queue] if query.queue else None)
         frames = await self.flows.ring_frames(principal, queues, lambda ring: sse_frame(ring, "todo.ready"),
                                               [": connected\n\n"])
         return sse_response(frames)

@@ -11,12 +11,13 @@ from typing import Any
 from switchboard.configuration import ApiError, iso
 from switchboard.crypto import new_id, token_hash
 from switchboard.database import Txn
-from switchboard.envelope import envelope_title, parse_payload, stored_envelope, untrusted_names
+from switchboard.envelope import envelope_title, stored_envelope, untrusted_names
 from switchboard.models import EventListQuery
+from switchboard.payload import parse_payload
 from switchboard.store.principals import Principal
-from switchboard.store.todos import _json
+from switchboard.store.todos import stored_json
 from switchboard.store.transitions import claim_once, create_todo, record_event
-from switchboard.store.webhooks import _visible_webhook, webhook_targets
+from switchboard.store.webhooks import visible_webhook, webhook_targets
 
 # -- events -----------------------------------------------------------------------------------------
 
@@ -29,23 +30,23 @@ def event_view(row: sqlite3.Row, full: bool = False) -> dict:
     view = {"id": row["id"], "webhook_id": row["webhook_id"], "source": row["source"], "kind": row["kind"],
             "trust_mode": row["trust_mode"], "verified": bool(row["verified"]), "delivery_key": row["delivery_key"],
             "disposition": row["disposition"], "received_at": iso(row["received_at"]),
-            "outcome": _json(row["outcome"])}
+            "outcome": stored_json(row["outcome"])}
     if full:
-        view.update(headers=_json(row["headers"]),
+        view.update(headers=stored_json(row["headers"]),
                     envelope=stored_envelope(row["envelope"], row["headers"], row["body"]) if row["envelope"] else None,
-                    trace=_json(row["trace"]),
+                    trace=stored_json(row["trace"]),
                     size=len(row["body"] or b""))
     return view
 
 
 def replays_view(txn: Txn, event_id: str) -> list[dict]:
-    return [{"id": r["id"], "actor": r["actor"], "at": iso(r["at"]), "before": _json(r["before"]),
-             "after": _json(r["after"]), "created": r["created"]}
+    return [{"id": r["id"], "actor": r["actor"], "at": iso(r["at"]), "before": stored_json(r["before"]),
+             "after": stored_json(r["after"]), "created": r["created"]}
             for r in txn.all("SELECT * FROM event_replays WHERE event_id = ? ORDER BY at, id", (event_id,))]
 
 
 def list_events(txn: Txn, principal: Principal, webhook_id: str, query: EventListQuery) -> dict:
-    _visible_webhook(txn, principal, webhook_id, "list_webhook_events")
+    visible_webhook(txn, principal, webhook_id, "list_webhook_events")
     sql, args = "SELECT * FROM events WHERE webhook_id = ?", [webhook_id]
     if query.disposition:
         sql += " AND disposition = ?"
@@ -112,7 +113,7 @@ def _as_duplicate(first_outcome: str | None) -> dict | None:
     return {**first, "todos": [{**t, "created": False} for t in first["todos"]], "created": 0, "duplicate": True}
 
 
-def _plan_targets(txn: Txn, webhook: sqlite3.Row, action: dict) -> list[sqlite3.Row]:
+def plan_targets(txn: Txn, webhook: sqlite3.Row, action: dict) -> list[sqlite3.Row]:
     """The endpoints that get a todo for a queue action: every candidate scoped to the queue, or with
     `exclusive` the first of them in the fixed target order."""
     candidates = webhook_targets(txn, webhook)
@@ -192,9 +193,9 @@ def plan_delivery(txn: Txn, webhook: sqlite3.Row, envelope: dict, action: dict, 
         else:
             trace["hold"] = {"fault": "rule_fault", "trust_gate": "untrusted_actor"}.get(trace["stage"], "rule")
         if trace["hold"] == "untrusted_actor":
-            trace["untrusted"] = untrusted_names(envelope, _json(webhook["trusted_actors"]))
+            trace["untrusted"] = untrusted_names(envelope, stored_json(webhook["trusted_actors"]))
         return Plan("quarantined", owner_hold, trace)
-    chosen = _plan_targets(txn, webhook, action)
+    chosen = plan_targets(txn, webhook, action)
     if not chosen:
         trace["hold"] = "no_target"
         return Plan("quarantined", owner_hold, trace)
@@ -209,7 +210,7 @@ def plan_delivery(txn: Txn, webhook: sqlite3.Row, envelope: dict, action: dict, 
                 {t["id"]: t["human_id"] for t in chosen})
 
 
-def _create_planned_todo(txn: Txn, todo_id: str, target: tuple[str, str, str], envelope: dict, plan: Plan,
+def create_planned_todo(txn: Txn, todo_id: str, target: tuple[str, str, str], envelope: dict, plan: Plan,
                          event_id: str, title: str) -> None:
     endpoint_id, queue, state = target
     create_todo(txn, todo_id, "system", endpoint_id=endpoint_id, queue=queue, state=state, title=title,
@@ -262,6 +263,6 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
                  disposition=plan.disposition, trace=json.dumps(plan.trace), outcome=json.dumps(outcome))
     title = envelope_title(envelope)
     for todo_id, target in zip(todo_ids, plan.targets, strict=True):
-        _create_planned_todo(txn, todo_id, target, envelope, plan, event_id, title)
+        create_planned_todo(txn, todo_id, target, envelope, plan, event_id, title)
     txn.logs.append(f"delivery {event_id} to {webhook['id']}: {plan.disposition}, {len(plan.targets)} todos")
     return outcome

@@ -10,93 +10,93 @@ from switchboard.configuration import RESERVED_QUEUES, TERMINAL_STATES, ApiError
 from switchboard.crypto import new_id
 from switchboard.database import Txn
 from switchboard.models import Answer, Cancel, Defer, HumanNote, RequestChanges, Reroute, TodoPush
-from switchboard.store.principals import Principal, _own_endpoint
-from switchboard.store.todos import _load_todo, _reload, dump_json, todo_view
+from switchboard.store.principals import Principal, own_endpoint
+from switchboard.store.todos import dump_json, load_todo, reload_todo, todo_view
 from switchboard.store.transitions import (
-    _end_attempt,
-    _let_go_of_absorbed,
-    _transition,
-    _write_receipt,
     create_todo,
+    end_attempt,
+    let_go_of_absorbed,
     record_event,
+    transition,
+    write_receipt,
 )
 from switchboard.store.webhooks import webhook_targets
 
 # -- human actions ----------------------------------------------------------------------------------
 
-def _human_todo(txn: Txn, principal: Principal, action: str, todo_id: str, allowed: tuple[str, ...]) -> sqlite3.Row:
+def human_todo(txn: Txn, principal: Principal, action: str, todo_id: str, allowed: tuple[str, ...]) -> sqlite3.Row:
     principal.require_human(action)
-    todo = _load_todo(txn, principal, todo_id)
+    todo = load_todo(txn, principal, todo_id)
     if todo["state"] not in allowed:
         raise ApiError("conflict", f"cannot {action} a todo that is {todo['state']}")
     return todo
 
 
 def approve(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
-    todo = _human_todo(txn, principal, "approve", todo_id, ("review",))
-    _transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="approved", state_reason=None)
-    _write_receipt(txn, todo, principal.actor)
-    return todo_view(_reload(txn, todo_id))
+    todo = human_todo(txn, principal, "approve", todo_id, ("review",))
+    transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="approved", state_reason=None)
+    write_receipt(txn, todo, principal.actor)
+    return todo_view(reload_todo(txn, todo_id))
 
 
 def request_changes(txn: Txn, principal: Principal, todo_id: str, body: RequestChanges) -> dict:
-    todo = _human_todo(txn, principal, "request changes on", todo_id, ("review",))
-    _transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=body.note)
-    _let_go_of_absorbed(txn, todo_id)
-    return todo_view(_reload(txn, todo_id))
+    todo = human_todo(txn, principal, "request changes on", todo_id, ("review",))
+    transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=body.note)
+    let_go_of_absorbed(txn, todo_id)
+    return todo_view(reload_todo(txn, todo_id))
 
 
 def answer(txn: Txn, principal: Principal, todo_id: str, body: Answer) -> dict:
-    todo = _human_todo(txn, principal, "answer", todo_id, ("needs_input",))
-    _transition(txn, todo, "pending", principal.actor, {"question": todo["state_reason"], "answer": body.answer},
+    todo = human_todo(txn, principal, "answer", todo_id, ("needs_input",))
+    transition(txn, todo, "pending", principal.actor, {"question": todo["state_reason"], "answer": body.answer},
                 answer=body.answer)
-    return todo_view(_reload(txn, todo_id))
+    return todo_view(reload_todo(txn, todo_id))
 
 
 def resume(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
-    todo = _human_todo(txn, principal, "resume", todo_id, ("blocked",))
-    _transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=None)
-    return todo_view(_reload(txn, todo_id))
+    todo = human_todo(txn, principal, "resume", todo_id, ("blocked",))
+    transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=None)
+    return todo_view(reload_todo(txn, todo_id))
 
 
 def retry(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
-    todo = _human_todo(txn, principal, "retry", todo_id, ("failed",))
+    todo = human_todo(txn, principal, "retry", todo_id, ("failed",))
     if txn.one("SELECT 1 FROM endpoints WHERE id = ? AND revoked_at IS NOT NULL", (todo["endpoint_id"],)):
         raise ApiError("conflict", "the todo's endpoint is revoked; reroute it instead")
-    _transition(txn, todo, "pending", principal.actor, {"note": body.note}, attempt=0, dead_letter=0)
-    return todo_view(_reload(txn, todo_id))
+    transition(txn, todo, "pending", principal.actor, {"note": body.note}, attempt=0, dead_letter=0)
+    return todo_view(reload_todo(txn, todo_id))
 
 
 def defer(txn: Txn, principal: Principal, todo_id: str, body: Defer) -> dict:
-    todo = _human_todo(txn, principal, "defer", todo_id, ("pending",))
+    todo = human_todo(txn, principal, "defer", todo_id, ("pending",))
     until = to_ms(body.until) if body.until else None
-    _transition(txn, todo, "deferred", principal.actor, {"reason": body.reason, "until": iso(until)},
+    transition(txn, todo, "deferred", principal.actor, {"reason": body.reason, "until": iso(until)},
                 state_reason=body.reason, deferred_until=until)
-    return todo_view(_reload(txn, todo_id))
+    return todo_view(reload_todo(txn, todo_id))
 
 
 def undefer(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
-    todo = _human_todo(txn, principal, "undefer", todo_id, ("deferred",))
-    _transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=None, deferred_until=None)
-    return todo_view(_reload(txn, todo_id))
+    todo = human_todo(txn, principal, "undefer", todo_id, ("deferred",))
+    transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=None, deferred_until=None)
+    return todo_view(reload_todo(txn, todo_id))
 
 
 def cancel(txn: Txn, principal: Principal, todo_id: str, body: Cancel) -> dict:
     """Cancel live work, or close a dead letter the human will not retry (it stops being a dead letter)."""
-    todo = _human_todo(txn, principal, "cancel", todo_id,
+    todo = human_todo(txn, principal, "cancel", todo_id,
                        ("pending", "claimed", "needs_input", "blocked", "review", "deferred", "failed"))
     if todo["state"] == "claimed":
-        _end_attempt(txn, todo, "cancelled", body.reason)
-    _transition(txn, todo, "cancelled", principal.actor, {"reason": body.reason}, state_reason=body.reason,
+        end_attempt(txn, todo, "cancelled", body.reason)
+    transition(txn, todo, "cancelled", principal.actor, {"reason": body.reason}, state_reason=body.reason,
                 dead_letter=0)
-    _let_go_of_absorbed(txn, todo_id)
-    return todo_view(_reload(txn, todo_id))
+    let_go_of_absorbed(txn, todo_id)
+    return todo_view(reload_todo(txn, todo_id))
 
 
 def discard(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
-    todo = _human_todo(txn, principal, "discard", todo_id, ("quarantined",))
-    _transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="discarded")
-    return todo_view(_reload(txn, todo_id))
+    todo = human_todo(txn, principal, "discard", todo_id, ("quarantined",))
+    transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="discarded")
+    return todo_view(reload_todo(txn, todo_id))
 
 
 def _reroute_target(txn: Txn, todo: sqlite3.Row, queue: str) -> str:
@@ -121,7 +121,7 @@ def _reroute_target(txn: Txn, todo: sqlite3.Row, queue: str) -> str:
 def reroute(txn: Txn, principal: Principal, todo_id: str, body: Reroute) -> dict:
     if body.queue in RESERVED_QUEUES:
         raise ApiError("invalid_argument", f"queue: {body.queue} is reserved")
-    todo = _human_todo(txn, principal, "reroute", todo_id, ("pending", "needs_input", "blocked", "deferred", "failed"))
+    todo = human_todo(txn, principal, "reroute", todo_id, ("pending", "needs_input", "blocked", "deferred", "failed"))
     endpoint_id = _reroute_target(txn, todo, body.queue)
     if todo["idempotency_key"] is not None:
         twin = txn.one("SELECT id FROM todos WHERE endpoint_id = ? AND idempotency_key = ? AND id <> ?"
@@ -131,11 +131,11 @@ def reroute(txn: Txn, principal: Principal, todo_id: str, body: Reroute) -> dict
             raise ApiError("conflict", f"todo {twin['id']} on {endpoint_id} already holds idempotency key"
                                        f" {todo['idempotency_key']!r}; finish or cancel one of them first")
     txn.execute("DELETE FROM absorptions WHERE absorbed_id = ?", (todo_id,))
-    _transition(txn, todo, "pending", principal.actor,
+    transition(txn, todo, "pending", principal.actor,
                 {"from_queue": todo["queue"], "to_queue": body.queue, "endpoint_id": endpoint_id},
                 queue=body.queue, endpoint_id=endpoint_id, attempt=0, dead_letter=0, state_reason=None,
                 deferred_until=None, answer=None)
-    return todo_view(_reload(txn, todo_id))
+    return todo_view(reload_todo(txn, todo_id))
 
 
 # -- operator-authored todos ------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def push_todo(txn: Txn, principal: Principal, endpoint_id: str, body: TodoPush) 
     """A todo written by a human or the operator, recorded as an event of trust mode `operator`."""
     if principal.kind == "endpoint":
         raise ApiError("forbidden", "pushing todos needs a human token")
-    endpoint = _own_endpoint(txn, principal, endpoint_id)
+    endpoint = own_endpoint(txn, principal, endpoint_id)
     if endpoint["revoked_at"] is not None:
         raise ApiError("conflict", f"endpoint {endpoint_id} is revoked")
     if body.queue not in json.loads(endpoint["queues"]):
@@ -177,4 +177,4 @@ def push_todo(txn: Txn, principal: Principal, endpoint_id: str, body: TodoPush) 
                 gated=int(bool(work_item and "review" in (work_item.approval_gates or []))),
                 depends_on=[dep for dep, _ in dep_states],
                 **({"state": "blocked", "state_reason": f"dependency {dead[0][0]} {dead[0][1]}"} if dead else {}))
-    return {**todo_view(_reload(txn, todo_id)), "created": True}
+    return {**todo_view(reload_todo(txn, todo_id)), "created": True}

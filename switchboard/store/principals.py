@@ -116,7 +116,7 @@ def vend_endpoint(txn: Txn, human_id: str, spec: EndpointCreate) -> dict:
     return {**view, "token": token}
 
 
-def _own_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> sqlite3.Row:
+def own_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> sqlite3.Row:
     rows = owned_rows(txn, principal, "endpoints", endpoint_id)
     if not rows:
         raise ApiError("not_found", f"no endpoint {endpoint_id}")

@@ -12,12 +12,12 @@ from switchboard.database import Database, Txn
 from switchboard.envelope import actors_to_trust, stored_envelope, untrusted_names
 from switchboard.evaluator import Evaluator
 from switchboard.models import ReleaseQuarantine
-from switchboard.store.deliveries import EVENT_WITH_BODY, _create_planned_todo, plan_delivery
-from switchboard.store.human_actions import _human_todo
+from switchboard.store.deliveries import EVENT_WITH_BODY, create_planned_todo, plan_delivery
+from switchboard.store.human_actions import human_todo
 from switchboard.store.principals import Principal
 from switchboard.store.routing import decide_for_webhook, with_current_actor
-from switchboard.store.todos import _json, get_todo
-from switchboard.store.transitions import _transition, claim_once
+from switchboard.store.todos import get_todo, stored_json
+from switchboard.store.transitions import claim_once, transition
 
 # -- quarantine -------------------------------------------------------------------------------------
 
@@ -37,7 +37,7 @@ def _trusting(todo: sqlite3.Row, webhook: sqlite3.Row, envelope: dict) -> tuple[
     if todo["state_reason"] != "untrusted_actor":
         raise ApiError("conflict", f"trust_actor is for deliveries the trust gate held; this one is held as"
                                    f" {todo['state_reason']}")
-    trusted = _json(webhook["trusted_actors"]) or {}
+    trusted = stored_json(webhook["trusted_actors"]) or {}
     names = actors_to_trust(envelope, trusted)
     if trusted.get("allow_all") or not names:
         raise ApiError("conflict", "there is no actor to trust on this delivery")
@@ -47,7 +47,7 @@ def _trusting(todo: sqlite3.Row, webhook: sqlite3.Row, envelope: dict) -> tuple[
 
 
 def _held_subject(txn: Txn, principal: Principal, todo_id: str) -> tuple[sqlite3.Row, sqlite3.Row | None, dict]:
-    todo = _human_todo(txn, principal, "release", todo_id, ("quarantined",))
+    todo = human_todo(txn, principal, "release", todo_id, ("quarantined",))
     event = txn.one(f"{EVENT_WITH_BODY} WHERE id = ?", (todo["event_id"],))
     if event is None or event["envelope"] is None:
         raise ApiError("conflict", "the held delivery was pruned; discard it")
@@ -94,17 +94,17 @@ def apply_quarantine_release(txn: Txn, principal: Principal, release: Quarantine
         txn.logs.append(f"webhook {webhook['id']} trusted actors set by a release")
     trace = json.dumps(plan.trace_for(todo["endpoint_id"]))
     if plan.disposition == "quarantined":
-        _transition(txn, todo, "quarantined", principal.actor, evidence, state_reason=plan.trace["hold"], trace=trace)
+        transition(txn, todo, "quarantined", principal.actor, evidence, state_reason=plan.trace["hold"], trace=trace)
     elif plan.disposition != "routed":
-        _transition(txn, todo, "done", principal.actor, evidence, outcome="discarded", state_reason=plan.disposition,
+        transition(txn, todo, "done", principal.actor, evidence, outcome="discarded", state_reason=plan.disposition,
                     trace=trace)
     else:
         if plan.once_key:
             claim_once(txn, webhook["id"], plan.once_key, todo["event_id"], release.action["queue"])
         (endpoint_id, queue, _), *others = plan.targets
-        _transition(txn, todo, "pending", principal.actor, evidence, queue=queue, endpoint_id=endpoint_id,
+        transition(txn, todo, "pending", principal.actor, evidence, queue=queue, endpoint_id=endpoint_id,
                     trace=json.dumps(plan.trace_for(endpoint_id)),
                     work_order=json.dumps(plan.work_order) if plan.work_order else None, state_reason=None)
         for target in others:
-            _create_planned_todo(txn, new_id("td"), target, release.envelope, plan, todo["event_id"], todo["title"])
+            create_planned_todo(txn, new_id("td"), target, release.envelope, plan, todo["event_id"], todo["title"])
     return get_todo(txn, principal, todo["id"])

@@ -10,16 +10,17 @@ from dataclasses import dataclass
 from switchboard.configuration import ApiError, to_ms
 from switchboard.crypto import new_id
 from switchboard.database import Txn
-from switchboard.envelope import envelope_document, envelope_record, envelope_title, payload_text, stored_envelope
+from switchboard.envelope import envelope_document, envelope_record, envelope_title, stored_envelope
 from switchboard.evaluator import Evaluator
 from switchboard.models import ReplayMany
-from switchboard.store.deliveries import EVENT_WITH_BODY, _create_planned_todo, plan_delivery
+from switchboard.payload import payload_text
+from switchboard.store.deliveries import EVENT_WITH_BODY, create_planned_todo, plan_delivery
 from switchboard.store.principals import Principal
 from switchboard.store.routing import decide_for_webhook, gate, with_current_actor
 from switchboard.store.rules import rules_view
-from switchboard.store.todos import _json
-from switchboard.store.transitions import _transition, claim_once
-from switchboard.store.webhooks import _visible_webhook
+from switchboard.store.todos import stored_json
+from switchboard.store.transitions import claim_once, transition
+from switchboard.store.webhooks import visible_webhook
 
 # Bytes of stored bodies a replay holds at once: a bulk replay reads, evaluates and applies its deliveries in
 # batches whose bodies add up to at most this (a larger body is a batch of its own), never all of them together.
@@ -45,7 +46,7 @@ def replay_events(txn: Txn, principal: Principal, webhook_id: str, body: ReplayM
     """The matching events of a webhook, newest first, each with its body's size (SQLite reads a blob's length
     without reading the blob)."""
     principal.require_human("replaying deliveries")
-    _visible_webhook(txn, principal, webhook_id, "replay")
+    visible_webhook(txn, principal, webhook_id, "replay")
     sql = ("SELECT e.id, coalesce(length(b.body), 0) AS size FROM events e"
            " LEFT JOIN event_bodies b ON b.event_id = e.id WHERE e.webhook_id = ?")
     args: list = [webhook_id]
@@ -137,11 +138,11 @@ def apply_replay(txn: Txn, principal: Principal, replay: Replay, dry_run: bool) 
     todos = []
     for target in fresh:
         todo_id = new_id("td")
-        _create_planned_todo(txn, todo_id, target, envelope, plan, event["id"], envelope_title(envelope))
+        create_planned_todo(txn, todo_id, target, envelope, plan, event["id"], envelope_title(envelope))
         todos.append({"id": todo_id, "endpoint_id": target[0], "queue": target[1], "created": True})
     if plan.disposition == "routed" and fresh:
         for held in (m for m in minted if m["state"] == "quarantined"):
-            _transition(txn, held, "done", principal.actor, {"replayed": True}, outcome="discarded",
+            transition(txn, held, "done", principal.actor, {"replayed": True}, outcome="discarded",
                         state_reason="replayed")
     txn.execute("INSERT INTO event_replays (id, event_id, actor, at, before, after, created) VALUES (?, ?, ?, ?, ?,"
                 " ?, ?)", (new_id("rp"), event["id"], principal.actor, txn.now, json.dumps(before), json.dumps(after),
@@ -162,7 +163,7 @@ def _covered_targets(txn: Txn, event: sqlite3.Row, minted: list[sqlite3.Row]) ->
     answer; one minted later and since rerouted left the queue its reroute names, from the endpoint its trace
     names when it names one (else it covers that queue on every endpoint: `None`). None when a human released
     one of them from hold: the release routed the delivery, so its work is placed and no target gets another."""
-    first = {t["id"]: (t["endpoint_id"], t["queue"]) for t in (_json(event["outcome"]) or {}).get("todos", [])}
+    first = {t["id"]: (t["endpoint_id"], t["queue"]) for t in (stored_json(event["outcome"]) or {}).get("todos", [])}
     left: dict[str, str] = {}
     for move in txn.all(_MOVES, (event["id"],)):
         if move["from_state"] == "quarantined" and move["from_queue"] is None:
@@ -174,7 +175,7 @@ def _covered_targets(txn: Txn, event: sqlite3.Row, minted: list[sqlite3.Row]) ->
         if todo["id"] in first:
             covered.add(first[todo["id"]])
         elif todo["id"] in left:
-            named = (_json(todo["trace"]) or {}).get("endpoints") or []
+            named = (stored_json(todo["trace"]) or {}).get("endpoints") or []
             covered.add((named[0] if len(named) == 1 else None, left[todo["id"]]))
     return covered
 

@@ -9,20 +9,20 @@ from typing import Any
 from switchboard.configuration import ApiError
 from switchboard.database import Database, Txn
 from switchboard.envelope import actor_view, build_envelope, stored_envelope
-from switchboard.evaluator import Evaluator, _fault_detail, combined_program, forbidden_in_program
+from switchboard.evaluator import Evaluator, combined_program, fault_detail, forbidden_in_program
 from switchboard.models import Rule, RuleSet, RulesTest, parse_model
 from switchboard.store.deliveries import EVENT_WITH_BODY, plan_delivery
 from switchboard.store.principals import Principal
 from switchboard.store.rules import (
-    _rule_label,
     check_rule_targets,
     check_rules_statically,
     latest_envelopes,
+    rule_label,
     rules_view,
     save_rules,
 )
-from switchboard.store.todos import _json, dump_json
-from switchboard.store.webhooks import _visible_webhook
+from switchboard.store.todos import dump_json, stored_json
+from switchboard.store.webhooks import visible_webhook
 
 # -- routing decisions (the evaluator's side of the store) ------------------------------------------
 
@@ -88,8 +88,8 @@ def validate_rule_set(evaluator: Evaluator, rules: list[Rule], params: dict, ten
     check_rules_statically(rules, params)
     exprs = [r.expr for r in rules]
     for error in evaluator.compile_errors(exprs, params, tenant):
-        raise ApiError("invalid_argument", f"{_rule_label(error['index'], rules[error['index']])}: "
-                                           f"{_fault_detail(error['detail'])}")
+        raise ApiError("invalid_argument", f"{rule_label(error['index'], rules[error['index']])}: "
+                                           f"{fault_detail(error['detail'])}")
     program = combined_program(tuple(exprs))
     # What runs is the combined program: its identifiers are checked as jq will read them.
     forbidden = forbidden_in_program(program)
@@ -102,7 +102,7 @@ def validate_rule_set(evaluator: Evaluator, rules: list[Rule], params: dict, ten
 def set_rules(db: Database, evaluator: Evaluator, principal: Principal, webhook_id: str, body: RuleSet) -> dict:
     """Validate like the spec says (statically, compiled, targets, then a dry run over the latest stored
     deliveries in which any faulting rule refuses the save) and store. Params omitted are kept."""
-    current = db.read_sync(lambda txn: rules_view(_visible_webhook(txn, principal, webhook_id, "set_webhook_rules")))
+    current = db.read_sync(lambda txn: rules_view(visible_webhook(txn, principal, webhook_id, "set_webhook_rules")))
     explicit_params = body.params if "params" in body.model_fields_set and body.params is not None else None
     params = explicit_params if explicit_params is not None else current["params"]
     validate_rule_set(evaluator, body.rules, params, principal.human_id)
@@ -114,7 +114,7 @@ def set_rules(db: Database, evaluator: Evaluator, principal: Principal, webhook_
             index = trace["rule_index"]
             if index is None:
                 index = _first_faulting_rule(evaluator, rules, params, doc, principal.human_id)
-            where = _rule_label(index, body.rules[index]) if index is not None else "rules"
+            where = rule_label(index, body.rules[index]) if index is not None else "rules"
             raise ApiError("invalid_argument", f"{where}: faults on stored delivery {event_id}"
                                                f" ({trace['cause']}: {trace['faults'][0]['detail']})")
     return db.write_sync(save_rules, principal, webhook_id, body.rules, body.default_action, explicit_params)
@@ -122,13 +122,13 @@ def set_rules(db: Database, evaluator: Evaluator, principal: Principal, webhook_
 
 def _targets_checked_envelopes(txn: Txn, principal: Principal, webhook_id: str, rules: list[Rule],
                                default: Any) -> list[tuple[str, bytes]]:
-    webhook = _visible_webhook(txn, principal, webhook_id, "set_webhook_rules")
+    webhook = visible_webhook(txn, principal, webhook_id, "set_webhook_rules")
     check_rule_targets(txn, webhook, rules, default)
     return latest_envelopes(txn, webhook_id)
 
 
 def _test_subject(txn: Txn, principal: Principal, webhook_id: str, event_id: str | None) -> tuple[sqlite3.Row, dict | None]:
-    webhook = _visible_webhook(txn, principal, webhook_id, "test_webhook_rules")
+    webhook = visible_webhook(txn, principal, webhook_id, "test_webhook_rules")
     if event_id is None:
         return webhook, None
     row = txn.one(f"{EVENT_WITH_BODY} WHERE id = ? AND webhook_id = ?", (event_id, webhook_id))
@@ -156,7 +156,7 @@ def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webh
         verified = body.verified if body.verified is not None else webhook["trust_mode"] == "signed"
         envelope = build_envelope(provider=webhook["provider"], webhook_id=webhook["id"],
                                   trust_mode=webhook["trust_mode"], verified=verified, headers=headers, body=raw,
-                                  payload=body.payload, trusted_actors=_json(webhook["trusted_actors"]))
+                                  payload=body.payload, trusted_actors=stored_json(webhook["trusted_actors"]))
     elif body.verified is not None:
         envelope["verified"] = body.verified
     action, trace = gate(envelope) or decide(
@@ -172,5 +172,5 @@ def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webh
 
 def with_current_actor(envelope: dict, webhook: sqlite3.Row, trusted_actors: dict | None = None) -> dict:
     """A stored envelope with `.actor` as the webhook's trusted actors (or `trusted_actors`) say now."""
-    trusted = trusted_actors or _json(webhook["trusted_actors"])
+    trusted = trusted_actors or stored_json(webhook["trusted_actors"])
     return {**envelope, "actor": actor_view(webhook["provider"], envelope["payload"], trusted)}

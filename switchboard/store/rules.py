@@ -11,9 +11,9 @@ from switchboard.database import Txn
 from switchboard.envelope import stored_envelope
 from switchboard.evaluator import DRY_RUN_EVENTS, read_rule
 from switchboard.models import QueueAction, Rule
-from switchboard.store.deliveries import EVENT_WITH_BODY, _plan_targets
+from switchboard.store.deliveries import EVENT_WITH_BODY, plan_targets
 from switchboard.store.principals import Principal
-from switchboard.store.webhooks import _visible_webhook, webhook_targets
+from switchboard.store.webhooks import visible_webhook, webhook_targets
 
 # -- rules ------------------------------------------------------------------------------------------
 
@@ -22,7 +22,7 @@ MAX_EXPR_BYTES = 4096
 MAX_PARAMS_BYTES = 16 << 10
 
 
-def _rule_label(index: int, rule: Rule) -> str:
+def rule_label(index: int, rule: Rule) -> str:
     return f"rules[{index}] (id {rule.id!r})"
 
 
@@ -32,7 +32,7 @@ def check_rules_statically(rules: list[Rule], params: dict) -> None:
         raise ApiError("invalid_argument", f"rules: at most {MAX_RULES} rules, got {len(rules)}")
     seen: set[str] = set()
     for index, rule in enumerate(rules):
-        label = _rule_label(index, rule)
+        label = rule_label(index, rule)
         if rule.id in seen:
             raise ApiError("invalid_argument", f"{label}: id is repeated")
         seen.add(rule.id)
@@ -71,7 +71,7 @@ def check_rule_targets(txn: Txn, webhook: sqlite3.Row, rules: list[Rule], defaul
     """Every queue action must be receivable by some target; `exclusive` needs a target scoped to its queue."""
     targets = webhook_targets(txn, webhook)
     target_ids = {t["id"] for t in targets}
-    actions = [(_rule_label(i, r), r.action) for i, r in enumerate(rules)] + [("default_action", default)]
+    actions = [(rule_label(i, r), r.action) for i, r in enumerate(rules)] + [("default_action", default)]
     for label, action in actions:
         if not isinstance(action, QueueAction):
             continue
@@ -80,7 +80,7 @@ def check_rule_targets(txn: Txn, webhook: sqlite3.Row, rules: list[Rule], defaul
         unknown = [e for e in action.endpoints or () if e not in target_ids]
         if unknown:
             raise ApiError("invalid_argument", f"{label}: endpoint {unknown[0]} is not a target of this webhook")
-        if not _plan_targets(txn, webhook, action.model_dump()):
+        if not plan_targets(txn, webhook, action.model_dump()):
             what = "exclusive delivery has no target scoped to" if action.exclusive else "no target endpoint receives"
             raise ApiError("invalid_argument", f"{label}: {what} queue {action.queue}")
 
@@ -92,7 +92,7 @@ def rules_view(webhook: sqlite3.Row) -> dict:
 
 
 def get_rules(txn: Txn, principal: Principal, webhook_id: str) -> dict:
-    return rules_view(_visible_webhook(txn, principal, webhook_id, "get_webhook_rules"))
+    return rules_view(visible_webhook(txn, principal, webhook_id, "get_webhook_rules"))
 
 
 def latest_envelopes(txn: Txn, webhook_id: str) -> list[tuple[str, bytes]]:
@@ -103,7 +103,7 @@ def latest_envelopes(txn: Txn, webhook_id: str) -> list[tuple[str, bytes]]:
 
 def save_rules(txn: Txn, principal: Principal, webhook_id: str, rules: list[Rule], default: Any,
                params: dict | None) -> dict:
-    webhook = _visible_webhook(txn, principal, webhook_id, "set_webhook_rules")
+    webhook = visible_webhook(txn, principal, webhook_id, "set_webhook_rules")
     check_rule_targets(txn, webhook, rules, default)
     stored = {"rules": [r.model_dump(exclude_none=True) for r in rules],
               "default_action": default.model_dump(exclude_none=True) if default else None}

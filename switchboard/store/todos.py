@@ -8,8 +8,8 @@ from typing import Any
 
 from switchboard.configuration import ApiError, iso
 from switchboard.database import Txn
-from switchboard.envelope import stored_payload
 from switchboard.models import TodoListQuery
+from switchboard.payload import stored_payload
 from switchboard.store.principals import Principal
 
 # -- todos: views and visibility --------------------------------------------------------------------
@@ -24,7 +24,7 @@ def dump_json(value: Any, field_name: str) -> str | None:
         raise ApiError("invalid_argument", f"{field_name}: NaN and Infinity are not JSON") from None
 
 
-def _json(text: str | None) -> Any:
+def stored_json(text: str | None) -> Any:
     """Stored JSON, read back. Nothing stored may make a read fail: JSON nested too deep to read is null."""
     try:
         return None if text is None else json.loads(text)
@@ -41,10 +41,10 @@ def todo_view(row: sqlite3.Row) -> dict:
         "max_attempts": row["max_attempts"], "dead_letter": bool(row["dead_letter"]),
         "lease_expires_at": iso(row["lease_expires_at"]), "available_at": iso(row["available_at"]),
         "created_at": iso(row["created_at"]), "updated_at": iso(row["updated_at"]),
-        "payload": (_json(row["payload"]) if row["payload"] is not None
+        "payload": (stored_json(row["payload"]) if row["payload"] is not None
                     else stored_payload(row["event_body"], row["event_content_type"])),
-        "work_order": _json(row["work_order"]),
-        "work_item": _json(row["work_item"]), "trace": _json(row["trace"]), "result": _json(row["result"]),
+        "work_order": stored_json(row["work_order"]),
+        "work_item": stored_json(row["work_item"]), "trace": stored_json(row["trace"]), "result": stored_json(row["result"]),
         "last_error": row["last_error"], "key": row["idempotency_key"], "state_reason": row["state_reason"],
         "answer": row["answer"], "deferred_until": iso(row["deferred_until"]), "event_id": row["event_id"],
         "rings": {"count": row["ring_count"], "last_at": iso(row["last_ring_at"]),
@@ -59,7 +59,7 @@ def attempt_view(row: sqlite3.Row) -> dict:
             "artifact": row["artifact"]}
 
 
-def _scope_clause(principal: Principal) -> tuple[str, tuple]:
+def scope_clause(principal: Principal) -> tuple[str, tuple]:
     """The WHERE fragment that confines a query on `todos` to what the principal may see."""
     if principal.kind == "endpoint":
         return "endpoint_id = ? AND state <> 'quarantined'", (principal.id,)
@@ -68,16 +68,16 @@ def _scope_clause(principal: Principal) -> tuple[str, tuple]:
     return "1 = 1", ()
 
 
-def _load_todo(txn: Txn, principal: Principal, todo_id: str, source: str = "todos") -> sqlite3.Row:
+def load_todo(txn: Txn, principal: Principal, todo_id: str, source: str = "todos") -> sqlite3.Row:
     """A todo the principal may see; from `todo_rows` when it is to be shown (todo_view), else the bare row."""
-    clause, params = _scope_clause(principal)
+    clause, params = scope_clause(principal)
     row = txn.one(f"SELECT * FROM {source} WHERE id = ? AND {clause}", (todo_id, *params))
     if row is None:
         raise ApiError("not_found", f"no todo {todo_id}")
     return row
 
 
-def _reload(txn: Txn, todo_id: str) -> sqlite3.Row:
+def reload_todo(txn: Txn, todo_id: str) -> sqlite3.Row:
     """A todo as todo_view reads it."""
     return txn.one("SELECT * FROM todo_rows WHERE id = ?", (todo_id,))
 
@@ -85,7 +85,7 @@ def _reload(txn: Txn, todo_id: str) -> sqlite3.Row:
 def todo_groups(txn: Txn, principal: Principal, where: str = "1 = 1", params: tuple = ()) -> list[tuple]:
     """The groups (endpoint, state, queue) that hold todos the principal may see and that meet `where`, a condition
     on the state and the queue (and the endpoint) only: from todo_counts, a few rows whatever the todos number."""
-    clause, scope = _scope_clause(principal)
+    clause, scope = scope_clause(principal)
     return [tuple(r) for r in txn.all(f"SELECT endpoint_id, state, queue FROM todo_counts WHERE {clause} AND n > 0"
                                       f" AND ({where})", (*scope, *params))]
 
@@ -127,12 +127,12 @@ def list_todos(txn: Txn, principal: Principal, query: TodoListQuery) -> dict:
 def get_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
     if principal.kind == "endpoint":
         principal.require_verb("get_todo")
-    view = todo_view(_load_todo(txn, principal, todo_id, "todo_rows"))
+    view = todo_view(load_todo(txn, principal, todo_id, "todo_rows"))
     view["attempts"] = [attempt_view(a) for a in txn.all(
         "SELECT * FROM attempts WHERE todo_id = ? ORDER BY seq", (todo_id,))]
     view["history"] = [
         {"at": iso(h["at"]), "actor": h["actor"], "from": h["from_state"], "to": h["to_state"],
-         "evidence": _json(h["evidence"])}
+         "evidence": stored_json(h["evidence"])}
         for h in txn.all("SELECT * FROM todo_history WHERE todo_id = ? ORDER BY id", (todo_id,))]
     view["depends_on"] = [d["depends_on_id"] for d in txn.all(
         "SELECT depends_on_id FROM todo_deps WHERE todo_id = ? ORDER BY depends_on_id", (todo_id,))]

@@ -24,13 +24,13 @@ from switchboard.crypto import hashes_match, new_id, token_hash
 from switchboard.database import Txn
 from switchboard.models import Block, ClaimById, ClaimNext, Complete, Fail, Heartbeat, Leased, NeedsInput, Release
 from switchboard.store.outbox import notify_todo
-from switchboard.store.principals import Principal, _own_endpoint, endpoint_view
-from switchboard.store.todos import _load_todo, _reload, attempt_view, dump_json, todo_view
+from switchboard.store.principals import Principal, endpoint_view, own_endpoint
+from switchboard.store.todos import attempt_view, dump_json, load_todo, reload_todo, todo_view
 
 
 def revoke_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> dict:
     """Revocation is immediate: the token stops working and every open todo fails `endpoint_revoked`."""
-    row = _own_endpoint(txn, principal, endpoint_id)
+    row = own_endpoint(txn, principal, endpoint_id)
     if row["revoked_at"] is not None:
         return endpoint_view(row)
     txn.execute("UPDATE endpoints SET revoked_at = ? WHERE id = ?", (txn.now, endpoint_id))
@@ -39,8 +39,8 @@ def revoke_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> dict:
                          f" AND state <> 'quarantined'", (endpoint_id,))
     for todo in open_todos:
         if todo["state"] == "claimed":
-            _end_attempt(txn, todo, "failed", "endpoint revoked")
-        _transition(txn, todo, "failed", principal.actor, {"reason": "endpoint_revoked"},
+            end_attempt(txn, todo, "failed", "endpoint revoked")
+        transition(txn, todo, "failed", principal.actor, {"reason": "endpoint_revoked"},
                     dead_letter=1, last_error="endpoint_revoked")
     txn.logs.append(f"endpoint {endpoint_id} revoked; {len(open_todos)} open todos failed")
     return endpoint_view(txn.one("SELECT * FROM endpoints WHERE id = ?", (endpoint_id,)))
@@ -54,7 +54,7 @@ _UNBLOCKED = ("NOT EXISTS (SELECT 1 FROM todo_deps d JOIN todos p ON p.id = d.de
 
 # Claimable: a pending todo's dependencies are done and no live attempt (leased, or awaiting review) holds it
 # absorbed. The one `?` is the transaction's now; the text never changes, so SQLite reuses the prepared statement.
-_CLAIMABLE = (f"{_UNBLOCKED} AND NOT EXISTS (SELECT 1 FROM absorptions a JOIN todos h ON h.id = a.holder_id"
+CLAIMABLE = (f"{_UNBLOCKED} AND NOT EXISTS (SELECT 1 FROM absorptions a JOIN todos h ON h.id = a.holder_id"
               f" WHERE a.absorbed_id = todos.id AND (h.state = 'review'"
               f" OR (h.state = 'claimed' AND h.lease_expires_at > ?)))")
 
@@ -69,7 +69,7 @@ _INSERT_TODO = (f"INSERT INTO todos (id, endpoint_id, queue, title, source, kind
 def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: str, title: str, source: str,
                 kind: str | None, trace: str, event_id: str, depends_on: Iterable[str] = (),
                 **optional: Any) -> None:
-    """The one place a todo is born (the counterpart of _transition): its row, its dependencies, its first
+    """The one place a todo is born (the counterpart of transition): its row, its dependencies, its first
     history entry, the count, and a ring when it is claimable now. `optional` overrides TODO_DEFAULTS. Its payload
     is its event's body."""
     values = {**TODO_DEFAULTS, **optional}
@@ -114,7 +114,7 @@ def claim_once(txn: Txn, webhook_id: str, key: str, event_id: str, queue: str) -
                 (webhook_id, key, event_id, queue, txn.now))
 
 
-def _transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence: dict | None,
+def transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence: dict | None,
                 **changes: Any) -> dict:
     """The one place a todo changes state: the row, its history line, the log line, and what follows. Returns
     the columns it wrote (see _as_written)."""
@@ -147,13 +147,13 @@ def _transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence
         for dependent in txn.all(
                 "SELECT t.* FROM todo_deps d JOIN todos t ON t.id = d.todo_id"
                 " WHERE d.depends_on_id = ? AND t.state IN ('pending', 'deferred')", (todo["id"],)):
-            _transition(txn, dependent, "blocked", "system", {"dependency": todo["id"], "state": to_state},
+            transition(txn, dependent, "blocked", "system", {"dependency": todo["id"], "state": to_state},
                         state_reason=f"dependency {todo['id']} {to_state}")
     return columns
 
 
 def _as_written(todo: sqlite3.Row, written: dict) -> dict:
-    """A todo read from todo_rows with the columns just written over it: what _reload would read, without the
+    """A todo read from todo_rows with the columns just written over it: what reload_todo would read, without the
     read (a call into SQLite fewer on the hottest answers: claim, heartbeat, complete)."""
     return {**dict(todo), **written}
 
@@ -163,12 +163,12 @@ def _became_pending(txn: Txn, todo_id: str) -> None:
     if not txn.inline_rings:
         return
     row = txn.one(f"SELECT * FROM todos WHERE id = ? AND state = 'pending' AND available_at <= ? AND silent = 0"
-                  f" AND {_CLAIMABLE}", (todo_id, txn.now, txn.now))
+                  f" AND {CLAIMABLE}", (todo_id, txn.now, txn.now))
     if row is not None:
-        _mark_rung(txn, row)
+        mark_rung(txn, row)
 
 
-def _mark_rung(txn: Txn, row: sqlite3.Row) -> dict:
+def mark_rung(txn: Txn, row: sqlite3.Row) -> dict:
     """Count a ring on the todo and queue it for the doorbell."""
     txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ?", (txn.now, row["id"]))
     return _queue_ring(txn, row)
@@ -182,15 +182,15 @@ def _queue_ring(txn: Txn, todo: sqlite3.Row | dict) -> dict:
     return ring
 
 
-def _end_attempt(txn: Txn, todo: sqlite3.Row, outcome: str, summary: str | None, artifact: str | None = None) -> None:
+def end_attempt(txn: Txn, todo: sqlite3.Row, outcome: str, summary: str | None, artifact: str | None = None) -> None:
     """Close the open attempt. Anything but completion lets go of what the attempt absorbed (fail open)."""
     txn.execute("UPDATE attempts SET ended_at = ?, outcome = ?, summary = ?, artifact = ?"
                 " WHERE todo_id = ? AND ended_at IS NULL", (txn.now, outcome, summary, artifact, todo["id"]))
     if outcome != "completed":
-        _let_go_of_absorbed(txn, todo["id"])
+        let_go_of_absorbed(txn, todo["id"])
 
 
-def _let_go_of_absorbed(txn: Txn, holder_id: str) -> None:
+def let_go_of_absorbed(txn: Txn, holder_id: str) -> None:
     held = txn.all("SELECT absorbed_id FROM absorptions WHERE holder_id = ?", (holder_id,))
     if not held:
         return
@@ -200,7 +200,7 @@ def _let_go_of_absorbed(txn: Txn, holder_id: str) -> None:
         _became_pending(txn, row["absorbed_id"])
 
 
-def _write_receipt(txn: Txn, holder: sqlite3.Row, actor: str) -> None:
+def write_receipt(txn: Txn, holder: sqlite3.Row, actor: str) -> None:
     """On the holder's outright success: one receipt naming the still-pending todos the server handed to this
     attempt, each closed as done/absorbed. If writing fails, they are simply let go (fail open)."""
     if not txn.one("SELECT 1 FROM absorptions WHERE holder_id = ? LIMIT 1", (holder["id"],)):
@@ -221,7 +221,7 @@ def _write_receipt(txn: Txn, holder: sqlite3.Row, actor: str) -> None:
                     (receipt_id, holder["id"], seq, txn.now))
         for todo_id in absorbed:
             txn.execute("INSERT INTO receipt_items (todo_id, receipt_id) VALUES (?, ?)", (todo_id, receipt_id))
-            _transition(txn, _reload(txn, todo_id), "done", actor, {"absorbed_by": holder["id"], "receipt": receipt_id},
+            transition(txn, reload_todo(txn, todo_id), "done", actor, {"absorbed_by": holder["id"], "receipt": receipt_id},
                         outcome="absorbed",
                         result=json.dumps({"absorbed_by": holder["id"], "receipt": receipt_id}))
         txn.execute("DELETE FROM absorptions WHERE holder_id = ?", (holder["id"],))
@@ -230,7 +230,7 @@ def _write_receipt(txn: Txn, holder: sqlite3.Row, actor: str) -> None:
         txn.execute("ROLLBACK TO receipt")
         txn.execute("RELEASE receipt")
         log.error("receipt for %s not written (%s); its absorbed todos run as usual", holder["id"], exc)
-        _let_go_of_absorbed(txn, holder["id"])
+        let_go_of_absorbed(txn, holder["id"])
         return
     txn.logs.append(f"receipt {receipt_id}: {holder['id']} absorbed {len(absorbed)} todos")
 
@@ -242,7 +242,7 @@ def absorb(txn: Txn, principal: Principal, todo_id: str, body: Leased) -> dict:
     if holder["subject_key"] is not None:
         fresh = txn.all(
             f"SELECT id FROM todos WHERE endpoint_id = ? AND queue = ? AND subject_key = ? AND state = 'pending'"
-            f" AND id <> ? AND created_at <= ? AND {_CLAIMABLE}",
+            f" AND id <> ? AND created_at <= ? AND {CLAIMABLE}",
             (holder["endpoint_id"], holder["queue"], holder["subject_key"], todo_id, txn.now, txn.now))
         for row in fresh:
             txn.execute("INSERT OR REPLACE INTO absorptions (absorbed_id, holder_id, holder_seq, absorbed_at)"
@@ -254,15 +254,15 @@ def absorb(txn: Txn, principal: Principal, todo_id: str, body: Leased) -> dict:
     return {"absorbed": [todo_view(r) for r in rows]}
 
 
-def _expire_lease(txn: Txn, todo: sqlite3.Row) -> None:
+def expire_lease(txn: Txn, todo: sqlite3.Row) -> None:
     """A lapsed lease is a failed attempt (lease_expired), retried at once or dead-lettered at the cap."""
-    _end_attempt(txn, todo, "lease_expired", None)
+    end_attempt(txn, todo, "lease_expired", None)
     txn.counts["lease_expired"] += 1
     evidence = {"attempt": todo["attempt"], "outcome": "lease_expired"}
     if todo["attempt"] >= todo["max_attempts"]:
-        _transition(txn, todo, "failed", "system", evidence, dead_letter=1, last_error="lease_expired")
+        transition(txn, todo, "failed", "system", evidence, dead_letter=1, last_error="lease_expired")
     else:
-        _transition(txn, todo, "pending", "system", evidence, last_error="lease_expired")
+        transition(txn, todo, "pending", "system", evidence, last_error="lease_expired")
 
 
 def _reap_endpoint(txn: Txn, endpoint_id: str) -> int:
@@ -270,7 +270,7 @@ def _reap_endpoint(txn: Txn, endpoint_id: str) -> int:
     lapsed = txn.all("SELECT * FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at <= ?",
                      (endpoint_id, txn.now))
     for todo in lapsed:
-        _expire_lease(txn, todo)
+        expire_lease(txn, todo)
     return len(lapsed)
 
 
@@ -297,7 +297,7 @@ def _claim_row(txn: Txn, principal: Principal, todo: sqlite3.Row, prior: list[di
     seq = prior[-1]["seq"] + 1 if prior else 1
     expires = txn.now + lease * 1000
     who = claimant or principal.actor
-    written = _transition(txn, todo, "claimed", principal.actor,
+    written = transition(txn, todo, "claimed", principal.actor,
                           {"attempt": todo["attempt"] + 1, "seq": seq, "claimant": who},
                           attempt=todo["attempt"] + 1, lease_expires_at=expires,
                           lease_token_hash=token_hash(lease_token),
@@ -308,7 +308,7 @@ def _claim_row(txn: Txn, principal: Principal, todo: sqlite3.Row, prior: list[di
             "prior_attempts": [attempt_view(a) for a in prior]}
 
 
-def _claim_queues(principal: Principal, wanted: list[str] | None) -> list[str]:
+def claim_queues(principal: Principal, wanted: list[str] | None) -> list[str]:
     if wanted is None:
         return list(principal.queues)
     outside = [q for q in wanted if q not in principal.queues]
@@ -322,12 +322,12 @@ def claim_next(txn: Txn, principal: Principal, body: ClaimNext) -> dict:
     endpoint are expired first, so their todos count; one statement reads the best todo, its prior attempts and
     whether any lease has lapsed (then the claim reaps and reads again)."""
     principal.require_verb("claim_next")
-    queues = _claim_queues(principal, body.queue_filter())
+    queues = claim_queues(principal, body.queue_filter())
     marks = ",".join("?" * len(queues))
     best = (f"SELECT t.*, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at <= ?"
             f" LIMIT 1) AS lapsed, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id = (SELECT id"
             f" FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks}) AND available_at <= ?"
-            f" AND {_CLAIMABLE} ORDER BY priority DESC, created_at, rowid LIMIT 1)")
+            f" AND {CLAIMABLE} ORDER BY priority DESC, created_at, rowid LIMIT 1)")
     params = (principal.id, txn.now, principal.id, *queues, txn.now, txn.now)
     row = txn.one(best, params)
     if (row is None or row["lapsed"]) and _reap_endpoint(txn, principal.id):
@@ -340,17 +340,17 @@ def claim_next(txn: Txn, principal: Principal, body: ClaimNext) -> dict:
 
 def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) -> dict:
     principal.require_verb("claim")
-    todo = _load_todo(txn, principal, todo_id, "todo_rows")
+    todo = load_todo(txn, principal, todo_id, "todo_rows")
     if todo["queue"] not in principal.queues:
         raise ApiError("forbidden", f"queue {todo['queue']} is outside this endpoint's scope")
     if todo["state"] == "claimed" and todo["lease_expires_at"] <= txn.now:
-        _expire_lease(txn, todo)
-        todo = _reload(txn, todo_id)
+        expire_lease(txn, todo)
+        todo = reload_todo(txn, todo_id)
     if todo["state"] != "pending":
         raise ApiError("conflict", f"todo is {todo['state']}, not claimable")
     if todo["available_at"] > txn.now:
         raise ApiError("conflict", f"todo is not available until {iso(todo['available_at'])}")
-    if txn.one(f"SELECT 1 FROM todos WHERE id = ? AND NOT ({_CLAIMABLE})", (todo_id, txn.now)):
+    if txn.one(f"SELECT 1 FROM todos WHERE id = ? AND NOT ({CLAIMABLE})", (todo_id, txn.now)):
         raise ApiError("conflict", "todo waits for its dependencies or is held by a run that absorbed it")
     prior = _prior_attempts(txn.one(f"SELECT ({_PRIOR_ATTEMPTS}) FROM todos t WHERE t.id = ?", (todo_id,))[0])
     return _claim_row(txn, principal, todo, prior, body.lease_seconds, body.claimant)
@@ -360,7 +360,7 @@ def _fenced(txn: Txn, principal: Principal, verb: str, todo_id: str, lease_token
             source: str = "todos") -> sqlite3.Row:
     """Fencing: the todo must be claimed under this exact, unexpired lease token. Read from `source`."""
     principal.require_verb(verb)
-    todo = _load_todo(txn, principal, todo_id, source)
+    todo = load_todo(txn, principal, todo_id, source)
     if todo["state"] != "claimed" or not hashes_match(todo["lease_token_hash"], lease_token):
         raise ApiError("conflict", "lease token is stale or wrong for this todo")
     if todo["lease_expires_at"] <= txn.now:
@@ -397,12 +397,12 @@ def complete(txn: Txn, principal: Principal, todo_id: str, body: Complete) -> di
     if todo["gated"]:
         if not summary:
             raise ApiError("invalid_argument", "summary: a gated todo needs a summary for its reviewer")
-        _end_attempt(txn, todo, "completed", summary, body.artifact)
-        written = _transition(txn, todo, "review", principal.actor, evidence, result=result, state_reason=summary)
+        end_attempt(txn, todo, "completed", summary, body.artifact)
+        written = transition(txn, todo, "review", principal.actor, evidence, result=result, state_reason=summary)
     else:
-        _end_attempt(txn, todo, "completed", summary, body.artifact)
-        written = _transition(txn, todo, "done", principal.actor, evidence, result=result, outcome="completed")
-        _write_receipt(txn, todo, principal.actor)
+        end_attempt(txn, todo, "completed", summary, body.artifact)
+        written = transition(txn, todo, "done", principal.actor, evidence, result=result, outcome="completed")
+        write_receipt(txn, todo, principal.actor)
     return todo_view(_as_written(todo, written))
 
 
@@ -412,15 +412,15 @@ def backoff_ms(attempt: int) -> int:
 
 def fail(txn: Txn, principal: Principal, todo_id: str, body: Fail) -> dict:
     todo = _fenced(txn, principal, "fail", todo_id, body.lease_token)
-    _end_attempt(txn, todo, "failed", _truncate_utf8(body.error, MAX_SUMMARY_BYTES))
+    end_attempt(txn, todo, "failed", _truncate_utf8(body.error, MAX_SUMMARY_BYTES))
     evidence = {"attempt": todo["attempt"], "error": body.error, "retry": body.retry}
     if body.retry and todo["attempt"] < todo["max_attempts"]:
         delay = body.retry_in_seconds * 1000 if body.retry_in_seconds is not None else backoff_ms(todo["attempt"])
-        _transition(txn, todo, "pending", principal.actor, evidence, last_error=body.error,
+        transition(txn, todo, "pending", principal.actor, evidence, last_error=body.error,
                     available_at=txn.now + delay)
     else:
-        _transition(txn, todo, "failed", principal.actor, evidence, last_error=body.error, dead_letter=1)
-    return todo_view(_reload(txn, todo_id))
+        transition(txn, todo, "failed", principal.actor, evidence, last_error=body.error, dead_letter=1)
+    return todo_view(reload_todo(txn, todo_id))
 
 
 def release(txn: Txn, principal: Principal, todo_id: str, body: Release) -> dict:
@@ -435,22 +435,22 @@ def hand_back_unheard(txn: Txn, principal: Principal, todo_id: str, lease_token:
 
 
 def _hand_back(txn: Txn, principal: Principal, todo: sqlite3.Row, note: str | None) -> dict:
-    _end_attempt(txn, todo, "released", note)
-    _transition(txn, todo, "pending", principal.actor, {"attempt": todo["attempt"], "note": note},
+    end_attempt(txn, todo, "released", note)
+    transition(txn, todo, "pending", principal.actor, {"attempt": todo["attempt"], "note": note},
                 attempt=todo["attempt"] - 1)
-    return todo_view(_reload(txn, todo["id"]))
+    return todo_view(reload_todo(txn, todo["id"]))
 
 
 def needs_input(txn: Txn, principal: Principal, todo_id: str, body: NeedsInput) -> dict:
     todo = _fenced(txn, principal, "needs_input", todo_id, body.lease_token)
-    _end_attempt(txn, todo, "needs_input", body.question)
-    _transition(txn, todo, "needs_input", principal.actor, {"question": body.question},
+    end_attempt(txn, todo, "needs_input", body.question)
+    transition(txn, todo, "needs_input", principal.actor, {"question": body.question},
                 state_reason=body.question)
-    return todo_view(_reload(txn, todo_id))
+    return todo_view(reload_todo(txn, todo_id))
 
 
 def block(txn: Txn, principal: Principal, todo_id: str, body: Block) -> dict:
     todo = _fenced(txn, principal, "block", todo_id, body.lease_token)
-    _end_attempt(txn, todo, "blocked", body.reason)
-    _transition(txn, todo, "blocked", principal.actor, {"reason": body.reason}, state_reason=body.reason)
-    return todo_view(_reload(txn, todo_id))
+    end_attempt(txn, todo, "blocked", body.reason)
+    transition(txn, todo, "blocked", principal.actor, {"reason": body.reason}, state_reason=body.reason)
+    return todo_view(reload_todo(txn, todo_id))

@@ -46,18 +46,18 @@ from switchboard.store.human_actions import (
     undefer,
 )
 from switchboard.store.transitions import (
-    _CLAIMABLE,
-    _expire_lease,
-    _mark_rung,
-    _transition,
+    CLAIMABLE,
     absorb,
     block,
     claim_todo,
     complete,
+    expire_lease,
     fail,
     heartbeat,
+    mark_rung,
     needs_input,
     release,
+    transition,
 )
 
 # -- background work --------------------------------------------------------------------------------
@@ -67,27 +67,27 @@ def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
     lapsed = txn.all("SELECT * FROM todos WHERE state = 'claimed' AND lease_expires_at <= ? LIMIT ?",
                      (txn.now, limit))
     for todo in lapsed:
-        _expire_lease(txn, todo)
+        expire_lease(txn, todo)
     due = txn.all("SELECT * FROM todos WHERE state = 'deferred' AND deferred_until <= ? LIMIT ?", (txn.now, limit))
     for todo in due:
-        _transition(txn, todo, "pending", "system", {"until": iso(todo["deferred_until"])},
+        transition(txn, todo, "pending", "system", {"until": iso(todo["deferred_until"])},
                     state_reason=None, deferred_until=None)
     expired = txn.all("SELECT * FROM todos WHERE state = 'quarantined' AND created_at <= ? LIMIT ?",
                       (txn.now - QUARANTINE_DAYS * 86_400_000, limit))
     for todo in expired:
-        _transition(txn, todo, "done", "system", {"expired_after_days": QUARANTINE_DAYS}, outcome="discarded",
+        transition(txn, todo, "done", "system", {"expired_after_days": QUARANTINE_DAYS}, outcome="discarded",
                     state_reason="expired")
     unrung = txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count = 0 AND available_at <= ?"
-                     f" AND silent = 0 AND {_CLAIMABLE} ORDER BY available_at LIMIT ?", (txn.now, txn.now, limit))
+                     f" AND silent = 0 AND {CLAIMABLE} ORDER BY available_at LIMIT ?", (txn.now, txn.now, limit))
     rerung: list[sqlite3.Row] = []
     for count, wait_ms in enumerate(RERING_AFTER_MS, start=1):
         rerung += txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count > 0 AND ring_count = ?"
                           f" AND last_ring_at <= ?"
-                          f" AND available_at <= ? AND silent = 0 AND {_CLAIMABLE} LIMIT ?",
+                          f" AND available_at <= ? AND silent = 0 AND {CLAIMABLE} LIMIT ?",
                           (count, txn.now - wait_ms, txn.now, txn.now, limit))
     if txn.inline_rings:
         for todo in unrung + rerung:
-            _mark_rung(txn, todo)
+            mark_rung(txn, todo)
     return {"lapsed": len(lapsed), "undeferred": len(due), "expired": len(expired), "rung": len(unrung),
             "rerung": len(rerung), "next_due": next_due(txn)}
 
@@ -115,9 +115,9 @@ def rings_for_new_session(txn: Txn, endpoint_id: str, queues: Iterable[str], lim
     queues = list(queues)
     marks = ",".join("?" * len(queues))
     rows = txn.all(f"SELECT * FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks})"
-                   f" AND available_at <= ? AND silent = 0 AND {_CLAIMABLE}"
+                   f" AND available_at <= ? AND silent = 0 AND {CLAIMABLE}"
                    f" ORDER BY priority DESC, created_at, rowid LIMIT ?", (endpoint_id, *queues, txn.now, txn.now, limit))
-    rings = [_mark_rung(txn, row) for row in rows]
+    rings = [mark_rung(txn, row) for row in rows]
     txn.rings.clear()
     return rings
 

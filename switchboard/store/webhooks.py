@@ -20,19 +20,19 @@ from switchboard.models import (
     WebhookUpdate,
 )
 from switchboard.providers import PROVIDER_TABLE
-from switchboard.store.principals import Principal, _own_endpoint
-from switchboard.store.todos import _json
+from switchboard.store.principals import Principal, own_endpoint
+from switchboard.store.todos import stored_json
 
 # -- webhooks and routes ----------------------------------------------------------------------------
 
 def webhook_view(row: sqlite3.Row) -> dict:
     return {"id": row["id"], "name": row["name"], "endpoint_id": row["endpoint_id"], "provider": row["provider"],
             "queue": row["queue"], "trust_mode": row["trust_mode"], "secret_set": row["secret_sealed"] is not None,
-            "trusted_actors": _json(row["trusted_actors"]), "pinged_at": iso(row["pinged_at"]),
+            "trusted_actors": stored_json(row["trusted_actors"]), "pinged_at": iso(row["pinged_at"]),
             "created_at": iso(row["created_at"]), "rotated_at": iso(row["rotated_at"])}
 
 
-def _visible_webhook(txn: Txn, principal: Principal, webhook_id: str, verb: str) -> sqlite3.Row:
+def visible_webhook(txn: Txn, principal: Principal, webhook_id: str, verb: str) -> sqlite3.Row:
     if principal.kind == "endpoint":
         principal.require_verb(verb)
         row = txn.one("SELECT * FROM webhooks WHERE id = ? AND endpoint_id = ?", (webhook_id, principal.id))
@@ -76,7 +76,7 @@ def create_webhook(txn: Txn, principal: Principal, box: SecretBox, spec: Webhook
     elif spec.endpoint_id is None:
         raise ApiError("invalid_argument", "endpoint_id: name the owner endpoint")
     else:
-        owner = _own_endpoint(txn, principal, spec.endpoint_id)
+        owner = own_endpoint(txn, principal, spec.endpoint_id)
     if owner["revoked_at"] is not None:
         raise ApiError("conflict", f"endpoint {owner['id']} is revoked")
     if spec.queue in RESERVED_QUEUES:
@@ -125,7 +125,7 @@ def trust_list(provider: str, spec: TrustLogins | TrustActorIds | TrustAll | Non
 
 
 def set_trusted_actors(txn: Txn, principal: Principal, webhook_id: str, body: TrustedActors) -> dict:
-    row = _visible_webhook(txn, principal, webhook_id, "set_trusted_actors")
+    row = visible_webhook(txn, principal, webhook_id, "set_trusted_actors")
     trusted = trust_list(row["provider"], body.root)
     if trusted is None:
         raise ApiError("invalid_argument", f"trusted_actors: a {row['provider']} webhook has no trust gate")
@@ -147,13 +147,13 @@ def list_webhooks(txn: Txn, principal: Principal) -> dict:
 
 
 def get_webhook(txn: Txn, principal: Principal, webhook_id: str) -> dict:
-    return webhook_view(_visible_webhook(txn, principal, webhook_id, "list_webhooks"))
+    return webhook_view(visible_webhook(txn, principal, webhook_id, "list_webhooks"))
 
 
 def rotate_webhook(txn: Txn, principal: Principal, box: SecretBox, webhook_id: str, base_url: str) -> dict:
     """A new URL (the old one is 404 at once) and a new secret: minted for the providers whose secrets we mint,
     cleared for Stripe and Slack, whose new secret the owner sets once the producer issued it."""
-    row = _visible_webhook(txn, principal, webhook_id, "rotate_webhook")
+    row = visible_webhook(txn, principal, webhook_id, "rotate_webhook")
     token = secrets.token_urlsafe(16)
     secret = _initial_secret(row["provider"], None)
     txn.execute("UPDATE webhooks SET token_hash = ?, secret_sealed = ?, rotated_at = ? WHERE id = ?",
@@ -166,14 +166,14 @@ def rotate_webhook(txn: Txn, principal: Principal, box: SecretBox, webhook_id: s
 def update_webhook(txn: Txn, principal: Principal, webhook_id: str, body: WebhookUpdate) -> dict:
     """Rename a webhook (its human's label for it; null clears it)."""
     principal.require_human("renaming a webhook")
-    _visible_webhook(txn, principal, webhook_id, "update_webhook")
+    visible_webhook(txn, principal, webhook_id, "update_webhook")
     txn.execute("UPDATE webhooks SET name = ? WHERE id = ?", (body.name, webhook_id))
     txn.logs.append(f"webhook {webhook_id} renamed")
     return webhook_view(txn.one("SELECT * FROM webhooks WHERE id = ?", (webhook_id,)))
 
 
 def set_webhook_secret(txn: Txn, principal: Principal, box: SecretBox, webhook_id: str, body: WebhookSecret) -> dict:
-    row = _visible_webhook(txn, principal, webhook_id, "set_webhook_secret")
+    row = visible_webhook(txn, principal, webhook_id, "set_webhook_secret")
     secret = _initial_secret(row["provider"], body.secret)
     txn.execute("UPDATE webhooks SET secret_sealed = ? WHERE id = ?", (box.seal(secret, webhook_id), webhook_id))
     txn.logs.append(f"webhook {webhook_id} secret set")
@@ -182,7 +182,7 @@ def set_webhook_secret(txn: Txn, principal: Principal, box: SecretBox, webhook_i
 
 def delete_webhook(txn: Txn, principal: Principal, webhook_id: str) -> dict:
     """The webhook and its routes go; its events stay for audit until retention prunes them."""
-    _visible_webhook(txn, principal, webhook_id, "delete_webhook")
+    visible_webhook(txn, principal, webhook_id, "delete_webhook")
     txn.execute("DELETE FROM webhooks WHERE id = ?", (webhook_id,))
     txn.logs.append(f"webhook {webhook_id} deleted")
     return {"id": webhook_id, "deleted": True}
@@ -195,7 +195,7 @@ def route_view(row: sqlite3.Row) -> dict:
 
 def add_route(txn: Txn, principal: Principal, webhook_id: str, body: RouteAdd) -> dict:
     """Another target for a webhook. Another human's endpoint needs that human's approved friend edge."""
-    hook = _visible_webhook(txn, principal, webhook_id, "add_webhook_route")
+    hook = visible_webhook(txn, principal, webhook_id, "add_webhook_route")
     owner_human = txn.one("SELECT human_id FROM endpoints WHERE id = ?", (hook["endpoint_id"],))["human_id"]
     target = txn.one("SELECT * FROM endpoints WHERE id = ?", (body.endpoint_id,))
     if target is None:
@@ -216,13 +216,13 @@ def add_route(txn: Txn, principal: Principal, webhook_id: str, body: RouteAdd) -
 
 
 def list_routes(txn: Txn, principal: Principal, webhook_id: str) -> dict:
-    _visible_webhook(txn, principal, webhook_id, "list_webhook_routes")
+    visible_webhook(txn, principal, webhook_id, "list_webhook_routes")
     return {"routes": [route_view(r) for r in txn.all(
         "SELECT * FROM webhook_routes WHERE webhook_id = ? ORDER BY granted_at, endpoint_id", (webhook_id,))]}
 
 
 def remove_route(txn: Txn, principal: Principal, webhook_id: str, endpoint_id: str) -> dict:
-    _visible_webhook(txn, principal, webhook_id, "remove_webhook_route")
+    visible_webhook(txn, principal, webhook_id, "remove_webhook_route")
     if txn.execute("DELETE FROM webhook_routes WHERE webhook_id = ? AND endpoint_id = ?",
                    (webhook_id, endpoint_id)).rowcount == 0:
         raise ApiError("not_found", f"no route from {webhook_id} to {endpoint_id}")

@@ -97,8 +97,9 @@ from starlette.testclient import TestClient  # noqa: E402
 from switchboard.app import create_app  # noqa: E402
 from switchboard.configuration import RERING_AFTER_MS, Clock  # noqa: E402
 from switchboard.database import Txn, connect  # noqa: E402
-from switchboard.envelope import build_envelope, decode_payload, envelope_record  # noqa: E402
+from switchboard.envelope import build_envelope, envelope_record  # noqa: E402
 from switchboard.models import Block, ClaimNext, Complete, Defer, Fail, NeedsInput, Reroute  # noqa: E402
+from switchboard.payload import decode_payload  # noqa: E402
 from switchboard.providers import delivery_key  # noqa: E402
 from switchboard.store.deliveries import Delivery, record_delivery  # noqa: E402
 from switchboard.store.human_actions import defer, reroute  # noqa: E402

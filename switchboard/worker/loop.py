@@ -1,31 +1,15 @@
-"""`switchboard worker` (SPEC section 15): a process of its own that works one endpoint's queues over the REST API,
-exactly as a third-party worker would, so it needs no database and runs on any machine that reaches the server.
-
-Each of `--concurrency` slots claims with a waiting claim (the doorbell wakes it at once), works the todo as a job
-under the claim's own lease, heartbeating every third of it, and reports the job's outcome. What a job does is a
-runner's business (switchboard.worker_job): `--exec -- CMD …` runs a child process per todo
-(switchboard.worker_exec); another kind, such as triage, plugs in through `run_jobs`. The worker keeps the lease,
-stops a job whose lease is lost, enforces `--timeout`, parks the quota group (switchboard.worker_park) and shuts
-down cleanly.
-
-It imports only the standard library, httpx, pydantic and its own worker_* modules: it starts fast and shares no
-code with the server."""
+"""The worker's loop (SPEC section 15): each of `--concurrency` slots claims with a waiting claim (the doorbell wakes
+it at once), works the todo as a job under the claim's own lease, heartbeating every third of it, and reports the
+job's outcome. What a job does is a runner's business (switchboard.worker.job). The loop keeps the lease, stops a
+job whose lease is lost, enforces `--timeout`, parks the quota group (switchboard.worker.park) and shuts down
+cleanly."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import logging
-import os
-import random
-import re
-import shlex
 import signal
-import socket
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,72 +17,17 @@ from typing import Any
 
 import httpx
 
-from switchboard.triage import add_triage_arguments, make_triage_runner
-from switchboard.worker_exec import ExecRunner
-from switchboard.worker_job import ConfigError, Fail, Job, JobRunner, Outcome, Park, read_secret_file
-from switchboard.worker_park import QUOTA_GROUP_PATTERN, QuotaPark
+from switchboard.worker.api import Backoff, Refused, ServerApi, Unanswered
+from switchboard.worker.job import Fail, Job, JobRunner, Outcome, Park
+from switchboard.worker.park import QuotaPark
 
 log = logging.getLogger("switchboard.worker")
 
-DEFAULT_SERVER = "http://127.0.0.1:8080"
 CLAIM_WAIT_SECONDS = 30.0  # one waiting claim; the server allows up to MAX_CLAIM_WAIT_SECONDS
 MAX_CLAIM_WAIT_SECONDS = 60.0
 PARK_POLL_SECONDS = 2.0  # how often the park file is read again: another worker of the group may park it
-RETRY_FIRST_SECONDS = 0.5  # pauses between tries while the server cannot be reached ...
-RETRY_LONGEST_SECONDS = 30.0  # ... doubling up to this
 RELEASE_PAUSE_SECONDS = 5.0  # a slot whose job released its todo waits this long before claiming again
 MESSAGE_CHARS = 2048  # the worker's own error texts (a job that raised, an answer refused) are cut to this
-
-
-# -- the server, over REST -----------------------------------------------------------------------------------------
-
-class Unanswered(Exception):
-    """The server could not be reached, was busy (429, 5xx) or gave no readable answer: worth trying again."""
-
-
-class Refused(Exception):
-    """The server answered with an error: trying again would get the same answer."""
-
-    def __init__(self, status: int, body: dict):
-        self.status = status
-        self.message = str(body.get("message") or body.get("error") or "")
-        super().__init__(f"{status} {body.get('error', '')}: {self.message}")
-
-
-class ServerApi:
-    """The REST calls the worker makes, with the endpoint token (only ever in the Authorization header)."""
-
-    def __init__(self, server: str, token: str, connections: int):
-        self.http = httpx.AsyncClient(base_url=f"{server}/api/v1", headers={"Authorization": f"Bearer {token}"},
-                                      timeout=10, limits=httpx.Limits(max_connections=connections,
-                                                                      max_keepalive_connections=connections))
-
-    async def post(self, path: str, body: dict, timeout: httpx.Timeout | float = 10) -> dict:
-        try:
-            answer = await self.http.post(path, json=body, timeout=timeout)
-            content = answer.json()
-        except (httpx.TransportError, ValueError) as exc:
-            raise Unanswered(f"{type(exc).__name__}: {exc}") from None
-        if answer.status_code == 429 or answer.status_code >= 500:
-            raise Unanswered(f"{answer.status_code} {content.get('error', '') if isinstance(content, dict) else ''}")
-        if answer.status_code >= 400:
-            raise Refused(answer.status_code, content if isinstance(content, dict) else {})
-        return content
-
-    async def close(self) -> None:
-        await self.http.aclose()
-
-
-class Backoff:
-    """Pauses between tries: RETRY_FIRST_SECONDS doubling to RETRY_LONGEST_SECONDS, each up to a quarter longer at
-    random, so workers that lost the server together do not come back in step."""
-
-    def __init__(self) -> None:
-        self.pause = RETRY_FIRST_SECONDS
-
-    def next(self) -> float:
-        pause, self.pause = self.pause, min(self.pause * 2, RETRY_LONGEST_SECONDS)
-        return pause * (1 + random.random() / 4)
 
 
 @dataclass
@@ -431,195 +360,3 @@ class Worker:
 
 def iso(unix_seconds: float) -> str:
     return datetime.fromtimestamp(unix_seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-# -- configuration: flags, environment, token file, logging ------------------------------------------------------
-
-def _env(flag: str, default: Any) -> Any:
-    """A flag's default from SWITCHBOARD_<FLAG> (argparse converts and checks it like a value on the command line)."""
-    return os.environ.get("SWITCHBOARD_" + flag.upper().replace("-", "_"), default)
-
-
-def _bounded_int(low: int, high: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number in {low}..{high}")
-        return value
-    return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, 0 or more")
-    return value
-
-
-def _pattern(pattern: str, what: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if not re.fullmatch(pattern, text):
-            raise argparse.ArgumentTypeError(f"not a {what}")
-        return text
-    return parse
-
-
-def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `switchboard worker` (SPEC section 15), each defaulting to SWITCHBOARD_<FLAG>. The job kind
-    comes last: `--exec -- CMD [ARG …]` (or SWITCHBOARD_EXEC="CMD ARG …")."""
-    parser.add_argument("--server", metavar="URL", default=_env("server", DEFAULT_SERVER),
-                        type=_pattern(r"https?://[^\s/]+(/\S*)?", "http(s) URL"),
-                        help=f"the Switchboard server (default {DEFAULT_SERVER})")
-    parser.add_argument("--token-file", metavar="PATH", dest="token_file", default=_env("token-file", None),
-                        help="a file holding the endpoint's token (sbk_…), readable by its owner only (required)")
-    parser.add_argument("--queue", metavar="Q", dest="queues", action="append",
-                        help="a queue to work, repeatable (SWITCHBOARD_QUEUE: comma-separated; default every queue"
-                             " of the endpoint)")
-    parser.add_argument("--name", metavar="NAME", default=_env("name", None),
-                        type=_pattern(r"[^\x00-\x1f\x7f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]{1,128}",
-                                      "name (one line of up to 128 characters, no control characters)"),
-                        help="the claimant shown on the Board (default HOST-PID)")
-    parser.add_argument("--concurrency", metavar="N", type=_bounded_int(1, 64), default=_env("concurrency", "1"),
-                        help="jobs at a time, each under its own lease (1..64, default 1)")
-    parser.add_argument("--once", action="store_true", default=_env("once", False),
-                        help="handle at most one todo, waiting up to --wait for it, then exit")
-    parser.add_argument("--wait", metavar="SECONDS", type=_seconds, default=_env("wait", "30"),
-                        help="with --once: how long to wait for a todo (default 30 s)")
-    parser.add_argument("--state-dir", metavar="DIR", dest="state_dir", default=_env("state-dir", None),
-                        help="where quota parks are kept (default $XDG_STATE_HOME/switchboard or"
-                             " ~/.local/state/switchboard)")
-    parser.add_argument("--quota-group", metavar="NAME", dest="quota_group", default=_env("quota-group", None),
-                        type=_pattern(QUOTA_GROUP_PATTERN, "quota group (letters, digits, . _ -)"),
-                        help="workers on this host sharing a provider quota: a park stops them all (default: the"
-                             " workers running the same command)")
-    parser.add_argument("--lease", metavar="SECONDS", type=_bounded_int(1, 86400), default=_env("lease", None),
-                        help="lease seconds asked for on each claim (default the endpoint's)")
-    parser.add_argument("--timeout", metavar="SECONDS", type=_seconds, default=_env("timeout", None),
-                        help="seconds a job may run before it is killed and failed with error 'timeout' (default"
-                             " and 0: no limit)")
-    parser.add_argument("--log-format", dest="log_format", choices=["plain", "json"],
-                        default=_env("log-format", "plain"), help="plain lines (default) or one JSON object per line")
-    job = parser.add_argument_group("job")
-    job.add_argument("--exec", dest="exec", action="store_true",
-                     help="run CMD per todo: the todo as JSON on stdin, the outcome from its last stdout line or"
-                          " its exit status (0 complete, 75 park, else fail)")
-    job.add_argument("--triage", action="store_true", default=_env("triage", False),
-                     help="size issues with a model behind an OpenAI-compatible API and label them (the flags below)")
-    job.add_argument("command", nargs="*", metavar="CMD", help="after --exec --: the command and its arguments")
-    add_triage_arguments(parser)
-
-
-def _switch(flag: str, value: bool | str) -> bool:
-    """A switch given on the command line, else SWITCHBOARD_<FLAG> as 1/true/yes/on or 0/false/no/off."""
-    if isinstance(value, bool):
-        return value
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off", ""):
-        return False
-    raise ConfigError(f"SWITCHBOARD_{flag.upper()} must be 1/true/yes/on or 0/false/no/off")
-
-
-def read_token(path: str | None) -> str:
-    """The endpoint token, from a file no one but its owner may read."""
-    if not path:
-        raise ConfigError("--token-file (or SWITCHBOARD_TOKEN_FILE) is required: a file holding the endpoint token")
-    return read_secret_file(path, "token", r"sbk_[A-Za-z0-9_-]+", "an endpoint token, sbk_…")
-
-
-def default_state_dir() -> Path:
-    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "switchboard"
-
-
-def settings_from(args: argparse.Namespace, default_quota_group: str) -> Settings:
-    token = read_token(args.token_file)
-    once = _switch("once", args.once)
-    queues = [q.strip() for q in args.queues or _env("queue", "").split(",") if q.strip()]
-    state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
-    try:  # last: a worker refused for another reason leaves nothing behind
-        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot make the state directory {state_dir}: {exc.strerror}") from None
-    return Settings(server=args.server.rstrip("/"), token=token, queues=queues or None,
-                    name=args.name or f"{socket.gethostname()}-{os.getpid()}", concurrency=args.concurrency,
-                    once=once, wait=args.wait, state_dir=state_dir, quota_group=args.quota_group or default_quota_group,
-                    lease=args.lease, timeout=args.timeout or None)
-
-
-class JsonLines(logging.Formatter):
-    """One JSON object per line, as the server writes them (time, level, logger, event), plus a job line's
-    fields (todo, queue, outcome, seconds)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = {"time": iso(record.created), "level": record.levelname.lower(), "logger": record.name,
-                "event": record.getMessage(), **getattr(record, "job", {})}
-        if record.exc_info:
-            line["error"] = type(record.exc_info[1]).__name__
-        return json.dumps(line, ensure_ascii=False)
-
-
-def configure_logging(log_format: str) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonLines() if log_format == "json" else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    log.handlers[:] = [handler]
-    log.setLevel(logging.INFO)
-    log.propagate = False
-
-
-def run_jobs(args: argparse.Namespace, make_runner: Callable[[], JobRunner]) -> int:
-    """Run the worker with the runner `make_runner` builds (a ConfigError from it refuses to start): the entry for
-    every job kind. Exit status 0 after a shutdown, 1 when the server refused the worker, 2 when misconfigured."""
-    configure_logging(args.log_format)
-    try:
-        runner = make_runner()
-        settings = settings_from(args, runner.quota_group)
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return 2
-    return asyncio.run(Worker(settings, runner).run())
-
-
-def exec_command(args: argparse.Namespace) -> list[str]:
-    if args.command and not args.exec:
-        raise ConfigError("the command needs --exec before it: --exec -- CMD [ARG …]")
-    command = args.command or shlex.split(_env("exec", ""))
-    if not command:
-        raise ConfigError("give the job to run: --exec -- CMD [ARG …] (or SWITCHBOARD_EXEC)")
-    return command
-
-
-def run_worker(args: argparse.Namespace) -> int:
-    """`switchboard worker … --exec -- CMD [ARG …]` or `switchboard worker … --triage`."""
-    try:
-        triage = _switch("triage", args.triage)
-    except ConfigError as exc:
-        configure_logging(args.log_format)
-        log.error("%s", exc)
-        return 2
-    if triage:
-        return run_jobs(args, lambda: triage_runner(args))
-    return run_jobs(args, lambda: ExecRunner(exec_command(args)))
-
-
-def triage_runner(args: argparse.Namespace) -> JobRunner:
-    if args.exec or args.command:
-        raise ConfigError("give one job kind: --exec -- CMD … or --triage, not both")
-    return make_triage_runner(args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="switchboard worker",
-                                     description="Work an endpoint's queues: claim, run, heartbeat, report.")
-    add_worker_arguments(parser)
-    return run_worker(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

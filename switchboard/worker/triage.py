@@ -36,7 +36,7 @@ from typing import Annotated, Literal
 import httpx
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from switchboard.worker_job import Complete, ConfigError, Fail, Job, Outcome, Park, read_secret_file
+from switchboard.worker.job import Complete, ConfigError, Fail, Job, Outcome, Park, read_secret_file
 
 log = logging.getLogger("switchboard.worker.triage")
 
@@ -153,7 +153,7 @@ def chat_request(model: str, authority: str, title: str, body: str, response_for
 # -- the runner ----------------------------------------------------------------------------------------------------
 
 class TriageRunner:
-    """Sizes the issue a triage todo names (the module's docstring says how). A JobRunner (switchboard.worker_job)."""
+    """Sizes the issue a triage todo names (the module's docstring says how). A JobRunner (switchboard.worker.job)."""
 
     def __init__(self, *, llm_url: str, model: str, llm_key: str | None, forge_token: str, github_api: str,
                  gitea_api: str | None, labels: dict[str, str], response_format: str):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from switchboard.worker_job import OUTCOME_KINDS, OUTCOMES, Complete, ConfigError, Fail, Job, Outcome, Park
+from switchboard.worker.job import OUTCOME_KINDS, OUTCOMES, Complete, ConfigError, Fail, Job, Outcome, Park
 
 KILL_GRACE_SECONDS = 10.0  # SIGTERM to a job's process group, SIGKILL this much later
 STDOUT_KEPT_BYTES = 1 << 20  # a child's stdout tail: room for an outcome line with a whole result (<= 64 KiB)
