@@ -45,8 +45,18 @@ def connect(path: str, synchronous: str = "FULL") -> sqlite3.Connection:
 _CHECKPOINT = object()
 
 
+# What a body's reads return: columns by name and by position.
+Row = sqlite3.Row
+
+
 class Txn:
-    """What a transaction body sees: the connection, one fixed `now`, and what to do after commit."""
+    """What a transaction body sees: the connection, one fixed `now`, and what to do after commit.
+
+    The lock vocabulary (`lock`, `lock_key`, `skip_locked`) is what a body that reads and then writes must hold
+    where writers run side by side (Postgres, several processes). SQLite's one writer runs every write transaction
+    alone (BEGIN IMMEDIATE), so there they cost nothing."""
+
+    skip_locked = ""  # appended to the subquery that picks one of many rows (a claim): skip rows others hold
 
     def __init__(self, conn: sqlite3.Connection, now: int, inline_rings: bool):
         self.conn = conn
@@ -56,6 +66,12 @@ class Txn:
         self.outbox = False  # whether this transaction queued notifications (the sender wakes after commit)
         self.logs: list[str] = []
         self.counts: collections.Counter = collections.Counter()
+
+    def lock(self, table: str, where: str, params: Iterable = ()) -> None:
+        """Hold the rows of `table` meeting `where` until commit: the row a verb read and is about to change."""
+
+    def lock_key(self, *parts: str) -> None:
+        """Hold a named lock until commit: one webhook's deliveries, one owner's count limits, one queue's caps."""
 
     def execute(self, sql: str, params: Iterable = ()) -> sqlite3.Cursor:
         return self.conn.execute(sql, tuple(params))
