@@ -34,6 +34,7 @@ from switchboard.configuration import (
     log,
     switch_value,
 )
+from switchboard.limits import TrustedProxies
 
 # -- serve -----------------------------------------------------------------------------------------
 
@@ -279,9 +280,11 @@ def _serve(args: argparse.Namespace) -> int:
     if cap < MAX_CONNECTIONS:
         log.warning("the file limit is %d descriptors: at most %d connections at once (raise LimitNOFILE or"
                     " ulimit -n for %d)", file_limit, cap, MAX_CONNECTIONS)
+    proxies = TrustedProxies.parse(args.trust_proxy, "--trust-proxy (or SWITCHBOARD_TRUST_PROXY)")
     app = create_app(args.db, synchronous=args.synchronous, ingest_rate=args.ingest_rate,
-                     ingest_burst=args.ingest_burst, base_url=args.base_url, allowed_origins=args.allowed_origins,
-                     trust_proxy=switch_value("trust-proxy", args.trust_proxy),
+                     ingest_burst=args.ingest_burst, verified_rate=args.verified_rate,
+                     verified_burst=args.verified_burst, base_url=args.base_url,
+                     allowed_origins=args.allowed_origins, trust_proxy=proxies, auth_header=args.auth_header,
                      notify_allow_private=switch_value("notify-allow-private", args.notify_allow_private),
                      notify_allow=args.notify_allow or "")
     # The access log is off because ingest URLs carry credentials; Switchboard logs its own lines. uvicorn's
