@@ -222,3 +222,23 @@ def test_300_verified_deliveries_at_once_from_one_address_are_all_accepted(db_pa
         assert httpx.get(f"{server.url}/api/v1/todos?limit=1", headers=auth).status_code == 200
     finally:
         server.stop()
+
+
+def test_a_real_server_believes_forwarded_addresses_only_from_the_proxies_it_was_told_of(db_path):
+    """A local process is not a proxy by being local (uvicorn alone would believe X-Forwarded-For from 127.0.0.1):
+    under the default flags every delivery from 127.0.0.1 is 127.0.0.1's; with `--trust-proxy 127.0.0.1` each
+    forwarded client has its own share."""
+    assert cli_inproc(db_path, "init")[0] == 0
+    cli_inproc(db_path, "human", "add", "alice")
+    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "inbox", "--queues", "inbox")
+    _, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "generic",
+                         "--queue", "inbox")
+    for flags, second in (((), 429), (("--trust-proxy", "127.0.0.1"), 202)):
+        server = LiveServer(db_path, "--ingest-rate", "1", "--ingest-burst", "1", *flags)
+        try:
+            answers = [httpx.post(server.url + hook_path(hook["url"]), content=b"{}", timeout=10, headers={
+                "X-Forwarded-For": client, "X-Delivery-Id": f"{flags}-{client}"}) for client in ("198.51.100.1",
+                                                                                                "198.51.100.2")]
+            assert [a.status_code for a in answers] == [202, second], (flags, [a.text for a in answers])
+        finally:
+            server.stop()
