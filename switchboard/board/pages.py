@@ -45,6 +45,7 @@ from switchboard.board.queries import (
     board_endpoints,
     board_inbox,
     board_live,
+    board_login_holder,
     board_names,
     board_proxy_sign_in,
     board_queues,
@@ -461,13 +462,14 @@ class Board:
         session = await self.db.read(board_session, token_hash(token)) if token and len(token) <= 128 else None
         login = self._proxy_login(request)
         if login is not None and (session is None or session.login != login):
-            opened = await self.db.write(board_proxy_sign_in, login, session.key if session else None)
-            if opened is None:
+            human_id = await self.db.read(board_login_holder, login)
+            if human_id is None:
                 log.warning("board sign-in refused: the %s header from proxy %s names no human's login",
                             self.auth_header, request.client.host if request.client else "?")
                 raise ProxySignInRefused(f"Your sign-in proxy says you are {login}, and no human of this server has"
                                          f" that login. The operator ties one to it with `switchboard human"
                                          f" set-login NAME {login}`.")
+            opened = await self.db.write(board_proxy_sign_in, human_id, session.key if session else None)
             request.state.board_cookie = opened
             session = await self.db.read(board_session, token_hash(opened))
         if session is not None and self.db.clock.now_ms() - session.last_seen_at >= BOARD_TOUCH_MS:

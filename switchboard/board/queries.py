@@ -109,16 +109,19 @@ def board_sign_in(txn: Txn, token: str) -> str | None:
     return _open_session(txn, principal.id, "token")
 
 
-def board_proxy_sign_in(txn: Txn, login: str, replaced: str | None) -> str | None:
-    """A new session for the human an identity proxy names by `login` (already normal_login's), or None when no
-    human has that login. `replaced`, the session the browser held for someone else, ends: the proxy says who
-    is at the keyboard now."""
+def board_login_holder(txn: Txn, login: str) -> str | None:
+    """The id of the human an identity proxy names by `login`, or None (read first, so that a login nobody has
+    never costs a write)."""
     human = find_human_by_login(txn, login)
-    if human is None:
-        return None
+    return human["id"] if human is not None else None
+
+
+def board_proxy_sign_in(txn: Txn, human_id: str, replaced: str | None) -> str:
+    """A new session for the human an identity proxy named. `replaced`, the session the browser held for someone
+    else, ends: the proxy says who is at the keyboard now."""
     if replaced is not None:
         board_sign_out(txn, replaced)
-    return _open_session(txn, human["id"], "identity proxy")
+    return _open_session(txn, human_id, "identity proxy")
 
 
 def board_reissue_token(txn: Txn, principal: Principal) -> tuple[dict, str]:
