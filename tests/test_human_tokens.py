@@ -4,8 +4,9 @@ the old token and every Board session signed in with it stop working at once; `h
 set-login` tie a human to the login an identity proxy names them by (a migration adds the column); and
 `webhook trust --add` adds to a trust list instead of replacing it.
 
-The CLI runs as the operator runs it (a child process, or in this process for set-up); REST and the Board through
-Starlette's test client against the real app; every refused call leaves every table as it was."""
+The CLI runs as the operator runs it: each new command once as a child process, and its refusals through the same
+main() in this process; REST and the Board through Starlette's test client against the real app; every refused
+call leaves every table as it was."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def test_the_operator_reissues_a_lost_token_and_the_old_one_and_its_sessions_end
     assert signed_in(client, bobs) and client.get("/api/v1/me", headers=bearer(bob["token"])).status_code == 200
     raw = b"".join(p.read_bytes() for p in tmp_path.glob("switchboard.db*"))
     assert made["token"].encode() not in raw, "only its hash is stored"
-    code, unknown = cli(db_path, "human", "token", "carol")
+    code, unknown = cli_inproc(db_path, "human", "token", "carol")
     assert code == 1 and unknown["error"] == "not_found"
 
 
@@ -190,7 +191,7 @@ def test_the_board_rotation_refuses_a_form_from_elsewhere_or_unconfirmed(app, cl
 def test_logins_are_set_at_creation_or_later_unique_whatever_their_case(db_path):
     code, alice = cli(db_path, "human", "add", "alice", "--login", "Alice@Example.com")
     assert code == 0 and alice["login"] == "alice@example.com", alice
-    code, bob = cli(db_path, "human", "add", "bob")
+    code, bob = cli_inproc(db_path, "human", "add", "bob")
     assert code == 0 and set(bob) == {"id", "name", "token"}, "without a login: the shape SPEC 9 names"
     before = snapshot(db_path)
     for args, error in ((("human", "set-login", "bob", "ALICE@example.com"), "conflict"),
@@ -200,14 +201,14 @@ def test_logins_are_set_at_creation_or_later_unique_whatever_their_case(db_path)
                         (("human", "set-login", "bob", "x" * 255), "invalid_argument"),
                         (("human", "set-login", "bob", ""), "invalid_argument"),
                         (("human", "set-login", "nobody", "n"), "not_found")):
-        code, answer = cli(db_path, *args)
+        code, answer = cli_inproc(db_path, *args)
         assert code == 1 and answer["error"] == error, (args, answer)
     assert snapshot(db_path) == before
-    code, changed = cli(db_path, "human", "set-login", "bob", "bob@github")
+    code, changed = cli_inproc(db_path, "human", "set-login", "bob", "bob@github")
     assert code == 0 and changed["login"] == "bob@github" and changed["name"] == "bob" and "token" not in changed
-    code, moved = cli(db_path, "human", "set-login", "alice", "Alice")
+    code, moved = cli_inproc(db_path, "human", "set-login", "alice", "Alice")
     assert code == 0 and moved["login"] == "alice"
-    listed = {h["name"]: h["login"] for h in cli(db_path, "human", "list")[1]["humans"]}
+    listed = {h["name"]: h["login"] for h in cli_inproc(db_path, "human", "list")[1]["humans"]}
     assert listed == {"alice": "alice", "bob": "bob@github"}
     conn = sqlite3.connect(db_path)
     with pytest.raises(sqlite3.IntegrityError):  # the database holds the rule too
@@ -263,7 +264,7 @@ def test_webhook_trust_add_keeps_the_list_and_adds_to_it(db_path, app, client):
     assert code == 0, added
     assert added["trusted_actors"] == {"logins": ["alice", "alice-agent", "alice-triage"], "match": "both"}, \
         "kept, added once; ALICE is alice (the gate compares logins ASCII case-insensitively)"
-    code, matched = cli(db_path, "webhook", "trust", hook["id"], "--add", "renovate-fork", "--match", "sender")
+    code, matched = cli_inproc(db_path, "webhook", "trust", hook["id"], "--add", "renovate-fork", "--match", "sender")
     assert code == 0 and matched["trusted_actors"]["match"] == "sender"
     assert matched["trusted_actors"]["logins"][-1] == "renovate-fork"
     # The gate now lets the added login through: a delivery it sends reaches the rules.
@@ -276,24 +277,24 @@ def test_webhook_trust_add_keeps_the_list_and_adds_to_it(db_path, app, client):
                 "invalid_argument"), (("--add", " , "), 1, "invalid_argument"), (("--add", "x" * 129), 1,
                 "invalid_argument"), (("--add", "two\nlines"), 1, "invalid_argument")]
     for args, exit_code, error in refusals:
-        code, answer = cli(db_path, "webhook", "trust", hook["id"], *args)
+        code, answer = cli_inproc(db_path, "webhook", "trust", hook["id"], *args)
         assert code == exit_code and answer["error"] == error, (args, answer)
-    assert cli(db_path, "webhook", "trust", "wh_0123456789abcdef01", "--add", "x")[1]["error"] == "not_found"
+    assert cli_inproc(db_path, "webhook", "trust", "wh_0123456789abcdef01", "--add", "x")[1]["error"] == "not_found"
     assert snapshot(db_path) == before
 
     # A webhook made without a list (it holds everything) gets one; allow_all is not narrowed by an --add.
     _, holding = cli_inproc(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "cairn",
                             "--queue", "hold")
-    assert cli(db_path, "webhook", "trust", holding["id"], "--add", "agent-1")[1]["trusted_actors"] == {
+    assert cli_inproc(db_path, "webhook", "trust", holding["id"], "--add", "agent-1")[1]["trusted_actors"] == {
         "actor_ids": ["agent-1"]}
-    assert cli(db_path, "webhook", "trust", holding["id"], "--add", "Agent-1")[1]["trusted_actors"] == {
+    assert cli_inproc(db_path, "webhook", "trust", holding["id"], "--add", "Agent-1")[1]["trusted_actors"] == {
         "actor_ids": ["agent-1", "Agent-1"]}, "cairn actor ids compare exactly"
-    assert cli(db_path, "webhook", "trust", holding["id"], "--add", "a", "--match", "author")[1]["error"] == \
+    assert cli_inproc(db_path, "webhook", "trust", holding["id"], "--add", "a", "--match", "author")[1]["error"] == \
         "invalid_argument"
     everyone = client.post("/api/v1/webhooks", headers=bearer(alice["token"]), json={
         "provider": "github", "queue": "hold", "endpoint_id": router["id"], "trusted_actors": {"allow_all": True}}).json()
-    code, refused = cli(db_path, "webhook", "trust", everyone["id"], "--add", "alice")
+    code, refused = cli_inproc(db_path, "webhook", "trust", everyone["id"], "--add", "alice")
     assert code == 1 and refused["error"] == "conflict" and "allow_all" in refused["message"]
     _, generic = cli_inproc(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "generic",
                             "--queue", "hold")
-    assert cli(db_path, "webhook", "trust", generic["id"], "--add", "x")[1]["error"] == "invalid_argument"
+    assert cli_inproc(db_path, "webhook", "trust", generic["id"], "--add", "x")[1]["error"] == "invalid_argument"
