@@ -8,7 +8,10 @@ CREATE TABLE IF NOT EXISTS humans (
     name          TEXT NOT NULL UNIQUE CHECK (length(name) BETWEEN 1 AND 64),
     token_hash    TEXT NOT NULL UNIQUE CHECK (length(token_hash) = 64),
     token_prefix  TEXT NOT NULL,
-    created_at    INTEGER NOT NULL
+    created_at    INTEGER NOT NULL,
+    -- The login an identity proxy names this human by (`serve --auth-header`): printable ASCII, kept lower-cased,
+    -- one human's at most.
+    login         TEXT UNIQUE CHECK (login IS NULL OR (length(login) BETWEEN 1 AND 254 AND login = lower(login)))
 );
 
 -- The Board's sign-ins. The browser keeps a random session token in an HttpOnly cookie; only its SHA-256 is

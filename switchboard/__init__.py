@@ -16,7 +16,7 @@ checks it from the import graph).
                      human_actions, deliveries, rules, routing, quarantine, replay, upkeep
   doorbell           waking one waiting session when work becomes claimable
   notifier           the outbox's sender (ntfy, Gotify, Slack, Discord, signed webhooks)
-  limits, metrics    per-tenant rate limits; Prometheus metrics
+  limits, metrics    ingest rate limits, the proxies believed, the owners' evaluator gate; Prometheus metrics
   flows              what REST, MCP, the CLI and the Board do the same way
   http.*             common answers, streams, REST and ingress, MCP
   board.*            the Board's queries and pages (templates and static files beside them)

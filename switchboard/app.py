@@ -5,13 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from switchboard.board.pages import Board
-from switchboard.configuration import DEFAULT_INGEST_BURST, DEFAULT_INGEST_RATE, ApiError, Clock, Vitals
+from switchboard.configuration import (
+    DEFAULT_INGEST_BURST,
+    DEFAULT_INGEST_RATE,
+    DEFAULT_VERIFIED_BURST,
+    DEFAULT_VERIFIED_RATE,
+    ApiError,
+    Clock,
+    Vitals,
+)
 from switchboard.crypto import SecretBox, sealed_sample
 from switchboard.database import Database
 from switchboard.doorbell import Doorbell
@@ -19,20 +28,41 @@ from switchboard.evaluator import Evaluator
 from switchboard.flows import Flows
 from switchboard.http.mcp import Mcp, api_error, http_error, unexpected_error
 from switchboard.http.rest import MCP_ROUTES, Api
-from switchboard.limits import RateLimiter
+from switchboard.limits import RateLimiter, TrustedProxies
 from switchboard.metrics import Metrics
 from switchboard.notifier import Addresses, Notifier
 
 # -- the app: every part put together ----------------------------------------------------------------
 
+def auth_header_name(name: str | None, proxies: TrustedProxies) -> str | None:
+    """`--auth-header NAME`, checked: a header name, believed only from proxies named by `--trust-proxy
+    ADDRESSES` (without them, anyone who reaches the port could sign in as anyone)."""
+    if not name:
+        return None
+    if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}", name):
+        raise ApiError("invalid_argument", f"--auth-header: {name[:64]!r} is not a header name (e.g. Remote-User)")
+    if not proxies.named:
+        raise ApiError("invalid_argument", "--auth-header needs --trust-proxy ADDRESSES: the addresses of the proxies"
+                                           " whose header signs a Board visitor in")
+    return name.lower()
+
+
 def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None = None, background: bool = True,
                ingest_rate: float = DEFAULT_INGEST_RATE, ingest_burst: int = DEFAULT_INGEST_BURST,
-               base_url: str | None = None, allowed_origins: str | None = None, trust_proxy: bool = False,
+               verified_rate: float = DEFAULT_VERIFIED_RATE, verified_burst: int = DEFAULT_VERIFIED_BURST,
+               base_url: str | None = None, allowed_origins: str | None = None,
+               trust_proxy: TrustedProxies | bool | str = False, auth_header: str | None = None,
                notify_allow_private: bool | None = None, notify_allow: str | None = None) -> Starlette:
     """The ASGI app. `background=False` leaves the scheduler to the caller (tests drive it by hand).
-    `trust_proxy`: X-Forwarded-Proto from a reverse proxy counts (the Board's cookie is Secure behind https).
-    `notify_allow_private` / `notify_allow`: notification channels may reach loopback, link-local and unspecified
-    addresses (all, or those listed); not given, SWITCHBOARD_NOTIFY_ALLOW_PRIVATE / SWITCHBOARD_NOTIFY_ALLOW say."""
+    `ingest_rate`/`ingest_burst`: per source address, for unauthenticated deliveries and failed signature checks;
+    `verified_rate`/`verified_burst`: per webhook, for deliveries whose signature verified; an ingest rate of 0
+    turns both off. `trust_proxy`: the proxies in front (TrustedProxies: True, the bare flag, believes
+    X-Forwarded-Proto from anyone; addresses also have X-Forwarded-For believed, and `auth_header`, the header
+    such a proxy signs a Board visitor in with). `notify_allow_private` / `notify_allow`: notification channels
+    may reach loopback, link-local and unspecified addresses (all, or those listed); not given,
+    SWITCHBOARD_NOTIFY_ALLOW_PRIVATE / SWITCHBOARD_NOTIFY_ALLOW say."""
+    proxies = trust_proxy if isinstance(trust_proxy, TrustedProxies) else TrustedProxies.parse(trust_proxy)
+    auth_header = auth_header_name(auth_header, proxies)
     addresses = Addresses.configured(notify_allow_private, notify_allow)
     db = Database(db_path, synchronous=synchronous, clock=clock)
     try:
@@ -50,9 +80,10 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     metrics = Metrics(db, doorbell)
     notifier = Notifier(db, box, base_url, metrics.notify_failures, metrics.notify_sent, addresses)
     db.on_outbox = notifier.wake
-    flows = Flows(db, doorbell, evaluator, box, RateLimiter(ingest_rate, ingest_burst), metrics, vitals, notifier)
+    flows = Flows(db, doorbell, evaluator, box, RateLimiter(ingest_rate, ingest_burst), metrics, vitals, notifier,
+                  RateLimiter(verified_rate if ingest_rate > 0 else 0, verified_burst))
     origins = allowed_origins if allowed_origins is not None else os.environ.get("SWITCHBOARD_ALLOWED_ORIGINS", "")
-    api = Api(flows, base_url, frozenset(o.strip().rstrip("/") for o in origins.split(",") if o.strip()))
+    api = Api(flows, base_url, frozenset(o.strip().rstrip("/") for o in origins.split(",") if o.strip()), proxies)
 
     def watch(task: asyncio.Task, what: str) -> None:
         """A long-lived loop that ends (it never should) is a death: /healthz says so and the process exits."""
@@ -78,7 +109,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
 
     mcp = Mcp(api)
     routes = [*(Route(r.path, getattr(mcp, r.handler), methods=[r.method]) for r in MCP_ROUTES), *api.route_table()]
-    routes += Board(flows, api, mcp, trust_proxy).routes()
+    routes += Board(flows, api, mcp, proxies, auth_header).routes()
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: unexpected_error})
     app.state.db = db

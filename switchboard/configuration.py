@@ -26,13 +26,18 @@ SCHEMA_PATH = shipped_path("schema.sql")
 # The rule packs that ship with Switchboard (`rules set --pack fleet`), wherever it is installed.
 PACKS_DIR = shipped_path("packs")
 PACK_NAMES = ("fleet", "pool-review")
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 DEFAULT_LEASE_SECONDS = 300
 MAX_REQUEST_BYTES = 1 << 20
 MAX_DELIVERY_BYTES = 5 << 20
+# Per source address, for what nobody authenticated (generic deliveries, failed signature checks).
 DEFAULT_INGEST_RATE = 50.0
 DEFAULT_INGEST_BURST = 100
+# Per webhook, for deliveries whose signature verified: a forge's bulk relabel arrives as one burst, and GitHub
+# never redelivers a delivery it was refused.
+DEFAULT_VERIFIED_RATE = 200.0
+DEFAULT_VERIFIED_BURST = 2000
 MAX_RESULT_BYTES = 64 << 10
 MAX_SUMMARY_BYTES = 2048
 PARSE_PROBLEMS_SHOWN = 5  # a body wrong in many places names the first few; the rest follow once these are fixed

@@ -245,7 +245,8 @@ class Flows:
     """The shared flows, over one database, doorbell, evaluator and secret box."""
 
     def __init__(self, db: Database, doorbell: Doorbell, evaluator: Evaluator, box: SecretBox,
-                 limiter: RateLimiter, metrics: Metrics, vitals: Vitals, notifier: Notifier):
+                 limiter: RateLimiter, metrics: Metrics, vitals: Vitals, notifier: Notifier,
+                 verified_limiter: RateLimiter | None = None):
         self.db = db
         self.notifier = notifier
         self.failed_checks = FailedChecks(db.clock.now_ms())  # the Board's "failed signature checks" count
@@ -254,7 +255,12 @@ class Flows:
         self.doorbell = doorbell
         self.evaluator = evaluator
         self.box = box
+        # Two ingest limits: `limiter` per source address, for what nobody authenticated (a generic webhook's
+        # deliveries, failed signature checks); `verified_limiter` per webhook, a generous one, for deliveries whose
+        # signature verified (behind a proxy or a tunnel they all come from one address, and a producer such as
+        # GitHub never redelivers one it was refused).
         self.limiter = limiter
+        self.verified_limiter = verified_limiter or RateLimiter(0, 1)
         self.metrics = metrics
         self.vitals = vitals
         # Evaluator calls get threads of their own, so reads, claims and /healthz never queue behind rules.
@@ -397,24 +403,37 @@ class Flows:
             raise ApiError("unavailable", "this webhook's owner endpoint is revoked")
         if webhook["trust_mode"] == "signed" and webhook["secret_sealed"] is None:
             raise ApiError("unavailable", "this webhook's signing secret is not set yet")
-        wait = self.limiter.retry_after(source)
-        if wait:
-            self.metrics.deliveries.labels(webhook["provider"], "rate_limited").inc()
-            raise RateLimited(wait)
+        if webhook["trust_mode"] != "signed":
+            # The URL is the only credential: each delivery is stored, so each counts against its address now.
+            self._limit(self.limiter, source, webhook["provider"], "too many deliveries from this address")
         return webhook
+
+    def _limit(self, limiter: RateLimiter, key: str, provider: str, message: str) -> None:
+        wait = limiter.retry_after(key)
+        if wait:
+            self.metrics.deliveries.labels(provider, "rate_limited").inc()
+            raise RateLimited(wait, message)
 
     async def _verify(self, webhook: sqlite3.Row, headers: dict[str, str], body: bytes, source: str) -> bool:
         provider = webhook["provider"]
         secret = self.box.open(webhook["secret_sealed"], webhook["id"]) if webhook["secret_sealed"] else None
         try:
-            return verify_delivery(provider, secret, headers, body, self.db.clock.now_ms())
+            verified = verify_delivery(provider, secret, headers, body, self.db.clock.now_ms())
         except VerificationFailed as failure:
             self.metrics.verification_failures.labels(provider, failure.reason).inc()
+            await self._count_failed_check(webhook["id"], failure.reason)
+            # Failed checks count against their address: past its limit they are answered 429, and not logged one
+            # by one (the metric and the Board's count still have every one).
+            self._limit(self.limiter, source, provider, "too many failed signature checks from this address")
             self.metrics.deliveries.labels(provider, "unverified").inc()
             log.warning("delivery refused: webhook %s (%s) from %s: %s", webhook["id"], provider, source,
                         failure.reason)
-            await self._count_failed_check(webhook["id"], failure.reason)
             raise ApiError("unauthenticated", f"signature verification failed: {failure.reason}") from None
+        if verified:
+            self._limit(self.verified_limiter, webhook["id"], provider,
+                        f"too many deliveries to this webhook (over {self.verified_limiter.rate:g}/s, bursts of"
+                        f" {self.verified_limiter.burst})")
+        return verified
 
     async def _count_failed_check(self, webhook_id: str, reason: str) -> None:
         """Tell the human when a webhook fails its check again and again (a wrong secret, or someone probing):

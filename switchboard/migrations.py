@@ -57,6 +57,10 @@ MIGRATIONS: dict[int, Migration] = {
         after=("DELETE FROM todo_counts",
                "INSERT INTO todo_counts (endpoint_id, queue, state, n, changes)"
                " SELECT endpoint_id, queue, state, count(*), count(*) FROM todos GROUP BY endpoint_id, queue, state")),
+    6: Migration(
+        "humans gain a login an identity proxy may sign them in by (serve --auth-header; none until the operator"
+        " sets one with `human set-login`)",
+        rebuild=("humans",)),
 }
 
 # Columns that moved to a table of their own: (table, column) -> (new table, the copy). Whichever migration first

@@ -34,6 +34,7 @@ from switchboard.configuration import (
     log,
     switch_value,
 )
+from switchboard.limits import TrustedProxies
 
 # -- serve -----------------------------------------------------------------------------------------
 
@@ -279,14 +280,19 @@ def _serve(args: argparse.Namespace) -> int:
     if cap < MAX_CONNECTIONS:
         log.warning("the file limit is %d descriptors: at most %d connections at once (raise LimitNOFILE or"
                     " ulimit -n for %d)", file_limit, cap, MAX_CONNECTIONS)
+    proxies = TrustedProxies.parse(args.trust_proxy, "--trust-proxy (or SWITCHBOARD_TRUST_PROXY)")
     app = create_app(args.db, synchronous=args.synchronous, ingest_rate=args.ingest_rate,
-                     ingest_burst=args.ingest_burst, base_url=args.base_url, allowed_origins=args.allowed_origins,
-                     trust_proxy=switch_value("trust-proxy", args.trust_proxy),
+                     ingest_burst=args.ingest_burst, verified_rate=args.verified_rate,
+                     verified_burst=args.verified_burst, base_url=args.base_url,
+                     allowed_origins=args.allowed_origins, trust_proxy=proxies, auth_header=args.auth_header,
                      notify_allow_private=switch_value("notify-allow-private", args.notify_allow_private),
                      notify_allow=args.notify_allow or "")
     # The access log is off because ingest URLs carry credentials; Switchboard logs its own lines. uvicorn's
-    # own lines go through the handler above (log_config=None), so they share its format.
-    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_config=None,
+    # own lines go through the handler above (log_config=None), so they share its format. uvicorn's own proxy
+    # headers are off: it would believe X-Forwarded-For and -Proto from any local process (FORWARDED_ALLOW_IPS),
+    # where only the proxies --trust-proxy names are believed (limits.TrustedProxies), each request's peer
+    # being the address a connection really came from.
+    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_config=None, proxy_headers=False,
                             timeout_graceful_shutdown=30, timeout_keep_alive=KEEPALIVE_IDLE_SECONDS,
                             limit_concurrency=cap, backlog=backlog, http=_HeaderDeadline)
     shown_host = f"[{args.host}]" if ":" in args.host else args.host

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import ipaddress
 import re
 import sqlite3
 import uuid
@@ -23,6 +24,7 @@ from switchboard.board.queries import BOARD_COOKIE, BOARD_PAGE_SIZE, INBOX_GROUP
 from switchboard.cli.parser import build_parser
 from switchboard.configuration import SCHEMA_VERSION, ApiError
 from switchboard.database import connect
+from switchboard.limits import TrustedProxies
 from switchboard.migrations import apply_schema
 from switchboard.server import cli_serve
 
@@ -371,7 +373,7 @@ def test_vend_shows_the_token_once_and_revoke_asks_first(client, world, alice):
     assert bad.status_code == 400 and "reserved" in bad.text
 
 
-def test_queues_show_counts_running_work_and_connected_sessions(client, world, alice, lane):
+def test_queues_show_counts_running_work_and_connected_sessions(client, world, alice, lane, clock):
     world.push(alice, lane, "lane-s", "waiting")
     running = world.push(alice, lane, "triage", "running")
     claim = world.client.post("/api/v1/todos/claim", headers=lane.auth,
@@ -380,7 +382,13 @@ def test_queues_show_counts_running_work_and_connected_sessions(client, world, a
     sign_in(client, alice)
     page = client.get("/board/queues").text
     assert "worker-7" in page and "halfway there" in page and "running" in page
-    assert "No worker session is connected." in page
+    # A worker whose every slot is busy holds no waiting claim, yet it is connected: its live lease says so.
+    assert "No worker session is connected." not in page
+    assert re.search(r'<li class="working"><strong>worker-7</strong> · working 1 job of triage under a live lease',
+                     page), page
+    clock.advance(301)  # the lease lapsed: nobody is working it any more
+    page = client.get("/board/queues").text
+    assert "No worker session is connected." in page and 'class="working"' not in page
 
 
 def test_pages_are_paginated(client, world, alice, lane, clock):
@@ -420,17 +428,23 @@ def test_serve_takes_trust_proxy_from_its_flag_or_the_environment(monkeypatch, d
     monkeypatch.setattr(server_module, "create_app", fake_app)
     monkeypatch.setattr(server_module, "configure_logging", lambda log_format: contextlib.nullcontext())
 
-    def trust_proxy(*flags: str) -> bool:
+    def trust_proxy(*flags: str) -> TrustedProxies:
         seen.clear()
         with pytest.raises(SystemExit):
             cli_serve(build_parser().parse_args(["serve", "--db", db_path, *flags]))
         return seen["trust_proxy"]
 
-    assert trust_proxy() is False and trust_proxy("--trust-proxy") is True
+    off, bare = TrustedProxies(), TrustedProxies(any_proto=True)
+    named = TrustedProxies(networks=(ipaddress.ip_network("127.0.0.1/32"), ipaddress.ip_network("10.0.0.0/8")))
+    assert trust_proxy() == off and trust_proxy("--trust-proxy") == bare, "bare: the old meaning"
+    assert trust_proxy("--trust-proxy", "127.0.0.1,10.0.0.0/8") == named
+    assert trust_proxy("--trust-proxy", "--port", "9999") == bare, "a flag after it is not its value"
     monkeypatch.setenv("SWITCHBOARD_TRUST_PROXY", "yes")
-    assert trust_proxy() is True
+    assert trust_proxy() == bare
+    monkeypatch.setenv("SWITCHBOARD_TRUST_PROXY", "127.0.0.1 10.0.0.0/8")
+    assert trust_proxy() == named
     monkeypatch.setenv("SWITCHBOARD_TRUST_PROXY", "off")
-    assert trust_proxy() is False and trust_proxy("--trust-proxy") is True
+    assert trust_proxy() == off and trust_proxy("--trust-proxy") == bare
     monkeypatch.setenv("SWITCHBOARD_TRUST_PROXY", "maybe")
     with pytest.raises(ApiError, match="SWITCHBOARD_TRUST_PROXY"):
         cli_serve(build_parser().parse_args(["serve", "--db", db_path]))

@@ -94,4 +94,4 @@ def test_human_output_without_json_is_readable(db_path):
     assert done.returncode == 0 and "token: sbh_" in done.stdout
     listing = subprocess.run([sys.executable, str(ROOT / "switchboard.py"), "human", "list", "--db", db_path],
                              capture_output=True, text=True)
-    assert listing.stdout.split("\n")[0].split() == ["ID", "NAME", "CREATED_AT"] and " bob " in listing.stdout
+    assert listing.stdout.split("\n")[0].split() == ["ID", "NAME", "LOGIN", "CREATED_AT"] and " bob " in listing.stdout

@@ -442,7 +442,8 @@ def test_endpoint_token_on_human_verbs_is_forbidden(tenants, action):
     ("POST", "/api/v1/endpoints/{alice_ep}/todos", {"title": "self-made", "queue": QUEUE}),
     ("POST", "/api/v1/endpoints/{alice_ep}/revoke", None),
     ("POST", "/api/v1/endpoints/{bob_ep}/revoke", None),
-], ids=["vend", "list-endpoints", "push", "revoke-self", "revoke-foreign"])
+    ("POST", "/api/v1/me/token", None),
+], ids=["vend", "list-endpoints", "push", "revoke-self", "revoke-foreign", "new-human-token"])
 def test_endpoint_token_on_human_routes_is_forbidden(tenants, method, path, body):
     before = tenants.frozen()
     url = path.format(alice_ep=tenants.alice_ep.id, bob_ep=tenants.bob_ep.id)

@@ -77,7 +77,8 @@ def run_block(script: str, env: dict, cwd: Path = ROOT) -> subprocess.CompletedP
 
 def test_readme_lane_block_keeps_credentials_private_and_routes_a_signed_issue(live_server, db_path, tmp_path):
     """The lane copy-paste block, run as written against a real server: its credentials land 0600 in a 0700
-    directory outside the checkout, and a signed GitHub issue labelled size/S by alice reaches lane-s."""
+    directory outside the checkout, and a signed GitHub issue of alice's labelled size/S by the triage bot reaches
+    lane-s: the one pass trusted the bot on the webhook's gate and in the pack's params."""
     import hashlib
     import hmac
 
@@ -98,11 +99,12 @@ def test_readme_lane_block_keeps_credentials_private_and_routes_a_signed_issue(l
     hook = json.loads((creds / "github-hook.json").read_text())
     alice = json.loads((creds / "alice.json").read_text())
     shown = httpx.get(f"{server.url}/api/v1/webhooks/{hook['id']}", headers={"Authorization": f"Bearer {alice['token']}"})
-    assert shown.json()["trusted_actors"] == {"logins": ["alice", "alice-agent"], "match": "sender"}
+    assert shown.json()["trusted_actors"] == {"logins": ["alice", "alice-agent", "alice-triage"], "match": "sender"}
+    assert json.loads((creds / "params.json").read_text())["trusted_agents"] == ["alice-agent", "alice-triage"]
     lane_s = json.loads((creds / "lane-s.json").read_text())
     raw = json.dumps(producers.deep_merge(json.loads((ROOT / "tests/fixtures/github/issues.labeled.json").read_text()), {
         "issue": {"user": {"login": "alice"}, "labels": [{"name": "size/S"}], "state": "open"},
-        "label": {"name": "size/S"}, "sender": {"login": "alice"},
+        "label": {"name": "size/S"}, "sender": {"login": "alice-triage"},
         "repository": {"full_name": "homelab/tools"}})).encode()
     signature = "sha256=" + hmac.new(hook["secret"].encode(), raw, hashlib.sha256).hexdigest()
     path = "/hooks/" + hook["url"].rsplit("/hooks/", 1)[1]

@@ -38,14 +38,18 @@ from switchboard.board.queries import (
     INBOX_GROUPS,
     BoardRefusal,
     BoardSession,
+    board_account,
     board_counts,
     board_deliveries,
     board_delivery,
     board_endpoints,
     board_inbox,
     board_live,
+    board_login_holder,
     board_names,
+    board_proxy_sign_in,
     board_queues,
+    board_reissue_token,
     board_session,
     board_sign_in,
     board_sign_out,
@@ -63,6 +67,7 @@ from switchboard.http.common import cut_to_depth, read_capped, sse_response
 from switchboard.http.mcp import Mcp
 from switchboard.http.rest import Api
 from switchboard.http.streams import sse_frame
+from switchboard.limits import TrustedProxies
 from switchboard.models import (
     EndpointCreate,
     NotifyCreate,
@@ -78,7 +83,7 @@ from switchboard.models import (
 )
 from switchboard.payload import refuse_constant
 from switchboard.store.outbox import list_channels, remove_channel
-from switchboard.store.principals import Principal, vend_endpoint
+from switchboard.store.principals import Principal, normal_login, vend_endpoint
 from switchboard.store.transitions import revoke_endpoint
 from switchboard.store.upkeep import HUMAN_ACTIONS
 from switchboard.store.webhooks import add_route, remove_route, rotate_webhook, set_trusted_actors, update_webhook
@@ -344,16 +349,25 @@ class LiveViews:
 
 # -- the pages ---------------------------------------------------------------------------------------------
 
-class Board:
-    """The human's pages over the same flows as REST. `trust_proxy`: a reverse proxy the operator declared
-    sets X-Forwarded-Proto, so `https` there makes the session cookie Secure."""
+class ProxySignInRefused(BoardRefusal):
+    """A declared proxy named someone the Board cannot sign in (no human has that login, or the header is not a
+    login): a refusal page that says so, and nothing runs."""
 
-    def __init__(self, flows: Flows, api: Api, mcp: Mcp, trust_proxy: bool = False):
+
+class Board:
+    """The human's pages over the same flows as REST. `proxies`: the reverse proxies the operator declared
+    (`--trust-proxy`): their X-Forwarded-Proto `https` makes the session cookie Secure. `auth_header`: the
+    header (lower-case) by which a proxy named in `--trust-proxy ADDRESSES` signs a visitor in as the human with
+    that login; from any other address it is ignored."""
+
+    def __init__(self, flows: Flows, api: Api, mcp: Mcp, proxies: TrustedProxies | None = None,
+                 auth_header: str | None = None):
         self.flows = flows
         self.db = flows.db
         self.api = api
         self.mcp = mcp
-        self.trust_proxy = trust_proxy
+        self.proxies = proxies or TrustedProxies()
+        self.auth_header = auth_header
         # One-shot notices for the next page a session sees (post-redirect-get): kept in memory, popped on read.
         self.notices: dict[str, list[dict]] = {}
         # The open streams. At shutdown the doorbell's close_all ends them, as it ends the workers' streams: a
@@ -409,6 +423,8 @@ class Board:
             Route("/endpoints/vend", act(self.vend), methods=["POST"]),
             Route("/endpoints/{endpoint_id}/revoke", page(self.revoke_confirm)),
             Route("/endpoints/{endpoint_id}/revoke", act(self.revoke), methods=["POST"]),
+            Route("/account", page(self.account)),
+            Route("/account/token", act(self.new_token), methods=["POST"]),
             Mount("/static", app=StaticFiles(directory=BOARD_DIR / "static")),
             Route("/{rest:path}", page(self.not_found), methods=["GET", "POST"]),
         ]
@@ -418,7 +434,8 @@ class Board:
     # -- sessions, forms and answers --------------------------------------------------------------------
     def secure(self, request: Request) -> bool:
         forwarded = request.headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
-        return request.url.scheme == "https" or (self.trust_proxy and forwarded == "https")
+        return request.url.scheme == "https" or (
+            forwarded == "https" and self.proxies.forwarded_proto_counts(request.client.host if request.client else None))
 
     def _origins(self, request: Request) -> set[str]:
         scheme = "https" if self.secure(request) else request.url.scheme
@@ -438,13 +455,59 @@ class Board:
         return origin is not None and origin.rstrip("/").lower() in self._origins(request)
 
     async def _session(self, request: Request) -> BoardSession | None:
+        """The browser's session, from its cookie; or, on a request from a declared proxy carrying the sign-in
+        header, the session of the human that header names (opened when the cookie holds none of theirs: the
+        answer then sets the new cookie, see `_answer`). Raises ProxySignInRefused when the header names no one."""
         token = request.cookies.get(BOARD_COOKIE)
-        if not token or len(token) > 128:
-            return None
-        session = await self.db.read(board_session, token_hash(token))
+        session = await self.db.read(board_session, token_hash(token)) if token and len(token) <= 128 else None
+        login = self._proxy_login(request)
+        if login is not None and (session is None or session.login != login):
+            human_id = await self.db.read(board_login_holder, login)
+            if human_id is None:
+                log.warning("board sign-in refused: the %s header from proxy %s names no human's login",
+                            self.auth_header, request.client.host if request.client else "?")
+                raise ProxySignInRefused(f"Your sign-in proxy says you are {login}, and no human of this server has"
+                                         f" that login. The operator ties one to it with `switchboard human"
+                                         f" set-login NAME {login}`.")
+            opened = await self.db.write(board_proxy_sign_in, human_id, session.key if session else None)
+            request.state.board_cookie = opened
+            session = await self.db.read(board_session, token_hash(opened))
         if session is not None and self.db.clock.now_ms() - session.last_seen_at >= BOARD_TOUCH_MS:
             await self.db.write(board_touch, session.key)
         return session
+
+    def _proxy_login(self, request: Request) -> str | None:
+        """The login the sign-in header names, on a request from a proxy named by --trust-proxy ADDRESSES; None
+        when there is no header sign-in (not configured, another address, or no header: then the cookie, or the
+        token sign-in, is what counts)."""
+        if self.auth_header is None or not self.proxies.declared(request.client.host if request.client else None):
+            return None
+        values = request.headers.getlist(self.auth_header)
+        if not values:
+            return None
+        if len(values) > 1:
+            raise ProxySignInRefused(f"Your sign-in proxy sent {self.auth_header} more than once: it must set the"
+                                     f" header, replacing any the browser sent.")
+        try:
+            return normal_login(values[0].strip())
+        except ApiError:
+            raise ProxySignInRefused(f"Your sign-in proxy sent a {self.auth_header} that is not a login (1 to 254"
+                                     " printable ASCII characters, without spaces).") from None
+
+    def _answer(self, request: Request, response: Response) -> Response:
+        """A response, with the session cookie of a sign-in made while answering it (by the proxy's header, or a
+        new token)."""
+        opened = getattr(request.state, "board_cookie", None)
+        if opened is not None:
+            response.set_cookie(BOARD_COOKIE, opened, path="/board", httponly=True, samesite="strict",
+                                secure=self.secure(request))
+        return response
+
+    def _refused(self, request: Request, refusal: BoardRefusal) -> Response:
+        if isinstance(refusal, ProxySignInRefused):
+            return self.render(request, "error.html", None, 403, title="Not signed in", message=str(refusal))
+        log.warning("board form refused: %s %s", request.method, request.url.path)
+        return self.render(request, "error.html", None, 403, title="Refused", message=str(refusal))
 
     async def _form(self, request: Request) -> dict[str, str]:
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != FORM_TYPE:
@@ -491,7 +554,10 @@ class Board:
     def _page(self, handler: Callable) -> Callable:
         """A GET page: a session (else to the sign-in form), then the handler; an ApiError is an HTML answer."""
         async def endpoint(request: Request) -> Response:
-            session = await self._session(request)
+            try:
+                session = await self._session(request)
+            except BoardRefusal as refusal:
+                return self._refused(request, refusal)
             if session is None:
                 if request.method != "GET":
                     return self.render(request, "error.html", None, 403, title="Signed out",
@@ -499,17 +565,18 @@ class Board:
                 target = urllib.parse.quote(request.url.path + (f"?{request.url.query}" if request.url.query else ""))
                 return RedirectResponse(f"/board/login?next={target}", status_code=303)
             try:
-                return await handler(request, session)
+                return self._answer(request, await handler(request, session))
             except ApiError as error:
-                return await self._error_page(request, session, error)
+                return self._answer(request, await self._error_page(request, session, error))
         return endpoint
 
     def _action(self, handler: Callable) -> Callable:
         """A state-changing form: a session, the same origin and the session's CSRF token, or 403 and nothing
         runs; then the handler, whose ApiError goes back to the page it came from as a notice."""
         async def endpoint(request: Request) -> Response:
-            session = await self._session(request)
+            session = None
             try:
+                session = await self._session(request)
                 if session is None:
                     raise BoardRefusal("Your session has ended: sign in again.")
                 if not self._same_origin(request):
@@ -520,16 +587,16 @@ class Board:
                 if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
                     raise BoardRefusal("This form is missing its session token (CSRF check). Reload the page.")
             except BoardRefusal as refusal:
-                log.warning("board form refused: %s %s", request.method, request.url.path)
-                return self.render(request, "error.html", None, 403, title="Refused", message=str(refusal))
+                return self._answer(request, self._refused(request, refusal))
             except ApiError as error:
-                return await self._error_page(request, session, error)
+                return self._answer(request, await self._error_page(request, session, error))
             try:
-                return await handler(request, session, form)
+                return self._answer(request, await handler(request, session, form))
             except ApiError as error:
                 # Refused (bad input, a conflict, an id that is not the human's): a 4xx page saying why, with the
                 # way back to the page the form was on. Nothing changed.
-                return await self._error_page(request, session, error, self._came_from(request, form))
+                return self._answer(request, await self._error_page(request, session, error,
+                                                                    self._came_from(request, form)))
         return endpoint
 
     def _came_from(self, request: Request, form: dict) -> str:
@@ -558,8 +625,11 @@ class Board:
         target = request.query_params.get("next", "")
         target = target if BOARD_BACK.match(target) and "//" not in target else "/board"
         if request.method == "GET":
-            if await self._session(request) is not None:
-                return RedirectResponse(target, status_code=303)
+            try:
+                if await self._session(request) is not None:
+                    return self._answer(request, RedirectResponse(target, status_code=303))
+            except BoardRefusal as refusal:
+                return self._refused(request, refusal)
             return self.render(request, "login.html", None, next=target, error=None)
         if not self._same_origin(request):
             return self.render(request, "error.html", None, 403, title="Refused",
@@ -569,10 +639,8 @@ class Board:
         if session is None:
             return self.render(request, "login.html", None, 401, next=target,
                                error="That is not a human token of this server (they start with sbh_).")
-        answer = RedirectResponse(target, status_code=303)
-        answer.set_cookie(BOARD_COOKIE, session, path="/board", httponly=True, samesite="strict",
-                          secure=self.secure(request))
-        return answer
+        request.state.board_cookie = session
+        return self._answer(request, RedirectResponse(target, status_code=303))
 
     async def logout(self, request: Request, session: BoardSession, form: dict) -> Response:
         await self.db.write(board_sign_out, session.key)
@@ -588,7 +656,10 @@ class Board:
         changed; board.js then refreshes the page's lists. The stream waits on the live view (`LiveViews`), which
         reads only after the database changed, so an idle stream costs a keep-alive every KEEPALIVE_SECONDS. A
         stream does not keep its session alive, and ends (`signed-out`) when the session does."""
-        session = await self._session(request)
+        try:
+            session = await self._session(request)
+        except BoardRefusal:
+            session = None
         if session is None:
             return PlainTextResponse("sign in first", status_code=401)
 
@@ -611,7 +682,7 @@ class Board:
             finally:
                 self.live.leave(listener)
 
-        return sse_response(frames())
+        return self._answer(request, sse_response(frames()))
 
     # -- pages --------------------------------------------------------------------------------------------
     async def inbox(self, request: Request, session: BoardSession) -> Response:
@@ -685,6 +756,10 @@ class Board:
     async def notify(self, request: Request, session: BoardSession) -> Response:
         data = await self.page_data(session, list_channels)
         return self.render(request, "notify.html", session, kinds=NOTIFY_KINDS, events=NOTIFY_EVENTS, **data)
+
+    async def account(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_account)
+        return self.render(request, "account.html", session, proxy_sign_in=self.auth_header is not None, **data)
 
     async def revoke_confirm(self, request: Request, session: BoardSession) -> Response:
         data = await self.page_data(session, board_endpoints)
@@ -882,6 +957,21 @@ class Board:
         await self.db.write(remove_channel, session.principal, request.path_params["channel_id"])
         self.notice(session, "Channel removed.")
         return RedirectResponse("/board/notify", status_code=303)
+
+    async def new_token(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """POST /api/v1/me/token from the account page: a new human token, shown once; the old token and every
+        session signed in with it end, and this browser is signed in afresh (the notice belongs to that session)."""
+        if form.get("confirm") != "yes":
+            raise ApiError("invalid_argument", "tick the box first: the current token stops working at once")
+        made, opened = await self.db.write(board_reissue_token, session.principal)
+        self.notices.pop(session.key, None)
+        request.state.board_cookie = opened
+        fresh = await self.db.read(board_session, token_hash(opened))
+        ended = made["sessions_ended"] - 1
+        self.notice(fresh, "Your new token. Copy it now; it is not shown again. The old one stopped working"
+                           f"{f', and {ended} other Board session(s) ended' if ended > 0 else ''}.", "human_token",
+                    token=made["token"])
+        return RedirectResponse("/board/account", status_code=303)
 
     async def revoke(self, request: Request, session: BoardSession, form: dict) -> Response:
         if form.get("confirm") != "yes":

@@ -17,7 +17,14 @@ from switchboard.envelope import stored_envelope, untrusted_names
 from switchboard.payload import stored_payload, value_at
 from switchboard.providers import PROVIDER_TABLE
 from switchboard.store.deliveries import EVENT_WITH_BODY, get_event
-from switchboard.store.principals import Principal, authenticate, list_endpoints
+from switchboard.store.principals import (
+    Principal,
+    authenticate,
+    find_human_by_login,
+    human_view,
+    list_endpoints,
+    reissue_own_token,
+)
 from switchboard.store.rules import get_rules
 from switchboard.store.todos import get_todo, grouped_page, scope_clause, stored_json, todo_groups
 from switchboard.store.webhooks import get_webhook, list_routes, list_webhooks, webhook_targets
@@ -67,11 +74,13 @@ SUMMARY_TITLE_CHARS = 60
 
 @dataclass(frozen=True)
 class BoardSession:
-    """A signed-in browser: the stored hash of its session token, the human, and the form token."""
+    """A signed-in browser: the stored hash of its session token, the human (and the login an identity proxy
+    names them by), and the form token."""
     key: str
     principal: Principal
     csrf: str
     last_seen_at: int
+    login: str | None = None
 
 
 class BoardRefusal(Exception):
@@ -80,27 +89,55 @@ class BoardRefusal(Exception):
 
 # -- sessions (transaction bodies) ----------------------------------------------------------------------
 
-def board_sign_in(txn: Txn, token: str) -> str | None:
-    """A new session for a human token, or None. Expired sessions are swept here."""
-    principal = authenticate(txn, token) if token.startswith("sbh_") else None
-    if principal is None:
-        return None
+def _open_session(txn: Txn, human_id: str, how: str) -> str:
+    """A new session for the human: its token for the cookie (only the hash is kept). Expired sessions are swept
+    here."""
     txn.execute("DELETE FROM board_sessions WHERE expires_at <= ?", (txn.now,))
     session = new_token("sbs")
     txn.execute("INSERT INTO board_sessions (id, human_id, csrf, created_at, last_seen_at, expires_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)", (token_hash(session), principal.id, secrets.token_urlsafe(32), txn.now,
+                " VALUES (?, ?, ?, ?, ?, ?)", (token_hash(session), human_id, secrets.token_urlsafe(32), txn.now,
                                                txn.now, txn.now + BOARD_IDLE_MS))
-    txn.logs.append(f"board session opened for {principal.id}")
+    txn.logs.append(f"board session opened for {human_id} ({how})")
     return session
 
 
+def board_sign_in(txn: Txn, token: str) -> str | None:
+    """A new session for a human token, or None."""
+    principal = authenticate(txn, token) if token.startswith("sbh_") else None
+    if principal is None:
+        return None
+    return _open_session(txn, principal.id, "token")
+
+
+def board_login_holder(txn: Txn, login: str) -> str | None:
+    """The id of the human an identity proxy names by `login`, or None (read first, so that a login nobody has
+    never costs a write)."""
+    human = find_human_by_login(txn, login)
+    return human["id"] if human is not None else None
+
+
+def board_proxy_sign_in(txn: Txn, human_id: str, replaced: str | None) -> str:
+    """A new session for the human an identity proxy named. `replaced`, the session the browser held for someone
+    else, ends: the proxy says who is at the keyboard now."""
+    if replaced is not None:
+        board_sign_out(txn, replaced)
+    return _open_session(txn, human_id, "identity proxy")
+
+
+def board_reissue_token(txn: Txn, principal: Principal) -> tuple[dict, str]:
+    """The signed-in human's new token (reissue_own_token: the old one and all its sessions end), and a fresh
+    session for the browser that asked, so that it stays signed in to show the token once."""
+    made = reissue_own_token(txn, principal)
+    return made, _open_session(txn, principal.id, "new token")
+
+
 def board_session(txn: Txn, key: str) -> BoardSession | None:
-    row = txn.one("SELECT s.*, h.name FROM board_sessions s JOIN humans h ON h.id = s.human_id"
+    row = txn.one("SELECT s.*, h.name, h.login FROM board_sessions s JOIN humans h ON h.id = s.human_id"
                   " WHERE s.id = ? AND s.expires_at > ?", (key, txn.now))
     if row is None:
         return None
     principal = Principal(kind="human", id=row["human_id"], human_id=row["human_id"], name=row["name"])
-    return BoardSession(row["id"], principal, row["csrf"], row["last_seen_at"])
+    return BoardSession(row["id"], principal, row["csrf"], row["last_seen_at"], row["login"])
 
 
 def board_touch(txn: Txn, key: str) -> None:
@@ -114,6 +151,11 @@ def board_sign_out(txn: Txn, key: str) -> None:
 
 
 # -- what the pages read (transaction bodies, each confined by the human's principal) ---------------------
+
+def board_account(txn: Txn, principal: Principal) -> dict:
+    """The signed-in human as the account page shows them (no token: only its first characters)."""
+    return {"human": human_view(txn.one("SELECT * FROM humans WHERE id = ?", (principal.id,)))}
+
 
 def board_counts(txn: Txn, principal: Principal) -> dict:
     """How many todos wait in each inbox group, and a digest of every open count, which changes whenever
@@ -254,8 +296,29 @@ def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) 
            f" JOIN attempts a ON a.todo_id = t.id AND a.ended_at IS NULL ORDER BY t.created_at, t.id")
     running = [dict(r) for r in txn.all(sql, (*args, BOARD_PAGE_SIZE + 1))]
     more = running[BOARD_PAGE_SIZE - 1] if len(running) > BOARD_PAGE_SIZE else None
+    for endpoint_id, working in _working(txn, clause, params).items():
+        endpoints[endpoint_id]["working"] = working
     return {"endpoints": list(endpoints.values()), "running": running[:BOARD_PAGE_SIZE],
             "more": f"{more['created_at']}.{more['id']}" if more else None}
+
+
+def _working(txn: Txn, clause: str, params: tuple) -> dict[str, list[dict]]:
+    """Per endpoint, the claimants holding a live lease now, each with its queues, jobs and first claim: a worker
+    whose every slot is busy holds no waiting claim (so the doorbell has no session of it), yet it is connected
+    and working. Read from the claimed todos (as many as the workers hold) and their open attempts."""
+    rows = txn.all(f"SELECT t.endpoint_id, a.claimant, t.queue, count(*) AS jobs, min(a.claimed_at) AS since FROM"
+                   f" (SELECT id, endpoint_id, queue FROM todos WHERE state = 'claimed' AND lease_expires_at > ?"
+                   f" AND {clause}) t JOIN attempts a ON a.todo_id = t.id AND a.ended_at IS NULL"
+                   f" GROUP BY t.endpoint_id, a.claimant, t.queue ORDER BY t.endpoint_id, a.claimant, t.queue",
+                   (txn.now, *params))
+    working: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        claimant = working.setdefault(row["endpoint_id"], {}).setdefault(
+            row["claimant"], {"claimant": row["claimant"], "queues": [], "jobs": 0, "since": row["since"]})
+        claimant["queues"].append(row["queue"])
+        claimant["jobs"] += row["jobs"]
+        claimant["since"] = min(claimant["since"], row["since"])
+    return {endpoint_id: list(by_claimant.values()) for endpoint_id, by_claimant in working.items()}
 
 
 def board_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
@@ -269,7 +332,31 @@ def board_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
     timeline.sort(key=lambda entry: (entry["at"] or "", entry["kind"] != "history"))
     event = txn.one("SELECT webhook_id FROM events WHERE id = ?", (todo["event_id"],)) if todo["event_id"] else None
     todo = _with_choices(txn, principal, {**todo, "webhook_id": event["webhook_id"] if event else None}, {})
-    return {"todo": todo, "timeline": timeline}
+    return {"todo": todo, "timeline": timeline, "facts": attempt_facts(todo)}
+
+
+_ERROR_OUTCOMES = ("failed", "lease_expired")
+
+
+def attempt_facts(todo: dict) -> dict:
+    """What the todo page says of attempts and errors, true to its timeline. `attempt` counts against the budget:
+    a release refunds its attempt, and a human's retry or reroute starts the count again, while the timeline
+    shows every claim. `last_error` is kept after the work moved on: it is the todo's current error only while
+    the todo is a dead letter or waits for (or runs) the retry of an attempt that failed; otherwise it is an
+    earlier attempt's (`error_seq`)."""
+    attempts = todo["attempts"]
+    resets = [h for h in todo["history"] if str(h["actor"]).startswith("human:") and h["to"] == "pending"
+              and (h["from"] == "failed" or "to_queue" in (h["evidence"] or {}))]
+    reset = resets[-1] if resets else None
+    ended = [a for a in attempts if a["ended_at"]]
+    failed = [a for a in attempts if a["outcome"] in _ERROR_OUTCOMES]
+    current = todo["state"] == "failed" or (
+        todo["state"] in ("pending", "claimed") and bool(ended) and ended[-1]["outcome"] in _ERROR_OUTCOMES)
+    return {"claims": len(attempts), "released": sum(a["outcome"] == "released" for a in attempts),
+            "reset_at": reset["at"] if reset else None,
+            "reset_by": (reset and ("retry" if reset["from"] == "failed" else "reroute")),
+            "error_current": bool(todo["last_error"]) and current,
+            "error_seq": failed[-1]["seq"] if failed else None}
 
 
 # -- deliveries, each on one line -------------------------------------------------------------------------

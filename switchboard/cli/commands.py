@@ -48,6 +48,8 @@ from switchboard.store.principals import (
     friend_link,
     list_endpoints,
     list_humans,
+    reissue_human_token,
+    set_human_login,
     vend_endpoint,
 )
 from switchboard.store.quarantine import apply_quarantine_release, prepare_quarantine_release
@@ -66,6 +68,7 @@ from switchboard.store.transitions import revoke_endpoint
 from switchboard.store.upkeep import HUMAN_ACTIONS, check_database, prune
 from switchboard.store.webhooks import (
     add_route,
+    add_trusted_actors,
     create_webhook,
     delete_webhook,
     list_routes,
@@ -85,11 +88,20 @@ def cli_init(args: argparse.Namespace, db: Database) -> dict:
 
 
 def cli_human_add(args: argparse.Namespace, db: Database) -> dict:
-    return with_out(args, db.write_sync(add_human, args.name))
+    return with_out(args, db.write_sync(add_human, args.name, args.login))
 
 
 def cli_human_list(args: argparse.Namespace, db: Database) -> dict:
     return db.read_sync(list_humans)
+
+
+def cli_human_token(args: argparse.Namespace, db: Database) -> dict:
+    """A lost or leaked human token: a new one, printed once; the old one and its Board sessions end."""
+    return with_out(args, db.write_sync(reissue_human_token, args.name))
+
+
+def cli_human_set_login(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(set_human_login, args.name, args.login)
 
 
 def cli_endpoint_vend(args: argparse.Namespace, db: Database) -> dict:
@@ -200,10 +212,18 @@ def cli_webhook_rename(args: argparse.Namespace, db: Database) -> dict:
 
 
 def cli_webhook_trust(args: argparse.Namespace, db: Database) -> dict:
+    """--trust A,B replaces the list, --add A,B adds to it, --allow-all trusts everyone."""
+    if args.add is not None:
+        if args.trust is not None or args.allow_all:
+            raise ApiError("invalid_argument", "give one of --trust, --add or --allow-all")
+        names = [n.strip() for n in args.add.split(",") if n.strip()]
+        if not names:
+            raise ApiError("invalid_argument", "--add names at least one login (or cairn actor id)")
+        return db.write_sync(add_trusted_actors, OPERATOR, args.id, names, args.match)
     provider = db.read_sync(lambda txn: visible_webhook(txn, OPERATOR, args.id, "set_trusted_actors"))["provider"]
     trusted = _trust_fields(args, provider)
     if trusted is None:
-        raise ApiError("invalid_argument", "give --trust A,B (with --match for logins) or --allow-all")
+        raise ApiError("invalid_argument", "give --trust A,B (with --match for logins), --add A,B or --allow-all")
     return db.write_sync(set_trusted_actors, OPERATOR, args.id, parse_model(TrustedActors, trusted))
 
 

@@ -16,7 +16,7 @@ from switchboard.payload import refuse_constant
 # open Database and returns one JSON object, which --json prints as is and otherwise prints for people.
 
 TABLE_COLUMNS = {
-    "humans": ("id", "name", "created_at"),
+    "humans": ("id", "name", "login", "created_at"),
     "endpoints": ("id", "name", "queues", "verbs", "revoked_at"),
     "webhooks": ("id", "name", "provider", "queue", "endpoint_id", "secret_set", "pinged_at"),
     "todos": ("id", "state", "queue", "attempt", "updated_at", "title"),

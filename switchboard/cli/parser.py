@@ -21,6 +21,8 @@ from switchboard.cli.commands import (
     cli_friend_link,
     cli_human_add,
     cli_human_list,
+    cli_human_set_login,
+    cli_human_token,
     cli_init,
     cli_migrate,
     cli_notify_add,
@@ -51,6 +53,8 @@ from switchboard.cli.output import print_answer
 from switchboard.configuration import (
     DEFAULT_INGEST_BURST,
     DEFAULT_INGEST_RATE,
+    DEFAULT_VERIFIED_BURST,
+    DEFAULT_VERIFIED_RATE,
     NOTIFY_KINDS,
     PACK_NAMES,
     ApiError,
@@ -92,18 +96,30 @@ def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
                        help="full: a 202 survives power loss (default); normal: faster, survives a crash")
     serve.add_argument("--ingest-rate", dest="ingest_rate", type=float,
                        default=env_default("ingest-rate", str(DEFAULT_INGEST_RATE)),
-                       help="deliveries per second per source address (0 turns the limit off)")
+                       help="unauthenticated deliveries and failed signature checks per second per source address"
+                            " (0 turns every ingest limit off)")
     serve.add_argument("--ingest-burst", dest="ingest_burst", type=int,
-                       default=env_default("ingest-burst", str(DEFAULT_INGEST_BURST)), help="deliveries allowed at once")
+                       default=env_default("ingest-burst", str(DEFAULT_INGEST_BURST)),
+                       help="of those, how many at once")
+    serve.add_argument("--verified-rate", dest="verified_rate", type=float,
+                       default=env_default("verified-rate", str(DEFAULT_VERIFIED_RATE)),
+                       help="deliveries whose signature verified, per second per webhook (0 turns this limit off)")
+    serve.add_argument("--verified-burst", dest="verified_burst", type=int,
+                       default=env_default("verified-burst", str(DEFAULT_VERIFIED_BURST)),
+                       help="of those, how many at once")
     serve.add_argument("--base-url", dest="base_url", default=env_default("base-url", None),
                        help="public base of ingest URLs and Board links (default: as requested)")
     serve.add_argument("--allowed-origins", dest="allowed_origins", default=env_default("allowed-origins", None),
                        help="comma-separated browser origins allowed on /mcp (loopback origins are allowed on a"
                             " loopback address)")
-    serve.add_argument("--trust-proxy", dest="trust_proxy", action="store_true",
+    serve.add_argument("--trust-proxy", dest="trust_proxy", nargs="?", const=True, metavar="ADDRESSES",
                        default=env_default("trust-proxy", False),
-                       help="a reverse proxy in front sets X-Forwarded-Proto: `https` there makes the Board's"
-                            " session cookie Secure")
+                       help="a reverse proxy in front sets X-Forwarded-Proto (`https` makes the Board's session"
+                            " cookie Secure). With comma-separated addresses or networks (127.0.0.1, 10.0.0.0/8):"
+                            " only those proxies are believed, and their X-Forwarded-For and --auth-header too")
+    serve.add_argument("--auth-header", dest="auth_header", default=env_default("auth-header", None),
+                       metavar="NAME", help="sign a Board visitor in as the human whose login this header names"
+                                            " (e.g. Remote-User), on requests from the --trust-proxy addresses only")
     serve.add_argument("--notify-allow-private", dest="notify_allow_private", action="store_true",
                        default=env_default("notify-allow-private", False),
                        help="let notification channels reach loopback, link-local and unspecified addresses"
@@ -116,11 +132,20 @@ def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 
 def _add_principals(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    human = _group(commands, "human", "humans: the owners of endpoints and webhooks", "{add,list}")
+    human = _group(commands, "human", "humans: the owners of endpoints and webhooks", "{add,list,token,set-login}")
     add = _subcommand(human, "add", cli_human_add, "add a human; prints its token (sbh_…) once", common)
     add.add_argument("name", help="a unique name, e.g. alice")
+    add.add_argument("--login", help="the login an identity proxy names this human by (serve --auth-header)")
     add.add_argument("--out", help="also write the answer (with the token) to this file, mode 0600")
     _subcommand(human, "list", cli_human_list, "list the humans", common)
+    token = _subcommand(human, "token", cli_human_token, "issue a new token for a human, printed once: the old"
+                        " token and every Board session signed in with it end at once", common)
+    token.add_argument("name", help="the human's name or id")
+    token.add_argument("--out", help="also write the answer (with the token) to this file, mode 0600")
+    login = _subcommand(human, "set-login", cli_human_set_login, "tie a human to the login an identity proxy"
+                        " names them by (serve --auth-header)", common)
+    login.add_argument("name", help="the human's name or id")
+    login.add_argument("login", help="e.g. alice or alice@example.com (compared case-insensitively)")
 
     endpoint = _group(commands, "endpoint", "endpoints: agents' capability grants", "{vend,list,revoke}")
     vend = _subcommand(endpoint, "vend", cli_endpoint_vend, "vend an endpoint for a human; prints its token"
@@ -217,9 +242,11 @@ def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.Argumen
     named.add_argument("name", nargs="?", help="the new name (up to 64 characters)")
     named.add_argument("--clear", action="store_true", help="remove the name")
     trust = _subcommand(webhook, "trust", cli_webhook_trust, "set whom the trust gate lets through (github,"
-                        " gitea: logins; cairn: actor ids)", common)
+                        " gitea: logins; cairn: actor ids), or add to the list", common)
     trust.add_argument("id", help="webhook id (wh_…)")
     _add_trust_options(trust)
+    trust.add_argument("--add", help="comma-separated logins (or cairn actor ids) to add to the list, keeping the"
+                                     " ones already on it")
     _subcommand(webhook, "list", cli_webhook_list, "list every webhook", common)
     rotate = _subcommand(webhook, "rotate", cli_webhook_rotate, "new URL and secret (the old URL is 404 at once)",
                          common)
@@ -311,14 +338,24 @@ def _add_operations(commands: argparse._SubParsersAction, common: argparse.Argum
     migrate.add_argument("--dry-run", dest="dry_run", action="store_true", help="only show what would change")
 
 
+def program_name() -> str:
+    """How this process was started, for its help and messages: `switchboard` (the installed command),
+    `switchboard.py` (the checkout's launcher) or `python -m switchboard`."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    if name == "__main__.py":
+        return "python -m switchboard"
+    return "switchboard.py" if name == "switchboard.py" else "switchboard"
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=argparse.SUPPRESS, help="database file (default $SWITCHBOARD_DB or ./switchboard.db)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON object")
-    parser = argparse.ArgumentParser(prog="switchboard.py", parents=[common],
+    program = program_name()
+    parser = argparse.ArgumentParser(prog=program, parents=[common],
                                      description="Signed webhooks in, durable leased work for AI agents out.",
                                      epilog="Every command takes --db and --json. Exit codes: 0 ok, 1 failure,"
-                                            " 2 usage. `switchboard.py COMMAND --help` tells more.")
+                                            f" 2 usage. `{program} COMMAND --help` tells more.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands, common)
     _add_operations(commands, common)
@@ -358,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     args.json = getattr(args, "json", False)
     if args.handler not in CREATES_DATABASE and not Path(args.db).exists():
         return _fail(args, {"error": "not_found", "message": f"no database at {Path(args.db).resolve()}: run"
-                            " `switchboard.py init` there first, or point --db or $SWITCHBOARD_DB at it"})
+                            f" `{program_name()} init` there first, or point --db or $SWITCHBOARD_DB at it"})
     try:
         if args.handler is cli_serve:
             return cli_serve(args)

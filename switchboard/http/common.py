@@ -42,8 +42,10 @@ def cut_to_depth(value: Any, depth: int = 0) -> Any:
 def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
     if isinstance(error, SlowBody):
         headers = {**(headers or {}), "Connection": "close"}
-    if isinstance(error, RateLimited):
-        headers = {**(headers or {}), "Retry-After": str(error.retry_after)}
+    if error.status == 429:
+        # Every 429 says when to come back (a producer that retries then does, instead of at once).
+        wait = error.retry_after if isinstance(error, RateLimited) else 1
+        headers = {**(headers or {}), "Retry-After": str(wait)}
     return JsonResponse(error.body(), status_code=error.status, headers=headers)
 
 

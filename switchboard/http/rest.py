@@ -32,6 +32,7 @@ from switchboard.http.common import (
     sse_response,
 )
 from switchboard.http.streams import sse_frame
+from switchboard.limits import TrustedProxies
 from switchboard.models import (
     ClaimAnswer,
     ClaimNext,
@@ -70,6 +71,7 @@ from switchboard.store.principals import (
     list_endpoints,
     list_friends,
     me,
+    reissue_own_token,
     vend_endpoint,
 )
 from switchboard.store.rules import get_rules
@@ -130,6 +132,8 @@ REST_ROUTES: list[ApiRoute] = [
              auth="metrics", media="text/plain"),
     ApiRoute("GET", "/api/v1/openapi.json", "openapi", "this document", auth="none"),
     ApiRoute("GET", "/api/v1/me", "", "who the token belongs to, and its scope", store=me),
+    ApiRoute("POST", "/api/v1/me/token", "", "a new human token for yourself, shown once: the old token and every"
+             " Board session signed in with it end at once", auth="human", store=reissue_own_token, writes=True),
     ApiRoute("GET", "/api/v1/todos", "", "todos, newest first (a human: across their endpoints)",
              query=TodoListQuery, answer=TodoListAnswer, store=list_todos),
     ApiRoute("POST", "/api/v1/todos/claim", "claim_next", "claim the best claimable todo, waiting up to"
@@ -263,11 +267,13 @@ class Api:
     """The REST surface. Handlers authenticate, validate the body against its model, and run one store
     function as one transaction; everything they answer comes from the store's views."""
 
-    def __init__(self, flows: Flows, base_url: str | None, allowed_origins: frozenset[str]):
+    def __init__(self, flows: Flows, base_url: str | None, allowed_origins: frozenset[str],
+                 proxies: TrustedProxies | None = None):
         self.flows = flows
         self.db = flows.db
         self.base_url = base_url
         self.allowed_origins = allowed_origins
+        self.proxies = proxies or TrustedProxies()
         self.ingest_buffer = BodyBudget(INGEST_BUFFER_BYTES)
 
     async def principal(self, request: Request) -> Principal:
@@ -334,7 +340,7 @@ class Api:
     async def ingest(self, request: Request) -> Response:
         """POST /hooks/{token}. The URL is looked up before a byte of the body is read: an unknown URL costs
         nothing, and the body is read under a deadline and the shared buffer budget."""
-        source = request.client.host if request.client else "unknown"
+        source = self.client_address(request)
         webhook = await self.flows.open_webhook(request.path_params["token"], source)
         body = await read_capped(request, MAX_DELIVERY_BYTES, self.ingest_buffer)
         try:
@@ -343,6 +349,12 @@ class Api:
         except EvaluationShed as shed:
             return error_response(shed, {"Retry-After": str(shed.retry_after)})
         return JsonResponse(answer, status_code=status)
+
+    def client_address(self, request: Request) -> str:
+        """The address a request comes from: its peer, or behind a proxy named by --trust-proxy ADDRESSES, the
+        client that proxy says it forwards for."""
+        return self.proxies.client_address(request.client.host if request.client else None,
+                                           request.headers.getlist("x-forwarded-for"))
 
     async def metrics_text(self, request: Request) -> Response:
         expected = os.environ.get("SWITCHBOARD_METRICS_TOKEN")

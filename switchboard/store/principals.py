@@ -65,21 +65,76 @@ def authenticate(txn: Txn, token: str) -> Principal | None:
 # -- humans and endpoints --------------------------------------------------------------------------
 
 def human_view(row: sqlite3.Row) -> dict:
-    return {"id": row["id"], "name": row["name"], "token_prefix": row["token_prefix"],
+    return {"id": row["id"], "name": row["name"], "login": row["login"], "token_prefix": row["token_prefix"],
             "created_at": iso(row["created_at"])}
 
 
-def add_human(txn: Txn, name: str) -> dict:
+LOGIN_PATTERN = re.compile(r"[!-~]{1,254}")
+
+
+def normal_login(login: str) -> str:
+    """A login as it is kept and compared: 1 to 254 printable ASCII characters without spaces, lower-cased. The
+    proxies' logins (usernames, e-mail addresses, GitHub logins) name one account whatever their case, so two
+    humans can never hold logins that differ only in case."""
+    if not LOGIN_PATTERN.fullmatch(login):
+        raise ApiError("invalid_argument", "login: 1 to 254 printable ASCII characters, without spaces")
+    return login.lower()
+
+
+def _claim_login(txn: Txn, human_id: str, login: str) -> str:
+    login = normal_login(login)
+    holder = txn.one("SELECT name FROM humans WHERE login = ? AND id <> ?", (login, human_id))
+    if holder is not None:
+        raise ApiError("conflict", f"login {login!r} already signs in {holder['name']}")
+    return login
+
+
+def add_human(txn: Txn, name: str, login: str | None = None) -> dict:
     if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", name):
         raise ApiError("invalid_argument", "name: letters, digits, '.', '_' and '-', at most 64")
     if txn.one("SELECT 1 FROM humans WHERE name = ?", (name,)):
         raise ApiError("conflict", f"human {name!r} already exists")
     token = new_token("sbh")
     human_id = new_id("hu")
-    txn.execute("INSERT INTO humans (id, name, token_hash, token_prefix, created_at) VALUES (?, ?, ?, ?, ?)",
-                (human_id, name, token_hash(token), token[:12], txn.now))
+    login = _claim_login(txn, human_id, login) if login is not None else None
+    txn.execute("INSERT INTO humans (id, name, token_hash, token_prefix, created_at, login) VALUES (?, ?, ?, ?, ?, ?)",
+                (human_id, name, token_hash(token), token[:12], txn.now, login))
     txn.logs.append(f"human {human_id} added")
-    return {"id": human_id, "name": name, "token": token}
+    # The shape SPEC section 9 names, and the login when one was given.
+    return {"id": human_id, "name": name, "token": token, **({"login": login} if login else {})}
+
+
+def set_human_login(txn: Txn, name_or_id: str, login: str) -> dict:
+    """Tie a human to the login an identity proxy names them by (`serve --auth-header`)."""
+    human = find_human(txn, name_or_id)
+    txn.lock("humans", "id = ?", (human["id"],))
+    txn.execute("UPDATE humans SET login = ? WHERE id = ?", (_claim_login(txn, human["id"], login), human["id"]))
+    txn.logs.append(f"human {human['id']} login set")
+    return human_view(txn.one("SELECT * FROM humans WHERE id = ?", (human["id"],)))
+
+
+def find_human_by_login(txn: Txn, login: str) -> sqlite3.Row | None:
+    return txn.one("SELECT * FROM humans WHERE login = ?", (normal_login(login),))
+
+
+def reissue_human_token(txn: Txn, name_or_id: str) -> dict:
+    """A new human token (shown once); the old one stops working at once, and every Board session signed in
+    with it ends. The human's endpoints, webhooks and work are untouched."""
+    human = find_human(txn, name_or_id)
+    txn.lock("humans", "id = ?", (human["id"],))
+    token = new_token("sbh")
+    txn.execute("UPDATE humans SET token_hash = ?, token_prefix = ? WHERE id = ?",
+                (token_hash(token), token[:12], human["id"]))
+    ended = txn.execute("DELETE FROM board_sessions WHERE human_id = ?", (human["id"],)).rowcount
+    txn.logs.append(f"human {human['id']} token reissued, {ended} board session(s) ended")
+    return {"id": human["id"], "name": human["name"], "token": token, "token_prefix": token[:12],
+            "sessions_ended": ended}
+
+
+def reissue_own_token(txn: Txn, principal: Principal) -> dict:
+    """POST /api/v1/me/token: a human rotates their own token."""
+    principal.require_human("a new human token")
+    return reissue_human_token(txn, principal.id)
 
 
 def list_humans(txn: Txn) -> dict:

@@ -9,6 +9,7 @@ import sqlite3
 from switchboard.configuration import RESERVED_QUEUES, ApiError, iso
 from switchboard.crypto import SecretBox, new_id, token_hash
 from switchboard.database import Txn
+from switchboard.envelope import ASCII_FOLD
 from switchboard.models import (
     RouteAdd,
     TrustActorIds,
@@ -18,6 +19,7 @@ from switchboard.models import (
     WebhookCreate,
     WebhookSecret,
     WebhookUpdate,
+    parse_model,
 )
 from switchboard.providers import PROVIDER_TABLE
 from switchboard.store.principals import Principal, own_endpoint
@@ -132,6 +134,34 @@ def set_trusted_actors(txn: Txn, principal: Principal, webhook_id: str, body: Tr
     txn.execute("UPDATE webhooks SET trusted_actors = ? WHERE id = ?", (json.dumps(trusted), webhook_id))
     txn.logs.append(f"webhook {webhook_id} trusted actors set")
     return webhook_view(txn.one("SELECT * FROM webhooks WHERE id = ?", (webhook_id,)))
+
+
+def add_trusted_actors(txn: Txn, principal: Principal, webhook_id: str, names: list[str],
+                       match: str | None = None) -> dict:
+    """`webhook trust WEBHOOK --add A,B`: the names join the webhook's list instead of replacing it (a name
+    already on it is not added twice; logins compare ASCII case-insensitively, as the gate does), and `match`,
+    when given, replaces the list's. A webhook that trusts every actor keeps doing so only by its human's
+    choice: adding to it is refused, since a list would trust fewer."""
+    txn.lock("webhooks", "id = ?", (webhook_id,))
+    row = visible_webhook(txn, principal, webhook_id, "set_trusted_actors")
+    kind = PROVIDER_TABLE[row["provider"]].trust
+    if kind is None:
+        raise ApiError("invalid_argument", f"trusted_actors: a {row['provider']} webhook has no trust gate")
+    trusted = stored_json(row["trusted_actors"]) or trust_list(row["provider"], None)
+    if trusted.get("allow_all"):
+        raise ApiError("conflict", f"webhook {webhook_id} trusts every actor (allow_all); to trust only some, set"
+                                   " the list with --trust A,B")
+    if match is not None and kind != "logins":
+        raise ApiError("invalid_argument", "--match is for github and gitea logins")
+    fold = (lambda name: name.translate(ASCII_FOLD)) if kind == "logins" else (lambda name: name)
+    listed = list(trusted[kind])
+    known = {fold(name) for name in listed}
+    for name in names:
+        if fold(name) not in known:
+            listed.append(name)
+            known.add(fold(name))
+    document = {**trusted, kind: listed, **({"match": match} if match is not None else {})}
+    return set_trusted_actors(txn, principal, webhook_id, parse_model(TrustedActors, document))
 
 
 def list_webhooks(txn: Txn, principal: Principal) -> dict:
