@@ -57,6 +57,9 @@ MIGRATIONS: dict[int, Migration] = {
         after=("DELETE FROM todo_counts",
                "INSERT INTO todo_counts (endpoint_id, queue, state, n, changes)"
                " SELECT endpoint_id, queue, state, count(*), count(*) FROM todos GROUP BY endpoint_id, queue, state")),
+    6: Migration(
+        "queue control: queue_controls holds each endpoint's queue pauses and admission caps (every queue starts"
+        " open and uncapped), and todos_by_subject indexes the todos by subject for the filtered todo list"),
 }
 
 # Columns that moved to a table of their own: (table, column) -> (new table, the copy). Whichever migration first
