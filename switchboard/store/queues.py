@@ -64,18 +64,22 @@ def _controlled(txn: Txn, principal: Principal, endpoint_id: str, queue: str) ->
 
 def _after_change(txn: Txn, endpoint_id: str, queue: str) -> dict:
     """What follows any change to a queue's control: it rings for what it now admits, the scheduler's next moment
-    for it is set again, and a row with nothing left in it goes. Answers the queue's view."""
+    for it is set again, and a row with nothing left in it goes. A transaction that cannot ring (the CLI's, in a
+    process of its own) leaves the ringing to the server's scheduler: the queue is due at once. Answers the
+    queue's view."""
     opened = _ring_for_room(txn, endpoint_id, queue)
     if opened:
         txn.logs.append(f"queue {queue} of {endpoint_id} rang for {opened} waiting todos")
     row = control_row(txn, endpoint_id, queue)
     if row is not None:
-        if row["paused_at"] is None and row["max_in_flight"] is None and row["window_count"] is None:
+        empty = row["paused_at"] is None and row["max_in_flight"] is None and row["window_count"] is None
+        if empty and txn.inline_rings:
             txn.execute("DELETE FROM queue_controls WHERE endpoint_id = ? AND queue = ?", (endpoint_id, queue))
             row = None
         else:
+            due = next_ring_at(row, txn.now) if txn.inline_rings else txn.now
             txn.execute("UPDATE queue_controls SET ring_due_at = ? WHERE endpoint_id = ? AND queue = ?",
-                        (next_ring_at(row, txn.now), endpoint_id, queue))
+                        (due, endpoint_id, queue))
             row = control_row(txn, endpoint_id, queue)
     counts = {(queue, r["state"]): r["n"] for r in txn.all(
         "SELECT state, n FROM todo_counts WHERE endpoint_id = ? AND queue = ? AND state IN ('pending', 'claimed')",
