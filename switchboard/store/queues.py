@@ -35,19 +35,20 @@ def queue_view(txn: Txn, queue: str, row: Row | None, counts: dict[tuple[str, st
     }
 
 
-def queue_views(txn: Txn, endpoint: Row) -> dict[str, dict]:
+def queue_views(txn: Txn, endpoint_id: str, scope: list[str]) -> dict[str, dict]:
     """Every queue of an endpoint by name: those of its scope, and any other that holds open work or a control."""
-    rows = {r["queue"]: r for r in txn.all("SELECT * FROM queue_controls WHERE endpoint_id = ?", (endpoint["id"],))}
+    rows = {r["queue"]: r for r in txn.all("SELECT * FROM queue_controls WHERE endpoint_id = ?", (endpoint_id,))}
     counts = {(r["queue"], r["state"]): r["n"] for r in txn.all(
         "SELECT queue, state, n FROM todo_counts WHERE endpoint_id = ? AND state IN ('pending', 'claimed') AND n > 0",
-        (endpoint["id"],))}
-    names = sorted({*json.loads(endpoint["queues"]), *rows, *(queue for queue, _ in counts)})
+        (endpoint_id,))}
+    names = sorted({*scope, *rows, *(queue for queue, _ in counts)})
     return {name: queue_view(txn, name, rows.get(name), counts) for name in names}
 
 
 def list_queues(txn: Txn, principal: Principal, endpoint_id: str) -> dict:
     principal.require_human("queue control")
-    return {"queues": list(queue_views(txn, own_endpoint(txn, principal, endpoint_id)).values())}
+    endpoint = own_endpoint(txn, principal, endpoint_id)
+    return {"queues": list(queue_views(txn, endpoint_id, json.loads(endpoint["queues"])).values())}
 
 
 def _controlled(txn: Txn, principal: Principal, endpoint_id: str, queue: str) -> Row:

@@ -192,6 +192,23 @@ def _conditions(selection: Selection, clause: str, params: tuple) -> tuple[str, 
     return where, tuple(args)
 
 
+def count_selection(txn: Txn, principal: Principal, selection: Selection, most: int) -> int | None:
+    """How many todos the selection matches, counted up to `most` + 1; None when only a scan could say (a title
+    search). Groups are counted by todo_counts, a subject's todos along todos_by_subject."""
+    if selection.q is not None:
+        return None
+    clause, scope = scope_clause(principal)
+    if selection.subject is not None:
+        where, args = _conditions(selection, clause, scope)
+        since = " AND created_at >= ?" if selection.since is not None else ""
+        return txn.one(f"SELECT count(*) FROM (SELECT 1 FROM todos WHERE subject_key = ?{since} AND {where} LIMIT ?)"
+                       f" AS matched", (selection.subject, *([selection.since] if since else []), *args, most + 1))[0]
+    if selection.since is not None:
+        return None
+    where, args = _conditions(selection, clause, scope)
+    return txn.one(f"SELECT coalesce(sum(n), 0) FROM todo_counts WHERE n > 0 AND {where}", args)[0]
+
+
 def matching_ids(txn: Txn, principal: Principal, selection: Selection, most: int) -> tuple[list[str], bool]:
     """Up to `most` ids the selection matches, newest first, and whether there were more."""
     found: list[str] = []
