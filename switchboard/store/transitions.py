@@ -90,9 +90,10 @@ def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: 
     txn.counts["created"] += 1
     if values["state"] == "quarantined" or queue == HOLD_QUEUE:
         notify_todo(txn, todo_id, "held")
-    if rung and not withheld:
-        _queue_ring(txn, {"id": todo_id, "endpoint_id": endpoint_id, "queue": queue, "kind": kind, "source": source,
-                          "title": title})
+    if rung:
+        if not withheld:
+            _queue_ring(txn, {"id": todo_id, "endpoint_id": endpoint_id, "queue": queue, "kind": kind,
+                              "source": source, "title": title})
     elif values["state"] == "pending":
         _became_pending(txn, todo_id)
 
