@@ -58,7 +58,7 @@ from switchboard.models import (
 from switchboard.notifier import Notifier
 from switchboard.payload import decode_payload, payload_text, value_at
 from switchboard.providers import VerificationFailed, delivery_key, verify_delivery
-from switchboard.store.bulk import BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step
+from switchboard.store.bulk import BULK_PAUSE_MS, BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step
 from switchboard.store.deliveries import Delivery, duplicate_of, find_webhook, record_delivery
 from switchboard.store.outbox import add_channel, notify_verification_failures, queue_test_message
 from switchboard.store.principals import Principal
@@ -571,14 +571,15 @@ class Flows:
     # -- bulk actions --------------------------------------------------------------------------------
     async def bulk(self, principal: Principal, body: BulkAction) -> dict:
         """A dry run reads; acting reads the matches once, then writes them a short step at a time, each step a
-        transaction of its own queued behind whatever else waits for the writer (a delivery waits one step at
-        most)."""
+        transaction of its own with a pause after it (a delivery waits one step at most)."""
         principal.require_human("bulk actions")
         if body.dry_run:
             return await self.db.read(bulk_dry_run, principal, body)
         run = BulkRun(body, await self.db.read(bulk_matches, principal, body))
         while run.remaining:
             run.add(await self.db.write(bulk_step, principal, body, run.remaining[:BULK_STEP_TODOS]))
+            if run.remaining:
+                await asyncio.sleep(BULK_PAUSE_MS / 1000)
         return run.answer()
 
     # -- notifications -------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from switchboard.models import (
     parse_model,
 )
 from switchboard.providers import PROVIDER_TABLE
-from switchboard.store.bulk import BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step
+from switchboard.store.bulk import BULK_PAUSE_MS, BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step
 from switchboard.store.deliveries import list_events
 from switchboard.store.human_actions import push_todo
 from switchboard.store.outbox import add_channel, list_channels, queue_test_message, remove_channel
@@ -138,11 +138,6 @@ def cli_todo_list(args: argparse.Namespace, db: Database) -> dict:
     return db.read_sync(list_todos, OPERATOR, query)
 
 
-# Between two steps of a bulk action the CLI waits this long, so that a server's writer beside it gets the lock
-# (SQLite's busy handler retries after growing sleeps; see PRUNE_PAUSE_MS).
-BULK_PAUSE_S = 0.02
-
-
 def cli_todo_bulk(args: argparse.Namespace, db: Database) -> dict:
     """ACTION on --ids, or on what the filter options match: a dry run unless --apply, as the server runs it."""
     filters = {k: v for k, v in (("endpoint", args.endpoint), ("queue", args.queue), ("state", args.state),
@@ -163,8 +158,8 @@ def cli_todo_bulk(args: argparse.Namespace, db: Database) -> dict:
         run = BulkRun(body, db.read_sync(bulk_matches, OPERATOR, body))
         while run.remaining:
             run.add(db.write_sync(bulk_step, OPERATOR, body, run.remaining[:BULK_STEP_TODOS]))
-            if run.remaining:
-                time.sleep(BULK_PAUSE_S)
+            if run.remaining:  # a server's writer beside this process takes the lock meanwhile
+                time.sleep(BULK_PAUSE_MS / 1000)
         answer = run.answer()
     if args.json:
         return answer
