@@ -202,6 +202,8 @@ CREATE INDEX IF NOT EXISTS todos_finished ON todos(updated_at) WHERE state IN ('
 -- Todos by group (endpoint, state, queue), oldest first: each group's first page is one ordered range of it, so
 -- the Board's inbox and the human's list pick a page from the few groups todo_counts names, at any size.
 CREATE INDEX IF NOT EXISTS todos_by_state ON todos(endpoint_id, state, queue, created_at);
+-- Todos about one subject, newest last: the todo list filtered by subject (and the subject pages) read one range.
+CREATE INDEX IF NOT EXISTS todos_by_subject ON todos(subject_key, created_at);
 -- Idempotency: one live todo per (endpoint, key); a finished one frees the key.
 CREATE UNIQUE INDEX IF NOT EXISTS todos_idempotency ON todos(endpoint_id, idempotency_key)
     WHERE idempotency_key IS NOT NULL AND state NOT IN ('done', 'failed', 'cancelled');
@@ -233,6 +235,31 @@ CREATE TRIGGER IF NOT EXISTS todo_counts_delete AFTER DELETE ON todos BEGIN
     UPDATE todo_counts SET n = n - 1, changes = changes + 1
         WHERE endpoint_id = OLD.endpoint_id AND queue = OLD.queue AND state = OLD.state;
 END;
+
+-- Queue control, per endpoint and queue, set by the endpoint's human: a pause (until a moment, or until resumed)
+-- and admission caps (claimed at once; claims per window). A queue without a row is open; a row goes once nothing
+-- is set. Windows are fixed, aligned to the epoch (a window of 3600 s turns on the hour): `window_claims` counts
+-- the claims of the window that began at `window_started_at`, so a cap reads one row, never the claims.
+-- `ring_due_at` is when the scheduler next rings for the queue (a pause ends, a full window turns).
+CREATE TABLE IF NOT EXISTS queue_controls (
+    endpoint_id        TEXT NOT NULL REFERENCES endpoints(id),
+    queue              TEXT NOT NULL CHECK (length(queue) BETWEEN 1 AND 64),
+    paused_at          INTEGER,
+    paused_until       INTEGER,
+    paused_by          TEXT,
+    paused_reason      TEXT CHECK (paused_reason IS NULL OR length(paused_reason) BETWEEN 1 AND 4096),
+    max_in_flight      INTEGER CHECK (max_in_flight >= 0),
+    window_count       INTEGER CHECK (window_count >= 0),
+    window_seconds     INTEGER CHECK (window_seconds >= 1),
+    window_started_at  INTEGER,
+    window_claims      INTEGER NOT NULL DEFAULT 0 CHECK (window_claims >= 0),
+    ring_due_at        INTEGER,
+    updated_at         INTEGER NOT NULL,
+    CHECK ((paused_at IS NULL) = (paused_by IS NULL)),
+    CHECK (paused_at IS NOT NULL OR (paused_until IS NULL AND paused_reason IS NULL)),
+    CHECK ((window_count IS NULL) = (window_seconds IS NULL)),
+    PRIMARY KEY (endpoint_id, queue)
+) WITHOUT ROWID;
 
 CREATE TABLE IF NOT EXISTS todo_deps (
     todo_id        TEXT NOT NULL REFERENCES todos(id) ON DELETE CASCADE,

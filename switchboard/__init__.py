@@ -12,8 +12,8 @@ checks it from the import graph).
   models             request bodies, rule documents, work items, answers (pydantic, extra="forbid")
   envelope           the document every rule sees
   evaluator          jq rule sets in sandboxed child processes
-  store.*            transaction bodies, no HTTP: principals, outbox, todos, transitions, webhooks,
-                     human_actions, deliveries, rules, routing, quarantine, replay, upkeep
+  store.*            transaction bodies, no HTTP: principals, outbox, todos, admission, transitions, queues,
+                     webhooks, human_actions, bulk, deliveries, rules, routing, quarantine, replay, upkeep
   doorbell           waking one waiting session when work becomes claimable
   notifier           the outbox's sender (ntfy, Gotify, Slack, Discord, signed webhooks)
   limits, metrics    ingest rate limits, the proxies believed, the owners' evaluator gate; Prometheus metrics

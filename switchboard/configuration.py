@@ -26,7 +26,7 @@ SCHEMA_PATH = shipped_path("schema.sql")
 # The rule packs that ship with Switchboard (`rules set --pack fleet`), wherever it is installed.
 PACKS_DIR = shipped_path("packs")
 PACK_NAMES = ("fleet", "pool-review")
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 DEFAULT_LEASE_SECONDS = 300
 MAX_REQUEST_BYTES = 1 << 20
@@ -86,6 +86,8 @@ NOTIFY_MAX_CHANNELS = 20
 # The lane where rules put work that waits for a human (packs/fleet.json's `hold`): like quarantine, it notifies.
 HOLD_QUEUE = "hold"
 RESERVED_QUEUES = frozenset({"quarantine"})
+# A bulk action acts on at most this many todos a call (a filter that matches more acts on the newest this many).
+BULK_MAX = 10_000
 
 DRAIN_VERBS = ("list_todos", "get_todo", "claim_next", "claim", "heartbeat", "complete", "fail", "release",
                "needs_input", "block", "absorb")

@@ -45,10 +45,20 @@ from switchboard.evaluator import (
 )
 from switchboard.limits import PendingRules, RateLimited, RateLimiter, TenantGate
 from switchboard.metrics import Metrics
-from switchboard.models import ClaimNext, NotifyCreate, ReleaseQuarantine, ReplayMany, ReplayOne, RuleSet, RulesTest
+from switchboard.models import (
+    BulkAction,
+    ClaimNext,
+    NotifyCreate,
+    ReleaseQuarantine,
+    ReplayMany,
+    ReplayOne,
+    RuleSet,
+    RulesTest,
+)
 from switchboard.notifier import Notifier
 from switchboard.payload import decode_payload, payload_text, value_at
 from switchboard.providers import VerificationFailed, delivery_key, verify_delivery
+from switchboard.store.bulk import BULK_PAUSE_MS, BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step
 from switchboard.store.deliveries import Delivery, duplicate_of, find_webhook, record_delivery
 from switchboard.store.outbox import add_channel, notify_verification_failures, queue_test_message
 from switchboard.store.principals import Principal
@@ -100,6 +110,7 @@ class WaitingClaim:
         self.queues = claim_queues(principal, body.queue_filter())
         self.owed: dict | None = None  # a ring this waiter was given and has not yet claimed
         self.claimed: str | None = None
+        self.empty = self.EMPTY  # the last empty answer (with the queues a pause or a cap kept shut)
 
     async def run(self) -> dict:
         loop = asyncio.get_running_loop()
@@ -113,7 +124,7 @@ class WaitingClaim:
                 try:
                     result = await self._attempt()
                     if result is not None or session is None or self.gone.done():
-                        return result or self.EMPTY
+                        return result or self.empty
                     rung_now = await self._wait(rung, deadline - loop.time())
                     if self.gone.done():
                         return self.EMPTY
@@ -128,6 +139,7 @@ class WaitingClaim:
         result = await self.flows.db.write(claim_next, self.principal, self.body)
         if result.get("empty"):
             self.owed = None
+            self.empty = result
             return None
         if self.gone.done():
             await self.flows.db.write(hand_back_unheard, self.principal, result["todo"]["id"], result["lease_token"])
@@ -574,6 +586,20 @@ class Flows:
     async def replay_webhook(self, principal: Principal, webhook_id: str, body: ReplayMany) -> dict:
         events = await self.db.read(replay_events, principal, webhook_id, body)
         return {**replay_summary(await self.replay(principal, events, body.dry_run)), "dry_run": body.dry_run}
+
+    # -- bulk actions --------------------------------------------------------------------------------
+    async def bulk(self, principal: Principal, body: BulkAction) -> dict:
+        """A dry run reads; acting reads the matches once, then writes them a short step at a time, each step a
+        transaction of its own with a pause after it (a delivery waits one step at most)."""
+        principal.require_human("bulk actions")
+        if body.dry_run:
+            return await self.db.read(bulk_dry_run, principal, body)
+        run = BulkRun(body, await self.db.read(bulk_matches, principal, body))
+        while run.remaining:
+            run.add(await self.db.write(bulk_step, principal, body, run.remaining[:BULK_STEP_TODOS]))
+            if run.remaining:
+                await asyncio.sleep(BULK_PAUSE_MS / 1000)
+        return run.answer()
 
     # -- notifications -------------------------------------------------------------------------------
     async def add_channel(self, principal: Principal, body: NotifyCreate) -> dict:

@@ -61,6 +61,9 @@ MIGRATIONS: dict[int, Migration] = {
         "humans gain a login an identity proxy may sign them in by (serve --auth-header; none until the operator"
         " sets one with `human set-login`)",
         rebuild=("humans",)),
+    7: Migration(
+        "queue control: queue_controls holds each endpoint's queue pauses and admission caps (every queue starts"
+        " open and uncapped), and todos_by_subject indexes the todos by subject for the filtered todo list"),
 }
 
 # Columns that moved to a table of their own: (table, column) -> (new table, the copy). Whichever migration first

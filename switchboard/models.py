@@ -18,12 +18,14 @@ from pydantic import (
     RootModel,
     StringConstraints,
     Tag,
+    TypeAdapter,
     ValidationError,
     model_validator,
 )
 
 from switchboard.configuration import (
     ALL_VERBS,
+    BULK_MAX,
     NOTIFY_EVENTS,
     NOTIFY_KINDS,
     PARSE_PROBLEMS_SHOWN,
@@ -198,12 +200,171 @@ class Reroute(Body):
     queue: QueueName
 
 
+# One or more states, comma-separated (`done,failed`).
+StateList = Annotated[str, StringConstraints(pattern=r"^[a-z_]{1,16}(,[a-z_]{1,16}){0,15}$"),
+                      Field(description="one or more states, comma-separated")]
+SubjectKey = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=ONE_LINE)]
+TitleSearch = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=ONE_LINE)]
+# Where the next page starts: the last todo's `created_at` (ms) and id, as `next_cursor` gave them.
+TodoCursor = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,15}\.td_[0-9a-f]{1,64}$")]
+
+
+def listed_states(text: str | None) -> tuple[str, ...] | None:
+    """`pending,failed` as the states it names; an unknown one is refused naming the states there are."""
+    if text is None:
+        return None
+    states = tuple(dict.fromkeys(text.split(",")))
+    unknown = [state for state in states if state not in TODO_STATES]
+    if unknown:
+        raise ValueError(f"unknown state {unknown[0]!r} (the states are {', '.join(TODO_STATES)})")
+    return states
+
+
 class TodoListQuery(BaseModel):
+    """`state` takes several states, comma-separated; `subject` is a subject key; `q` matches in the title (any
+    case); `cursor` is the `next_cursor` of the page before."""
     model_config = ConfigDict(extra="forbid")
     queue: QueueName | None = None
-    state: Literal[TODO_STATES] | None = None  # type: ignore[valid-type]
+    state: StateList | None = None
     endpoint: EndpointId | None = None
+    subject: SubjectKey | None = None
+    q: TitleSearch | None = None
+    cursor: TodoCursor | None = None
     limit: Annotated[int, Field(ge=1, le=200)] = 50
+
+    @model_validator(mode="after")
+    def _states(self) -> TodoListQuery:
+        listed_states(self.state)
+        return self
+
+    @property
+    def states(self) -> tuple[str, ...] | None:
+        return listed_states(self.state)
+
+    @property
+    def after(self) -> tuple[int, str] | None:
+        if self.cursor is None:
+            return None
+        stamp, _, todo_id = self.cursor.partition(".")
+        return int(stamp), todo_id
+
+
+class TodoFilter(Body):
+    """Which todos a bulk action takes: the todo list's filters, and `since` (created at or after)."""
+    endpoint: EndpointId | None = None
+    queue: QueueName | None = None
+    state: StateList | None = None
+    subject: SubjectKey | None = None
+    q: TitleSearch | None = None
+    since: datetime | None = None
+
+    @model_validator(mode="after")
+    def _states(self) -> TodoFilter:
+        listed_states(self.state)
+        if self.since is not None:
+            _check_representable(self.since, "since")
+        return self
+
+    @property
+    def states(self) -> tuple[str, ...] | None:
+        return listed_states(self.state)
+
+
+BULK_ACTIONS = ("retry", "cancel", "reroute", "defer", "discard", "approve")
+
+
+class BulkAction(Body):
+    """One human action on many todos: `ids`, or every todo a `filter` matches (at most BULK_MAX a call). A dry
+    run (the default) changes nothing and says what would happen. `reason` is the cancel or defer reason (the
+    note of the others), `queue` the reroute's target, `until` when a deferral ends."""
+    action: Literal[BULK_ACTIONS]  # type: ignore[valid-type]
+    ids: Annotated[list[TodoId], Field(min_length=1, max_length=BULK_MAX)] | None = None
+    filter: TodoFilter | None = None
+    reason: ShortText | None = None
+    queue: QueueName | None = None
+    until: datetime | None = None
+    dry_run: bool = True
+
+    @model_validator(mode="after")
+    def _fits_action(self) -> BulkAction:
+        if (self.ids is None) == (self.filter is None):
+            raise ValueError("give ids or filter (one of them)")
+        if self.action in ("cancel", "defer") and self.reason is None:
+            raise ValueError(f"reason: {self.action} needs a reason")
+        if (self.action == "reroute") != (self.queue is not None):
+            raise ValueError("queue: the reroute's target queue, given with reroute only")
+        if self.until is not None:
+            if self.action != "defer":
+                raise ValueError("until: given with defer only")
+            _check_representable(self.until, "until")
+        return self
+
+
+DURATION = r"^([0-9]{1,6}[dhms]){1,4}$"
+_DURATION_UNITS = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1000}
+
+
+def duration_ms(text: str) -> int:
+    """`1h30m` as milliseconds."""
+    return sum(int(amount) * _DURATION_UNITS[unit] for amount, unit in re.findall(r"([0-9]+)([dhms])", text))
+
+
+def _check_representable(moment: datetime, name: str) -> None:
+    try:
+        iso(to_ms(moment))
+    except (OverflowError, ValueError):
+        raise ValueError(f"{name} is outside the years 1..9999 in UTC") from None
+
+
+QueueReason = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=ONE_LINE)]
+
+
+_MOMENT = TypeAdapter(datetime)
+PauseUntil = Annotated[str, StringConstraints(min_length=1, max_length=64), Field(
+    description="an ISO-8601 time (`2026-05-01T18:00:00Z`), or a duration from now: a number and d, h, m or s,"
+                " up to four of them (`90m`, `2h`, `1d12h`)")]
+
+
+class QueuePause(Body):
+    """Pause one queue of one endpoint: claims skip it and it rings no one, until `until` (a moment, or a duration
+    from now) or until resumed."""
+    until: PauseUntil | None = None
+    reason: QueueReason | None = None
+
+    @model_validator(mode="after")
+    def _until(self) -> QueuePause:
+        if self.until is not None and not re.match(DURATION, self.until):
+            try:
+                moment = _MOMENT.validate_python(self.until)
+            except ValidationError:
+                raise ValueError("until: give an ISO-8601 time (2026-05-01T18:00:00Z) or a duration (90m, 2h,"
+                                 " 1d12h)") from None
+            _check_representable(moment, "until")
+        return self
+
+    def until_ms(self, now: int) -> int | None:
+        """The moment the pause ends (ms), or None."""
+        if self.until is None:
+            return None
+        if re.match(DURATION, self.until):
+            return now + duration_ms(self.until)
+        return to_ms(_MOMENT.validate_python(self.until))
+
+
+class QueueResume(Body):
+    """Resume a paused queue (no fields)."""
+
+
+class ClaimWindow(Body):
+    count: Annotated[int, Field(ge=0, le=1_000_000)]
+    window_seconds: Annotated[int, Field(ge=1, le=31 * 86_400)]
+
+
+class QueueLimits(Body):
+    """Admission caps of one queue: at most `max_in_flight` claimed at once, at most `count` claims in each window
+    of `window_seconds`. A field left out keeps its cap; null clears it; 0 admits no claim (paused)."""
+    max_in_flight: Annotated[int, Field(ge=0, le=100_000)] | None = None
+    max_claims_per_window: ClaimWindow | None = None
 
 
 PrintableSecret = Annotated[str, StringConstraints(min_length=16, max_length=512, pattern=r"^[\x20-\x7e]+$")]
@@ -475,16 +636,73 @@ class TodoAnswer(AnswerModel):
 
 
 class TodoListAnswer(AnswerModel):
+    """A page, newest first; `next_cursor` (null on the last page) is the next page's `cursor`. A page searched by
+    title may hold fewer than `limit` todos and still name a next page: each page reads a bounded stretch."""
     todos: list[TodoAnswer]
+    next_cursor: str | None
+
+
+class AdmissionAnswer(AnswerModel):
+    """Why a queue the claim named admitted nothing: paused (until its `until`, null: until resumed), at its
+    max_in_flight (until a claim ends: null) or its claims per window (until the window turns)."""
+    queue: str
+    reason: Literal["paused", "max_in_flight", "max_claims_per_window"]
+    until: Instant
 
 
 class ClaimAnswer(AnswerModel):
     """A claim: the todo, its lease token (send it with every later verb), and what earlier attempts said; or
-    `{"empty": true}` when nothing was claimable."""
+    `{"empty": true}` when nothing was claimable, with `admission` naming the queues a pause or a cap kept shut."""
     todo: TodoAnswer | None = None
     lease_token: str | None = None
     prior_attempts: list[AttemptAnswer] | None = None
     empty: bool | None = None
+    admission: list[AdmissionAnswer] | None = None
+
+
+class PauseAnswer(AnswerModel):
+    until: Instant
+    reason: str | None
+    by: str
+    at: Instant
+
+
+class WindowAnswer(AnswerModel):
+    count: int
+    window_seconds: int
+
+
+class LimitsAnswer(AnswerModel):
+    max_in_flight: int | None
+    max_claims_per_window: WindowAnswer | None
+
+
+class QueueAnswer(AnswerModel):
+    """One queue of one endpoint: its pause, its caps and how full they are (`claims_in_window`: null without a
+    window cap; `window_ends_at`: when the current window turns), and how much waits."""
+    queue: str
+    paused: PauseAnswer | None
+    limits: LimitsAnswer
+    in_flight: int
+    claims_in_window: int | None
+    window_ends_at: Instant
+    pending: int
+
+
+class QueueListAnswer(AnswerModel):
+    queues: list[QueueAnswer]
+
+
+class BulkAnswer(AnswerModel):
+    """What a bulk action did (or, in a dry run, would do): `matched` todos, `acted` on, `skipped` by the state
+    that did not allow the action (`not_found` for an id the caller cannot see); `truncated` when the filter
+    matched more than the cap (this call took the newest)."""
+    dry_run: bool
+    action: str
+    matched: int
+    acted: int
+    skipped: dict[str, int]
+    truncated: bool
 
 
 class MintedTodo(AnswerModel):

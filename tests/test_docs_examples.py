@@ -438,9 +438,39 @@ def prep_backups(scene: Scene, shell: Shell) -> Prep:
 
 
 # The blocks that run on one server with alice and her endpoint, each in a shell of its own, in this order.
+def prep_queue_control(scene: Scene, shell: Shell) -> Prep:
+    """The queue examples pause, cap, list, resume and clear `build`: it ends open and uncapped."""
+    def check(done):
+        build = next(q for q in scene.call("GET", f"/api/v1/endpoints/{scene.ep}/queues")["queues"]
+                     if q["queue"] == "build")
+        assert build["paused"] is None and build["limits"] == {"max_in_flight": None, "max_claims_per_window": None}
+        assert "quota" in done.stdout or "walls" in done.stdout, done.stdout[-500:]
+    return Prep(scene.env(), check=check)
+
+
+def prep_dead_letters(scene: Scene, shell: Shell) -> Prep:
+    """Two dead letters on `build` for the bulk retry."""
+    dead, agent = [], {"Authorization": f"Bearer {scene.agent}"}
+    for n in range(2):
+        todo = scene.push(f"a dead letter {n}")["id"]
+        lease = httpx.post(f"{scene.server.url}/api/v1/todos/{todo}/claim", headers=agent, json={}).json()
+        httpx.post(f"{scene.server.url}/api/v1/todos/{todo}/fail", headers=agent,
+                   json={"lease_token": lease["lease_token"], "error": "the rules were wrong", "retry": False})
+        dead.append(todo)
+
+    def check(done):
+        answer = last_json(done.stdout)
+        assert answer["dry_run"] is False and answer["acted"] >= 2, answer
+        assert {scene.call("GET", f"/api/v1/todos/{t}")["state"] for t in dead} == {"pending"}
+    return Prep(scene.env(), check=check)
+
+
 ON_THE_SERVER: list[tuple[str, str, Callable[[Scene, Shell], Prep]]] = [
     ("docs/api.md", "curl -s $SB/healthz", prep_service_routes),
     ("docs/api.md", "$SB/api/v1/webhooks/$HOOK/replay", prep_replay),
+    ("docs/api.md", "queues/build/pause", prep_queue_control),
+    ("docs/api.md", "$SB/api/v1/todos/bulk", prep_dead_letters),
+    ("README.md", "queue pause \"$EP\" build", prep_queue_control),
     ("docs/api.md", "X-Hub-Signature-256: sha256=$SIG", prep_github_delivery),
     ("docs/api.md", "Stripe-Signature: t=$T", prep_stripe),
     ("docs/api.md", "X-Slack-Signature: v0=$SIG", prep_slack),

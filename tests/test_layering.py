@@ -13,7 +13,8 @@ PACKAGE = ROOT / "switchboard"
 # Lowest first. A module may import any module listed before it, never one after it.
 LAYERS = [
     "configuration", "migrations", "database", "crypto", "payload", "providers", "models", "envelope", "evaluator",
-    "store.principals", "store.outbox", "store.todos", "store.transitions", "store.webhooks", "store.human_actions",
+    "store.principals", "store.outbox", "store.todos", "store.admission", "store.transitions", "store.queues",
+    "store.webhooks", "store.human_actions", "store.bulk",
     "store.deliveries", "store.rules", "store.routing", "store.quarantine", "store.replay", "store.upkeep",
     "doorbell", "notifier", "limits", "metrics", "flows",
     "http.common", "http.streams", "http.rest", "http.mcp",

@@ -113,7 +113,7 @@ def test_session_era_lists_scoped_tools_claims_and_completes(setup):
             refused = await client.call_tool("claim_next", {})
             assert refused.is_error and refused.structured_content["error"] == "forbidden"
             listed = await client.call_tool("list_todos", {"state": "done"})
-            assert listed.structured_content == {"todos": []}, "another endpoint's todos are invisible"
+            assert listed.structured_content == {"todos": [], "next_cursor": None}, "another endpoint's todos are invisible"
 
     anyio.run(run)
 

@@ -35,7 +35,9 @@ from switchboard.board.queries import (
     BOARD_UNSAFE,
     EVENT_DISPOSITIONS,
     FORM_TYPE,
+    INBOX_FIRST_ACTION,
     INBOX_GROUPS,
+    INBOX_STATES,
     BoardRefusal,
     BoardSession,
     board_account,
@@ -54,11 +56,22 @@ from switchboard.board.queries import (
     board_sign_in,
     board_sign_out,
     board_todo,
+    board_todos,
     board_touch,
     board_webhook,
     board_webhooks,
 )
-from switchboard.configuration import KEEPALIVE_SECONDS, NOTIFY_EVENTS, NOTIFY_KINDS, ApiError, iso, log, to_ms
+from switchboard.configuration import (
+    BULK_MAX,
+    KEEPALIVE_SECONDS,
+    NOTIFY_EVENTS,
+    NOTIFY_KINDS,
+    TODO_STATES,
+    ApiError,
+    iso,
+    log,
+    to_ms,
+)
 from switchboard.crypto import token_hash
 from switchboard.database import Database, Txn
 from switchboard.doorbell import Session
@@ -69,14 +82,20 @@ from switchboard.http.rest import Api
 from switchboard.http.streams import sse_frame
 from switchboard.limits import TrustedProxies
 from switchboard.models import (
+    BULK_ACTIONS,
+    BulkAction,
     EndpointCreate,
     NotifyCreate,
+    QueueLimits,
+    QueuePause,
+    QueueResume,
     ReleaseQuarantine,
     ReplayMany,
     ReplayOne,
     RouteAdd,
     RuleSet,
     RulesTest,
+    TodoListQuery,
     TrustedActors,
     WebhookUpdate,
     parse_model,
@@ -84,6 +103,8 @@ from switchboard.models import (
 from switchboard.payload import refuse_constant
 from switchboard.store.outbox import list_channels, remove_channel
 from switchboard.store.principals import Principal, normal_login, vend_endpoint
+from switchboard.store.queues import pause_queue, resume_queue, set_queue_limits
+from switchboard.store.todos import Selection
 from switchboard.store.transitions import revoke_endpoint
 from switchboard.store.upkeep import HUMAN_ACTIONS
 from switchboard.store.webhooks import add_route, remove_route, rotate_webhook, set_trusted_actors, update_webhook
@@ -181,6 +202,34 @@ def _release_notice(done: dict) -> str:
     if trusted:
         return f"Trusted {trusted}; {what}"
     return what[0].upper() + what[1:] if disposition == "routed" else f"Released; {what}"
+
+
+BULK_DONE = {"retry": "Retried", "cancel": "Cancelled", "reroute": "Rerouted", "defer": "Deferred",
+             "discard": "Discarded", "approve": "Approved"}
+# A bulk form's filter fields (prefixed f_, beside the action's own `queue`, `reason` and `until`).
+BULK_FILTER_FIELDS = ("endpoint", "queue", "state", "subject", "q")
+
+
+def _bulk_body(form: dict[str, str]) -> tuple[BulkAction, dict[str, str]]:
+    """The bulk form as the body POST /api/v1/todos/bulk takes (through its model), and the fields a
+    confirmation repeats. `scope` is `selected` (the ticked `ids`) or `all` (the f_ filter fields)."""
+    action = form.get("action", "").strip()
+    # One form serves every action: its target queue goes only with a reroute, its time only with a deferral.
+    wanted = ["action", "reason", "scope", *(["queue"] if action == "reroute" else []),
+              *(["until"] if action == "defer" else [])]
+    echo = {name: form[name].strip() for name in wanted if form.get(name, "").strip()}
+    fields: dict[str, Any] = {k: v for k, v in echo.items() if k != "scope"}
+    fields["dry_run"] = form.get("apply") != "yes"
+    if echo.get("scope") == "all":
+        fields["filter"] = {name: form[f"f_{name}"].strip() for name in BULK_FILTER_FIELDS
+                            if form.get(f"f_{name}", "").strip()}
+        echo.update({f"f_{name}": value for name, value in fields["filter"].items()})
+    else:
+        fields["ids"] = [i for i in form.get("ids", "").split(",") if i.strip()]
+        if not fields["ids"]:
+            raise ApiError("invalid_argument", "tick the todos to act on first (or choose all matching the filter)")
+        echo["ids"] = ",".join(fields["ids"])
+    return parse_model(BulkAction, json.dumps(fields)), echo
 
 
 class BoardPage(Response):
@@ -386,6 +435,10 @@ class Board:
         templates.filters["json"] = pretty_json
         templates.filters["iso"] = lambda value: iso(_as_ms(value)) or ""
         templates.globals["inbox_groups"] = INBOX_GROUPS
+        templates.globals["inbox_states"] = INBOX_STATES
+        templates.globals["inbox_first_action"] = INBOX_FIRST_ACTION
+        templates.globals["bulk_actions"] = BULK_ACTIONS
+        templates.globals["bulk_max"] = BULK_MAX
         return templates
 
     def routes(self) -> list[BaseRoute]:
@@ -401,6 +454,8 @@ class Board:
             Route("/inbox/{group}", page(self.inbox)),
             Route("/events", self.events),
             Route("/queues", page(self.queues)),
+            Route("/todos", page(self.todos)),
+            Route("/todos/bulk", act(self.bulk), methods=["POST"]),
             Route("/todos/{todo_id}", page(self.todo)),
             Route("/todos/{todo_id}/{action}", act(self.todo_action), methods=["POST"]),
             Route("/webhooks", page(self.webhooks)),
@@ -425,6 +480,9 @@ class Board:
             Route("/endpoints/{endpoint_id}/revoke", act(self.revoke), methods=["POST"]),
             Route("/account", page(self.account)),
             Route("/account/token", act(self.new_token), methods=["POST"]),
+            Route("/endpoints/{endpoint_id}/queues/{queue}/pause", act(self.queue_pause), methods=["POST"]),
+            Route("/endpoints/{endpoint_id}/queues/{queue}/resume", act(self.queue_resume), methods=["POST"]),
+            Route("/endpoints/{endpoint_id}/queues/{queue}/limits", act(self.queue_limits), methods=["POST"]),
             Mount("/static", app=StaticFiles(directory=BOARD_DIR / "static")),
             Route("/{rest:path}", page(self.not_found), methods=["GET", "POST"]),
         ]
@@ -519,6 +577,8 @@ class Board:
             raise ApiError("invalid_argument", "the form is not valid UTF-8 form data") from None
         form: dict[str, str] = {}
         for name, value in pairs:
+            if name == "ids" and name in form:  # the todos ticked for a bulk action: every one, comma-joined
+                form[name] += f",{value}"
             form.setdefault(name, value.replace("\r\n", "\n"))
         return form
 
@@ -710,6 +770,22 @@ class Board:
     async def todo(self, request: Request, session: BoardSession) -> Response:
         data = await self.page_data(session, board_todo, request.path_params["todo_id"])
         return self.render(request, "todo.html", session, **data)
+
+    async def todos(self, request: Request, session: BoardSession) -> Response:
+        """Every todo in any state, newest first, filtered by state, endpoint, queue, subject and title, through
+        the model GET /api/v1/todos takes; a page at a time."""
+        query = request.query_params
+        fields = {name: query[name].strip() for name in ("endpoint", "queue", "subject", "q")
+                  if query.get(name, "").strip()}
+        states = [state for state in query.getlist("state") if state]
+        if states:
+            fields["state"] = ",".join(states)
+        selection = Selection.of(parse_model(TodoListQuery, fields))
+        data = await self.page_data(session, board_todos, selection, _cursor(query.get("after")))
+        here = urllib.parse.urlencode([*((k, v) for k, v in fields.items() if k != "state"),
+                                       *(("state", state) for state in states)], quote_via=urllib.parse.quote)
+        return self.render(request, "todos.html", session, filters=fields, picked=set(states), states=TODO_STATES,
+                           here=here, **data)
 
     def failed_checks(self, webhook_id: str) -> dict:
         """A webhook's failed signature checks in the last day, exact to the minute. They are refused with 401
@@ -972,6 +1048,54 @@ class Board:
                            f"{f', and {ended} other Board session(s) ended' if ended > 0 else ''}.", "human_token",
                     token=made["token"])
         return RedirectResponse("/board/account", status_code=303)
+    async def bulk(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """A bulk action from any todo list: first a confirmation page with the dry run's count (nothing changes),
+        then, with apply=yes, the action, through the very flow POST /api/v1/todos/bulk runs."""
+        body, echo = _bulk_body(form)
+        result = await self.flows.bulk(session.principal, body)
+        back = self._came_from(request, form)
+        if body.dry_run:
+            data = await self.page_data(session, lambda txn, principal: {})
+            return self.render(request, "bulk.html", session, result=result, echo=echo, back=back, **data)
+        skipped = ", ".join(f"{n} {state.replace('_', ' ')}" for state, n in result["skipped"].items())
+        self.notice(session, f"{BULK_DONE[body.action]} {result['acted']} of {result['matched']} todos"
+                             f"{'; skipped ' + skipped if skipped else ''}"
+                             f"{'; the filter matched more: run it again for the rest' if result['truncated'] else ''}.")
+        return RedirectResponse(back, status_code=303)
+
+    async def queue_pause(self, request: Request, session: BoardSession, form: dict) -> Response:
+        endpoint_id, queue = request.path_params["endpoint_id"], request.path_params["queue"]
+        duration, until = form.get("for", "").strip(), form.get("until", "").strip()
+        if duration and until:
+            raise ApiError("invalid_argument", "give how long (for) or until when, not both")
+        fields = {k: v for k, v in (("until", duration or until), ("reason", form.get("reason", "").strip())) if v}
+        done = await self.db.write(pause_queue, session.principal, endpoint_id, queue,
+                                   parse_model(QueuePause, json.dumps(fields)))
+        until_text = f" until {done['paused']['until']}" if done["paused"]["until"] else " until you resume it"
+        self.notice(session, f"Paused {queue}{until_text}: claims skip it, deliveries still land in it.")
+        return self.back(form, "/board/queues")
+
+    async def queue_resume(self, request: Request, session: BoardSession, form: dict) -> Response:
+        endpoint_id, queue = request.path_params["endpoint_id"], request.path_params["queue"]
+        done = await self.db.write(resume_queue, session.principal, endpoint_id, queue, QueueResume())
+        self.notice(session, f"Resumed {queue}: {done['pending']} pending todo(s) can be claimed.")
+        return self.back(form, "/board/queues")
+
+    async def queue_limits(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """The caps form shows the caps in force; a blank field clears its cap (both window fields go together)."""
+        endpoint_id, queue = request.path_params["endpoint_id"], request.path_params["queue"]
+        most, count, window = (form.get(name, "").strip() for name in ("max_in_flight", "max_claims", "window_seconds"))
+        if bool(count) != bool(window):
+            raise ApiError("invalid_argument", "give both the claims and the window's seconds, or neither")
+        fields = {"max_in_flight": _form_int(most) if most else None,
+                  "max_claims_per_window": {"count": _form_int(count), "window_seconds": _form_int(window)}
+                  if count else None}
+        if form.get("clear") == "yes":
+            fields = {"max_in_flight": None, "max_claims_per_window": None}
+        await self.db.write(set_queue_limits, session.principal, endpoint_id, queue,
+                            parse_model(QueueLimits, json.dumps(fields)))
+        self.notice(session, f"Caps of {queue} saved.")
+        return self.back(form, "/board/queues")
 
     async def revoke(self, request: Request, session: BoardSession, form: dict) -> Response:
         if form.get("confirm") != "yes":

@@ -10,7 +10,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from switchboard.configuration import HOLD_QUEUE, RESERVED_QUEUES, VERB_PRESETS
+from switchboard.configuration import BULK_MAX, HOLD_QUEUE, RESERVED_QUEUES, VERB_PRESETS
 from switchboard.crypto import new_token, token_hash
 from switchboard.database import Txn
 from switchboard.envelope import stored_envelope, untrusted_names
@@ -25,8 +25,18 @@ from switchboard.store.principals import (
     list_endpoints,
     reissue_own_token,
 )
+from switchboard.store.queues import queue_views
 from switchboard.store.rules import get_rules
-from switchboard.store.todos import get_todo, grouped_page, scope_clause, stored_json, todo_groups
+from switchboard.store.todos import (
+    Selection,
+    count_selection,
+    get_todo,
+    grouped_page,
+    scope_clause,
+    select_page,
+    stored_json,
+    todo_groups,
+)
 from switchboard.store.webhooks import get_webhook, list_routes, list_webhooks, webhook_targets
 
 # Server-rendered HTML for the human's half of the loop: what waits on them (held deliveries, reviews,
@@ -60,6 +70,12 @@ INBOX_GROUPS: dict[str, tuple[str, str]] = {
     "blocked": ("Blocked", "state = 'blocked'"),
     "deferred": ("Deferred", "state = 'deferred'"),
 }
+# The one state each inbox group is, where it is one (held is two: held deliveries and work on the hold queue), so
+# that a bulk action may take "all of them" as a filter; and the action its bulk form offers first.
+INBOX_STATES = {"review": "review", "questions": "needs_input", "dead": "failed", "blocked": "blocked",
+                "deferred": "deferred"}
+INBOX_FIRST_ACTION = {"held": "discard", "review": "approve", "questions": "cancel", "dead": "retry",
+                      "blocked": "cancel", "deferred": "cancel"}
 _INBOX_CASE = "CASE " + " ".join(f"WHEN {where} THEN '{name}'" for name, (_, where) in INBOX_GROUPS.items()) + " END"
 _OPEN = "state NOT IN ('done', 'cancelled')"  # open work: what the inbox and the queues page show
 # Producer text keeps no bidirectional controls or lone surrogates on a page: they would make it read otherwise.
@@ -267,14 +283,15 @@ def board_inbox(txn: Txn, principal: Principal, group: str | None, after: tuple[
         items = [_with_choices(txn, principal, _inbox_item(r), cache) for r in rows[:limit]]
         groups.append({"name": name, "title": INBOX_GROUPS[name][0], "items": items,
                        "more": f"{items[-1]['created_at']}.{items[-1]['id']}" if len(rows) > limit else None})
-    return {"groups": groups}
+    return {"groups": groups, **bulk_choices(txn, principal)}
 
 
 def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) -> dict:
     """Per endpoint and queue: open counts by state and the age of the oldest pending todo; the running work
     with its claimant, lease and latest heartbeat note."""
     clause, params = scope_clause(principal)
-    endpoints = {e["id"]: {**e, "queues": {q: {"counts": {}, "oldest_pending": None} for q in e["queues"]}}
+    endpoints = {e["id"]: {**e, "queues": {q: {"counts": {}, "oldest_pending": None} for q in e["queues"]},
+                           "control": queue_views(txn, e["id"], e["queues"])}
                  for e in list_endpoints(txn, principal)["endpoints"]}
     # The counts are todo_counts' (a few rows); the oldest pending todo of a queue is the first of its range.
     for row in txn.all(f"SELECT endpoint_id, queue, state, n FROM todo_counts WHERE {clause} AND {_OPEN} AND n > 0",
@@ -298,8 +315,27 @@ def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) 
     more = running[BOARD_PAGE_SIZE - 1] if len(running) > BOARD_PAGE_SIZE else None
     for endpoint_id, working in _working(txn, clause, params).items():
         endpoints[endpoint_id]["working"] = working
-    return {"endpoints": list(endpoints.values()), "running": running[:BOARD_PAGE_SIZE],
-            "more": f"{more['created_at']}.{more['id']}" if more else None}
+    running_total = sum(q["counts"].get("claimed", 0) for e in endpoints.values() for q in e["queues"].values())
+    return {"endpoints": list(endpoints.values()), "running": running[:BOARD_PAGE_SIZE], "running_total": running_total,
+            "more": f"{more['created_at']}.{more['id']}" if more else None, **bulk_choices(txn, principal)}
+
+
+def board_todos(txn: Txn, principal: Principal, selection: Selection, after: tuple[int, str] | None) -> dict:
+    """The todo list in every state, newest first, a page at a time (select_page); how many match the filter
+    (None when only a title scan could say), and the queues a bulk reroute may name."""
+    page, more = select_page(txn, principal, selection, BOARD_PAGE_SIZE, after)
+    rows = txn.all(f"SELECT id, endpoint_id, queue, state, outcome, title, source, kind, subject_key, attempt,"
+                   f" max_attempts, dead_letter, created_at, updated_at FROM todos WHERE id IN"
+                   f" ({', '.join('?' * len(page))}) ORDER BY created_at DESC, id DESC", page) if page else []
+    return {"todos": [dict(r) for r in rows], "more": f"{more[0]}.{more[1]}" if more else None,
+            "total": count_selection(txn, principal, selection, BULK_MAX),
+            "endpoint_choices": list_endpoints(txn, principal)["endpoints"], **bulk_choices(txn, principal)}
+
+
+def bulk_choices(txn: Txn, principal: Principal) -> dict:
+    """What the bulk forms offer: the queues of the human's live endpoints (a reroute's target)."""
+    queues = {q for e in list_endpoints(txn, principal)["endpoints"] if not e["revoked_at"] for q in e["queues"]}
+    return {"bulk_queues": sorted(queues - RESERVED_QUEUES)}
 
 
 def _working(txn: Txn, clause: str, params: tuple) -> dict[str, list[dict]]:

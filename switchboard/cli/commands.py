@@ -9,6 +9,7 @@ import os
 import re
 import sqlite3
 import sys
+import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,9 +22,13 @@ from switchboard.database import Database
 from switchboard.evaluator import Evaluator, EvaluatorUnavailable
 from switchboard.migrations import pending_migrations
 from switchboard.models import (
+    BulkAction,
     EndpointCreate,
     EventListQuery,
     NotifyCreate,
+    QueueLimits,
+    QueuePause,
+    QueueResume,
     ReleaseQuarantine,
     ReplayMany,
     RouteAdd,
@@ -38,6 +43,7 @@ from switchboard.models import (
     parse_model,
 )
 from switchboard.providers import PROVIDER_TABLE
+from switchboard.store.bulk import BULK_PAUSE_MS, BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step
 from switchboard.store.deliveries import list_events
 from switchboard.store.human_actions import push_todo
 from switchboard.store.outbox import add_channel, list_channels, queue_test_message, remove_channel
@@ -53,6 +59,7 @@ from switchboard.store.principals import (
     vend_endpoint,
 )
 from switchboard.store.quarantine import apply_quarantine_release, prepare_quarantine_release
+from switchboard.store.queues import list_queues, pause_queue, resume_queue, set_queue_limits
 from switchboard.store.replay import (
     apply_replays,
     decide_again,
@@ -137,10 +144,95 @@ def cli_todo_push(args: argparse.Namespace, db: Database) -> dict:
 
 
 def cli_todo_list(args: argparse.Namespace, db: Database) -> dict:
-    query = parse_model(TodoListQuery, {k: v for k, v in (("queue", args.queue), ("state", args.state),
-                                                          ("endpoint", args.endpoint), ("limit", args.limit))
-                                        if v is not None})
+    query = parse_model(TodoListQuery, {k: v for k, v in (
+        ("queue", args.queue), ("state", args.state), ("endpoint", args.endpoint), ("subject", args.subject),
+        ("q", args.q), ("cursor", args.cursor), ("limit", args.limit)) if v is not None})
     return db.read_sync(list_todos, OPERATOR, query)
+
+
+def cli_todo_bulk(args: argparse.Namespace, db: Database) -> dict:
+    """ACTION on --ids, or on what the filter options match: a dry run unless --apply, as the server runs it."""
+    filters = {k: v for k, v in (("endpoint", args.endpoint), ("queue", args.queue), ("state", args.state),
+                                 ("subject", args.subject), ("q", args.q), ("since", args.since)) if v is not None}
+    if args.ids is not None and filters:
+        raise ApiError("invalid_argument", "give --ids or filter options (--queue, --state, …), not both")
+    fields: dict[str, Any] = {"action": args.action, "dry_run": not args.apply}
+    if args.ids is not None:
+        fields["ids"] = [i for i in args.ids.split(",") if i]
+    else:
+        fields["filter"] = filters
+    fields.update({k: v for k, v in (("reason", args.reason), ("queue", args.to), ("until", args.until))
+                   if v is not None})
+    body = parse_model(BulkAction, json.dumps(fields))
+    if body.dry_run:
+        answer = db.read_sync(bulk_dry_run, OPERATOR, body)
+    else:
+        run = BulkRun(body, db.read_sync(bulk_matches, OPERATOR, body))
+        while run.remaining:
+            run.add(db.write_sync(bulk_step, OPERATOR, body, run.remaining[:BULK_STEP_TODOS]))
+            if run.remaining:  # a server's writer beside this process takes the lock meanwhile
+                time.sleep(BULK_PAUSE_MS / 1000)
+        answer = run.answer()
+    if args.json:
+        return answer
+    skipped = ", ".join(f"{n} {state}" for state, n in answer["skipped"].items())
+    more = f"; the filter matched more than {answer['matched']:,}: run it again for the rest" \
+        if answer["truncated"] else ""
+    if answer["dry_run"]:
+        result = (f"dry run, nothing changed: {args.action} would act on {answer['acted']} of {answer['matched']}"
+                  f"{' (skipping ' + skipped + ')' if skipped else ''}{more}; --apply acts")
+    else:
+        result = (f"{args.action}: acted on {answer['acted']} of {answer['matched']}"
+                  f"{' (skipped ' + skipped + ')' if skipped else ''}{more}")
+    return {"result": result, **answer}
+
+
+def cli_queue_list(args: argparse.Namespace, db: Database) -> dict:
+    answer = db.read_sync(list_queues, OPERATOR, args.endpoint)
+    return answer if args.json else {"queues": [_queue_line(q) for q in answer["queues"]]}
+
+
+def _queue_line(queue: dict) -> dict:
+    """A queue on one table line for people: its pause in words, each cap beside how full it is."""
+    paused, limits = queue["paused"], queue["limits"]
+    if paused:
+        paused = f"until {paused['until'] or 'resumed'}{': ' + paused['reason'] if paused['reason'] else ''}"
+    window = limits["max_claims_per_window"]
+    return {"queue": queue["queue"], "paused": paused or None,
+            "in_flight": f"{queue['in_flight']}/{limits['max_in_flight']}" if limits["max_in_flight"] is not None
+            else queue["in_flight"],
+            "claims_in_window": f"{queue['claims_in_window']}/{window['count']} per {window['window_seconds']} s"
+            if window else None, "pending": queue["pending"]}
+
+
+def cli_queue_pause(args: argparse.Namespace, db: Database) -> dict:
+    until = args.duration if args.duration is not None else args.until
+    body = parse_model(QueuePause, {k: v for k, v in (("until", until), ("reason", args.reason)) if v is not None})
+    return db.write_sync(pause_queue, OPERATOR, args.endpoint, args.queue, body)
+
+
+def cli_queue_resume(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(resume_queue, OPERATOR, args.endpoint, args.queue, QueueResume())
+
+
+def cli_queue_limits(args: argparse.Namespace, db: Database) -> dict:
+    """--max-in-flight N and --max-claims N --window SECONDS set those caps (the other one stays); --clear clears
+    both; 0 admits no claim."""
+    if (args.max_claims is None) != (args.window is None):
+        raise ApiError("invalid_argument", "--max-claims and --window go together")
+    fields: dict[str, Any] = {}
+    if args.max_in_flight is not None:
+        fields["max_in_flight"] = args.max_in_flight
+    if args.max_claims is not None:
+        fields["max_claims_per_window"] = {"count": args.max_claims, "window_seconds": args.window}
+    if args.clear:
+        if fields:
+            raise ApiError("invalid_argument", "--clear clears every cap: give it alone")
+        fields = {"max_in_flight": None, "max_claims_per_window": None}
+    if not fields:
+        raise ApiError("invalid_argument", "give --max-in-flight N, --max-claims N --window SECONDS, or --clear")
+    return db.write_sync(set_queue_limits, OPERATOR, args.endpoint, args.queue,
+                         parse_model(QueueLimits, json.dumps(fields)))
 
 
 def cli_todo_show(args: argparse.Namespace, db: Database) -> dict:

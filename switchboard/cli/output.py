@@ -25,6 +25,7 @@ TABLE_COLUMNS = {
     "friends": ("id", "requester_id", "approver_id", "approved_at"),
     "attempts": ("seq", "claimant", "claimed_at", "ended_at", "outcome", "summary"),
     "history": ("at", "actor", "from", "to", "evidence"),
+    "queues": ("queue", "paused", "in_flight", "claims_in_window", "pending"),
 }
 
 

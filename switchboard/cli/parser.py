@@ -30,6 +30,10 @@ from switchboard.cli.commands import (
     cli_notify_remove,
     cli_notify_test,
     cli_prune,
+    cli_queue_limits,
+    cli_queue_list,
+    cli_queue_pause,
+    cli_queue_resume,
     cli_route_add,
     cli_route_list,
     cli_route_remove,
@@ -37,6 +41,7 @@ from switchboard.cli.commands import (
     cli_rules_set,
     cli_rules_test,
     cli_todo_action,
+    cli_todo_bulk,
     cli_todo_list,
     cli_todo_push,
     cli_todo_release,
@@ -62,6 +67,7 @@ from switchboard.configuration import (
     env_default,
 )
 from switchboard.database import Database
+from switchboard.models import BULK_ACTIONS
 from switchboard.providers import PROVIDERS
 
 
@@ -170,7 +176,7 @@ def _add_principals(commands: argparse._SubParsersAction, common: argparse.Argum
 
 def _add_todos(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     todo = _group(commands, "todo", "todos: list, show, push and the human actions", "{push,list,show,release,approve,request-changes,answer,resume,retry,"
-                                           "defer,undefer,cancel,reroute,discard}")
+                                           "defer,undefer,cancel,reroute,discard,bulk}")
     push = _subcommand(todo, "push", cli_todo_push, "write a todo for an endpoint", common)
     push.add_argument("endpoint", help="endpoint id (ep_…)")
     push.add_argument("--queue", required=True, help="one of the endpoint's queues")
@@ -181,8 +187,11 @@ def _add_todos(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
     push.add_argument("--work-item", dest="work_item", help="work item JSON file (switchboard.work_item.v1)")
     listing = _subcommand(todo, "list", cli_todo_list, "list todos, newest first", common)
     listing.add_argument("--queue", help="only this queue")
-    listing.add_argument("--state", help="only this state (pending, claimed, review, failed, …)")
+    listing.add_argument("--state", help="only these states, comma-separated (pending, claimed, review, done, …)")
     listing.add_argument("--endpoint", help="only this endpoint id")
+    listing.add_argument("--subject", help="only todos about this subject key (github:owner/repo#12)")
+    listing.add_argument("--q", help="only todos whose title holds this text (any case)")
+    listing.add_argument("--cursor", help="the page after this one: the next_cursor a page printed")
     listing.add_argument("--limit", type=int, help="at most this many (1..200, default 50)")
     _subcommand(todo, "show", cli_todo_show, "one todo with its attempts, history and receipt",
                 common).add_argument("id", help="todo id (td_…)")
@@ -198,6 +207,43 @@ def _add_todos(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
         sub.add_argument("id", help="todo id (td_…)")
         for option, option_help in options:
             sub.add_argument(option.rstrip("!"), required=option.endswith("!"), help=option_help)
+    bulk = _subcommand(todo, "bulk", cli_todo_bulk, "one action on many todos, by --ids or by filter (at most"
+                       " 10,000): a dry run unless --apply", common)
+    bulk.add_argument("action", choices=BULK_ACTIONS, help="what to do to each")
+    bulk.add_argument("--ids", help="comma-separated todo ids (td_…), instead of a filter")
+    bulk.add_argument("--endpoint", help="filter: only this endpoint id")
+    bulk.add_argument("--queue", help="filter: only this queue")
+    bulk.add_argument("--state", help="filter: only these states, comma-separated")
+    bulk.add_argument("--subject", help="filter: only todos about this subject key")
+    bulk.add_argument("--q", help="filter: only todos whose title holds this text")
+    bulk.add_argument("--since", help="filter: only todos created at or after this ISO-8601 time")
+    bulk.add_argument("--reason", help="why (cancel and defer need it; a note for the others)")
+    bulk.add_argument("--to", help="reroute: the queue to move them to")
+    bulk.add_argument("--until", help="defer: the ISO-8601 time they come back by themselves")
+    bulk.add_argument("--apply", action="store_true", help="act (default: only report what would happen)")
+
+
+def _add_queues(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    queue = _group(commands, "queue", "queue control per endpoint and queue: pause, resume, caps",
+                   "{list,pause,resume,limits}")
+    _subcommand(queue, "list", cli_queue_list, "an endpoint's queues: pause, caps, in flight, pending",
+                common).add_argument("endpoint", help="endpoint id (ep_…)")
+    pause = _subcommand(queue, "pause", cli_queue_pause, "pause a queue: claims skip it and it rings no one;"
+                        " deliveries still land", common)
+    resume = _subcommand(queue, "resume", cli_queue_resume, "resume a paused queue (it rings for what waited)",
+                         common)
+    limits = _subcommand(queue, "limits", cli_queue_limits, "set or clear a queue's admission caps", common)
+    for sub in (pause, resume, limits):
+        sub.add_argument("endpoint", help="endpoint id (ep_…)")
+        sub.add_argument("queue", help="one of the endpoint's queues")
+    when = pause.add_mutually_exclusive_group()
+    when.add_argument("--for", dest="duration", help="how long: 90m, 2h, 1d12h (default: until resumed)")
+    when.add_argument("--until", help="until this ISO-8601 time")
+    pause.add_argument("--reason", help="why, shown with the queue (one line)")
+    limits.add_argument("--max-in-flight", dest="max_in_flight", type=int, help="at most N claimed at once")
+    limits.add_argument("--max-claims", dest="max_claims", type=int, help="at most N claims in each window")
+    limits.add_argument("--window", type=int, help="the window, in seconds (with --max-claims)")
+    limits.add_argument("--clear", action="store_true", help="clear both caps")
 
 
 TODO_ACTION_OPTIONS = {
@@ -361,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_operations(commands, common)
     _add_principals(commands, common)
     _add_todos(commands, common)
+    _add_queues(commands, common)
     _add_webhooks(commands, common)
     _add_events(commands, common)
     _add_notify(commands, common)

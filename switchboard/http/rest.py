@@ -34,6 +34,8 @@ from switchboard.http.common import (
 from switchboard.http.streams import sse_frame
 from switchboard.limits import TrustedProxies
 from switchboard.models import (
+    BulkAction,
+    BulkAnswer,
     ClaimAnswer,
     ClaimNext,
     DeliveryAnswer,
@@ -44,6 +46,11 @@ from switchboard.models import (
     FriendRequest,
     HumanNote,
     NotifyCreate,
+    QueueAnswer,
+    QueueLimits,
+    QueueListAnswer,
+    QueuePause,
+    QueueResume,
     ReleaseQuarantine,
     ReplayMany,
     ReplayOne,
@@ -74,6 +81,7 @@ from switchboard.store.principals import (
     reissue_own_token,
     vend_endpoint,
 )
+from switchboard.store.queues import list_queues, pause_queue, resume_queue, set_queue_limits
 from switchboard.store.rules import get_rules
 from switchboard.store.todos import get_todo, list_todos
 from switchboard.store.transitions import claim_queues, revoke_endpoint
@@ -134,8 +142,12 @@ REST_ROUTES: list[ApiRoute] = [
     ApiRoute("GET", "/api/v1/me", "", "who the token belongs to, and its scope", store=me),
     ApiRoute("POST", "/api/v1/me/token", "", "a new human token for yourself, shown once: the old token and every"
              " Board session signed in with it end at once", auth="human", store=reissue_own_token, writes=True),
-    ApiRoute("GET", "/api/v1/todos", "", "todos, newest first (a human: across their endpoints)",
-             query=TodoListQuery, answer=TodoListAnswer, store=list_todos),
+    ApiRoute("GET", "/api/v1/todos", "", "todos in any state, newest first (a human: across their endpoints),"
+             " filtered by state, queue, endpoint, subject and title; paged by next_cursor", query=TodoListQuery,
+             answer=TodoListAnswer, store=list_todos),
+    ApiRoute("POST", "/api/v1/todos/bulk", "", "one human action on many todos (ids, or a filter; at most"
+             " 10,000): a dry run unless dry_run is false", body=BulkAction, answer=BulkAnswer, auth="human",
+             flow="bulk"),
     ApiRoute("POST", "/api/v1/todos/claim", "claim_next", "claim the best claimable todo, waiting up to"
              " wait_seconds for one", body=ClaimNext, answer=ClaimAnswer, auth="endpoint"),
     ApiRoute("GET", "/api/v1/doorbell", "doorbell_stream", "Server-Sent Events: `todo.ready` when this session is"
@@ -151,6 +163,16 @@ REST_ROUTES: list[ApiRoute] = [
              body=EndpointCreate, status=201, auth="human"),
     ApiRoute("POST", "/api/v1/endpoints/{endpoint_id}/revoke", "revoke", "revoke an endpoint", body=HumanNote,
              auth="human"),
+    ApiRoute("GET", "/api/v1/endpoints/{endpoint_id}/queues", "", "an endpoint's queues: pause, caps, in flight,"
+             " pending", answer=QueueListAnswer, auth="human", store=list_queues),
+    ApiRoute("POST", "/api/v1/endpoints/{endpoint_id}/queues/{queue}/pause", "", "pause a queue (until a time or"
+             " for a duration, or until resumed): claims skip it, deliveries still land", body=QueuePause,
+             answer=QueueAnswer, auth="human", store=pause_queue, writes=True),
+    ApiRoute("POST", "/api/v1/endpoints/{endpoint_id}/queues/{queue}/resume", "", "resume a paused queue; it rings"
+             " for what waited", body=QueueResume, answer=QueueAnswer, auth="human", store=resume_queue, writes=True),
+    ApiRoute("PUT", "/api/v1/endpoints/{endpoint_id}/queues/{queue}/limits", "", "set or clear a queue's admission"
+             " caps (null clears; 0 admits nothing)", body=QueueLimits, answer=QueueAnswer, auth="human",
+             store=set_queue_limits, writes=True),
     ApiRoute("POST", "/api/v1/endpoints/{endpoint_id}/todos", "push", "write a todo for an endpoint (201, or 200"
              " with the live todo holding the same key)", body=TodoPush, answer=TodoAnswer, status=201,
              auth="human"),

@@ -24,6 +24,14 @@ from switchboard.store.webhooks import webhook_targets
 
 # -- human actions ----------------------------------------------------------------------------------
 
+# The states each action a bulk call may take starts from (the single actions check the same).
+ACTION_STATES: dict[str, tuple[str, ...]] = {
+    "approve": ("review",), "retry": ("failed",), "defer": ("pending",), "discard": ("quarantined",),
+    "cancel": ("pending", "claimed", "needs_input", "blocked", "review", "deferred", "failed"),
+    "reroute": ("pending", "needs_input", "blocked", "deferred", "failed"),
+}
+
+
 def human_todo(txn: Txn, principal: Principal, action: str, todo_id: str, allowed: tuple[str, ...]) -> sqlite3.Row:
     principal.require_human(action)
     todo = load_todo(txn, principal, todo_id)
@@ -33,7 +41,7 @@ def human_todo(txn: Txn, principal: Principal, action: str, todo_id: str, allowe
 
 
 def approve(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
-    todo = human_todo(txn, principal, "approve", todo_id, ("review",))
+    todo = human_todo(txn, principal, "approve", todo_id, ACTION_STATES["approve"])
     transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="approved", state_reason=None)
     write_receipt(txn, todo, principal.actor)
     return todo_view(reload_todo(txn, todo_id))
@@ -60,7 +68,7 @@ def resume(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dic
 
 
 def retry(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
-    todo = human_todo(txn, principal, "retry", todo_id, ("failed",))
+    todo = human_todo(txn, principal, "retry", todo_id, ACTION_STATES["retry"])
     if txn.one("SELECT 1 FROM endpoints WHERE id = ? AND revoked_at IS NOT NULL", (todo["endpoint_id"],)):
         raise ApiError("conflict", "the todo's endpoint is revoked; reroute it instead")
     transition(txn, todo, "pending", principal.actor, {"note": body.note}, attempt=0, dead_letter=0)
@@ -68,7 +76,7 @@ def retry(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict
 
 
 def defer(txn: Txn, principal: Principal, todo_id: str, body: Defer) -> dict:
-    todo = human_todo(txn, principal, "defer", todo_id, ("pending",))
+    todo = human_todo(txn, principal, "defer", todo_id, ACTION_STATES["defer"])
     until = to_ms(body.until) if body.until else None
     transition(txn, todo, "deferred", principal.actor, {"reason": body.reason, "until": iso(until)},
                 state_reason=body.reason, deferred_until=until)
@@ -83,8 +91,7 @@ def undefer(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> di
 
 def cancel(txn: Txn, principal: Principal, todo_id: str, body: Cancel) -> dict:
     """Cancel live work, or close a dead letter the human will not retry (it stops being a dead letter)."""
-    todo = human_todo(txn, principal, "cancel", todo_id,
-                       ("pending", "claimed", "needs_input", "blocked", "review", "deferred", "failed"))
+    todo = human_todo(txn, principal, "cancel", todo_id, ACTION_STATES["cancel"])
     if todo["state"] == "claimed":
         end_attempt(txn, todo, "cancelled", body.reason)
     transition(txn, todo, "cancelled", principal.actor, {"reason": body.reason}, state_reason=body.reason,
@@ -94,12 +101,12 @@ def cancel(txn: Txn, principal: Principal, todo_id: str, body: Cancel) -> dict:
 
 
 def discard(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
-    todo = human_todo(txn, principal, "discard", todo_id, ("quarantined",))
+    todo = human_todo(txn, principal, "discard", todo_id, ACTION_STATES["discard"])
     transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="discarded")
     return todo_view(reload_todo(txn, todo_id))
 
 
-def _reroute_target(txn: Txn, todo: sqlite3.Row, queue: str) -> str:
+def reroute_target(txn: Txn, todo: sqlite3.Row, queue: str) -> str:
     """Choose the endpoint as exclusive delivery would: the first, in order, whose scope grants the queue,
     among the originating webhook's targets; for operator-authored todos (or a deleted webhook), among the same
     human's live endpoints in creation order."""
@@ -121,8 +128,8 @@ def _reroute_target(txn: Txn, todo: sqlite3.Row, queue: str) -> str:
 def reroute(txn: Txn, principal: Principal, todo_id: str, body: Reroute) -> dict:
     if body.queue in RESERVED_QUEUES:
         raise ApiError("invalid_argument", f"queue: {body.queue} is reserved")
-    todo = human_todo(txn, principal, "reroute", todo_id, ("pending", "needs_input", "blocked", "deferred", "failed"))
-    endpoint_id = _reroute_target(txn, todo, body.queue)
+    todo = human_todo(txn, principal, "reroute", todo_id, ACTION_STATES["reroute"])
+    endpoint_id = reroute_target(txn, todo, body.queue)
     if todo["idempotency_key"] is not None:
         twin = txn.one("SELECT id FROM todos WHERE endpoint_id = ? AND idempotency_key = ? AND id <> ?"
                        " AND state NOT IN ('done', 'failed', 'cancelled')",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from dataclasses import dataclass
 from typing import Any
 
-from switchboard.configuration import ApiError, iso
+from switchboard.configuration import ApiError, iso, to_ms
 from switchboard.database import Txn
-from switchboard.models import TodoListQuery
+from switchboard.models import TodoFilter, TodoListQuery
 from switchboard.payload import stored_payload
 from switchboard.store.principals import Principal
 
@@ -107,21 +108,127 @@ def grouped_page(txn: Txn, groups: list[tuple], columns: str, limit: int, *, new
     return rows[:limit]
 
 
-def list_todos(txn: Txn, principal: Principal, query: TodoListQuery) -> dict:
-    """Newest first. The page is picked from the index alone (grouped_page) and only its todos are read whole, with
-    their events' bodies: a list reads a page of todos, never every todo with its body."""
-    if principal.kind == "endpoint":
-        principal.require_verb("list_todos")
-    where, args = "1 = 1", []
-    for column, value in (("queue", query.queue), ("state", query.state), ("endpoint_id", query.endpoint)):
+@dataclass(frozen=True)
+class Selection:
+    """Which todos a list (or a bulk action) takes: by endpoint, queue, states, subject, title text (`q`, any
+    case) and creation time (`since`, ms)."""
+    endpoint: str | None = None
+    queue: str | None = None
+    states: tuple[str, ...] | None = None
+    subject: str | None = None
+    q: str | None = None
+    since: int | None = None
+
+    @classmethod
+    def of(cls, query: TodoListQuery | TodoFilter) -> Selection:
+        since = getattr(query, "since", None)
+        return cls(query.endpoint, query.queue, query.states, query.subject, query.q,
+                   to_ms(since) if since is not None else None)
+
+
+# A page filtered beyond its groups (by title, or within a subject) reads at most this many todos, across its
+# groups: a title matched by few todos is paged through in stretches, each page as fast as the next.
+SCAN_ROWS = 4_000
+
+
+def select_page(txn: Txn, principal: Principal, selection: Selection, limit: int,
+                after: tuple[int, str] | None = None) -> tuple[list[str], tuple[int, str] | None]:
+    """The ids of the first `limit` todos the selection matches that the principal may see, newest first (by
+    created_at, then id), past `after`; and where the next page starts (None: there is none).
+
+    Each source is one range of an index already in that order: a group (endpoint, state, queue) of
+    todos_by_state, named by todo_counts, or the subject's range of todos_by_subject. Each is read up to a window:
+    `limit + 1` todos when every todo of the group matches, else a share of SCAN_ROWS, each then tested (the
+    subject's by state, scope and the rest in SQL, the title in Python, casefolded). Where a window filled before
+    its source ended, the todos past it were not read, so the page stops at the highest such place and the next
+    page starts from there: a page may be short, and still name a next one."""
+    needle = selection.q.casefold() if selection.q is not None else None
+    if selection.subject is not None:
+        clause, scope = scope_clause(principal)
+        hit, hit_params = _conditions(selection, clause, scope)
+        sources = [("subject_key = ?", (selection.subject,))]
+    else:
+        where, args = _conditions(selection, "1 = 1", ())
+        sources = [("endpoint_id = ? AND state = ? AND queue = ?", group)
+                   for group in todo_groups(txn, principal, where, args)]
+        hit, hit_params = "1", ()
+    plain = needle is None and selection.subject is None
+    window = limit + 1 if plain else max(limit + 1, SCAN_ROWS // max(1, len(sources)))
+    bounds, bound_params = "", []
+    if selection.since is not None:
+        bounds += " AND created_at >= ?"
+        bound_params.append(selection.since)
+    if after is not None:
+        bounds += " AND created_at <= ? AND (created_at, id) < (?, ?)"
+        bound_params += [after[0], *after]
+    hits: list[tuple[int, str]] = []
+    stop: tuple[int, str] | None = None
+    for source, params in sources:
+        rows = txn.all(f"SELECT created_at, id, title, ({hit}) AS hit FROM todos WHERE {source}{bounds}"
+                       f" ORDER BY created_at DESC, id DESC LIMIT ?", (*hit_params, *params, *bound_params, window))
+        if len(rows) == window:
+            last = (rows[-1]["created_at"], rows[-1]["id"])
+            stop = last if stop is None else max(stop, last)
+        hits += [(r["created_at"], r["id"]) for r in rows
+                 if r["hit"] and (needle is None or needle in r["title"].casefold())]
+    if stop is not None:
+        hits = [key for key in hits if key >= stop]
+    hits.sort(reverse=True)
+    if len(hits) > limit:
+        return [todo_id for _, todo_id in hits[:limit]], hits[limit - 1]
+    return [todo_id for _, todo_id in hits], stop
+
+
+def _conditions(selection: Selection, clause: str, params: tuple) -> tuple[str, tuple]:
+    """`clause` and the selection's endpoint, queue and states, as one condition on a todo."""
+    where, args = clause, list(params)
+    for column, value in (("queue", selection.queue), ("endpoint_id", selection.endpoint)):
         if value is not None:
             where += f" AND {column} = ?"
             args.append(value)
-    page = [row["rowid"] for row in grouped_page(txn, todo_groups(txn, principal, where, tuple(args)),
-                                                  "created_at, rowid", query.limit, newest_first=True, tie="rowid")]
-    rows = txn.all(f"SELECT * FROM todo_rows WHERE todo_rowid IN ({', '.join('?' * len(page))})"
-                   f" ORDER BY created_at DESC, todo_rowid DESC", page) if page else []
-    return {"todos": [todo_view(r) for r in rows]}
+    if selection.states is not None:
+        where += f" AND state IN ({', '.join('?' * len(selection.states))})"
+        args += selection.states
+    return where, tuple(args)
+
+
+def count_selection(txn: Txn, principal: Principal, selection: Selection, most: int) -> int | None:
+    """How many todos the selection matches, counted up to `most` + 1; None when only a scan could say (a title
+    search). Groups are counted by todo_counts, a subject's todos along todos_by_subject."""
+    if selection.q is not None:
+        return None
+    clause, scope = scope_clause(principal)
+    if selection.subject is not None:
+        where, args = _conditions(selection, clause, scope)
+        since = " AND created_at >= ?" if selection.since is not None else ""
+        return txn.one(f"SELECT count(*) FROM (SELECT 1 FROM todos WHERE subject_key = ?{since} AND {where} LIMIT ?)"
+                       f" AS matched", (selection.subject, *([selection.since] if since else []), *args, most + 1))[0]
+    if selection.since is not None:
+        return None
+    where, args = _conditions(selection, clause, scope)
+    return txn.one(f"SELECT coalesce(sum(n), 0) FROM todo_counts WHERE n > 0 AND {where}", args)[0]
+
+
+def matching_ids(txn: Txn, principal: Principal, selection: Selection, most: int) -> tuple[list[str], bool]:
+    """Up to `most` ids the selection matches, newest first, and whether there were more."""
+    found: list[str] = []
+    after: tuple[int, str] | None = None
+    while True:
+        page, after = select_page(txn, principal, selection, most + 1 - len(found), after)
+        found += page
+        if after is None or len(found) > most:
+            return found[:most], len(found) > most
+
+
+def list_todos(txn: Txn, principal: Principal, query: TodoListQuery) -> dict:
+    """Newest first, a page at a time (`next_cursor`). The page is picked from the index (select_page) and only
+    its todos are read whole, with their events' bodies: a list reads a page of todos, never every todo."""
+    if principal.kind == "endpoint":
+        principal.require_verb("list_todos")
+    page, after = select_page(txn, principal, Selection.of(query), query.limit, query.after)
+    rows = txn.all(f"SELECT * FROM todo_rows WHERE id IN ({', '.join('?' * len(page))})"
+                   f" ORDER BY created_at DESC, id DESC", page) if page else []
+    return {"todos": [todo_view(r) for r in rows], "next_cursor": f"{after[0]}.{after[1]}" if after else None}
 
 
 def get_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:

@@ -23,6 +23,7 @@ from switchboard.configuration import (
 from switchboard.crypto import hashes_match, new_id, token_hash
 from switchboard.database import Txn
 from switchboard.models import Block, ClaimById, ClaimNext, Complete, Fail, Heartbeat, Leased, NeedsInput, Release
+from switchboard.store.admission import admit, ring_room
 from switchboard.store.outbox import notify_todo
 from switchboard.store.principals import Principal, endpoint_view, own_endpoint
 from switchboard.store.todos import attempt_view, dump_json, load_todo, reload_todo, todo_view
@@ -74,8 +75,10 @@ def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: 
     is its event's body."""
     values = {**TODO_DEFAULTS, **optional}
     # Born pending with nothing to wait for, and allowed to ring, a todo is claimable this moment (nothing can
-    # have absorbed an id just made): it is written rung already, instead of read back and updated.
+    # have absorbed an id just made): it is written rung already, instead of read back and updated. A paused or
+    # full queue withholds the ring (see mark_rung).
     rung = txn.inline_rings and values["state"] == "pending" and not depends_on and not values["silent"]
+    withheld = rung and ring_room(txn, endpoint_id, queue) == 0
     txn.execute(_INSERT_TODO, (todo_id, endpoint_id, queue, title, source, kind, trace, event_id,
                                *values.values(), int(rung), txn.now if rung else None, txn.now, txn.now, txn.now))
     for dependency in depends_on:
@@ -88,8 +91,9 @@ def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: 
     if values["state"] == "quarantined" or queue == HOLD_QUEUE:
         notify_todo(txn, todo_id, "held")
     if rung:
-        _queue_ring(txn, {"id": todo_id, "endpoint_id": endpoint_id, "queue": queue, "kind": kind, "source": source,
-                          "title": title})
+        if not withheld:
+            _queue_ring(txn, {"id": todo_id, "endpoint_id": endpoint_id, "queue": queue, "kind": kind,
+                              "source": source, "title": title})
     elif values["state"] == "pending":
         _became_pending(txn, todo_id)
 
@@ -149,6 +153,8 @@ def transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence:
                 " WHERE d.depends_on_id = ? AND t.state IN ('pending', 'deferred')", (todo["id"],)):
             transition(txn, dependent, "blocked", "system", {"dependency": todo["id"], "state": to_state},
                         state_reason=f"dependency {todo['id']} {to_state}")
+    if todo["state"] == "claimed":
+        _slot_freed(txn, todo)
     return columns
 
 
@@ -168,10 +174,36 @@ def _became_pending(txn: Txn, todo_id: str) -> None:
         mark_rung(txn, row)
 
 
-def mark_rung(txn: Txn, row: sqlite3.Row) -> dict:
-    """Count a ring on the todo and queue it for the doorbell."""
+def mark_rung(txn: Txn, row: sqlite3.Row) -> dict | None:
+    """Count a ring on the todo and queue it for the doorbell. A queue that is paused, or whose caps admit no more
+    claims, withholds it: counted on the todo (its re-ring sweep goes on) and sent to no one; the queue rings for
+    what waits when it opens again (ring_claimable)."""
     txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ?", (txn.now, row["id"]))
+    if ring_room(txn, row["endpoint_id"], row["queue"]) == 0:
+        return None
     return _queue_ring(txn, row)
+
+
+def ring_claimable(txn: Txn, endpoint_id: str, queue: str, most: int) -> int:
+    """Ring for up to `most` of the queue's claimable todos, best first (as a claim takes them), leaving out those
+    this transaction rang already: a queue that opens again (resumed, its window turned, a slot freed) wakes one
+    worker per todo it now admits. How many rang."""
+    if not txn.inline_rings or most <= 0:
+        return 0
+    rung = {ring["todo_id"] for ring in txn.rings}
+    rows = txn.all(f"SELECT * FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue = ? AND available_at <= ?"
+                   f" AND silent = 0 AND {CLAIMABLE} ORDER BY priority DESC, created_at, id LIMIT ?",
+                   (endpoint_id, queue, txn.now, txn.now, most + len(rung)))
+    fresh = [row for row in rows if row["id"] not in rung][:most]
+    return sum(mark_rung(txn, row) is not None for row in fresh)
+
+
+def _slot_freed(txn: Txn, todo: sqlite3.Row) -> None:
+    """A claim ended (the todo left `claimed`): in a queue with a cap, the slot it held may admit the next
+    claimable todo, which rings (unless this transition already rang for it). Uncapped queues ring on their own."""
+    left = ring_room(txn, todo["endpoint_id"], todo["queue"])
+    if left:
+        ring_claimable(txn, todo["endpoint_id"], todo["queue"], 1)
 
 
 def _queue_ring(txn: Txn, todo: sqlite3.Row | dict) -> dict:
@@ -323,17 +355,25 @@ def claim_next(txn: Txn, principal: Principal, body: ClaimNext) -> dict:
     whether any lease has lapsed (then the claim reaps and reads again)."""
     principal.require_verb("claim_next")
     queues = claim_queues(principal, body.queue_filter())
-    marks = ",".join("?" * len(queues))
+    # Queue control first: a paused or full queue is left out of the pick (a lapsed lease frees its slot).
+    gate = admit(txn, principal.id, queues)
+    if any(r["reason"] == "max_in_flight" for r in gate.refused) and _reap_endpoint(txn, principal.id):
+        gate = admit(txn, principal.id, queues)
+    empty = {"empty": True, **({"admission": gate.refused} if gate.refused else {})}
+    if not gate.open:
+        return empty
+    marks = ",".join("?" * len(gate.open))
     best = (f"SELECT t.*, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at <= ?"
             f" LIMIT 1) AS lapsed, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id = (SELECT id"
             f" FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks}) AND available_at <= ?"
             f" AND {CLAIMABLE} ORDER BY priority DESC, created_at, rowid LIMIT 1)")
-    params = (principal.id, txn.now, principal.id, *queues, txn.now, txn.now)
+    params = (principal.id, txn.now, principal.id, *gate.open, txn.now, txn.now)
     row = txn.one(best, params)
     if (row is None or row["lapsed"]) and _reap_endpoint(txn, principal.id):
         row = txn.one(best, params)
     if row is None:
-        return {"empty": True}
+        return empty
+    gate.count(txn, row["queue"])
     return _claim_row(txn, principal, row, _prior_attempts(row["prior_attempts"]), body.lease_seconds,
                       body.claimant)
 
@@ -352,7 +392,13 @@ def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) ->
         raise ApiError("conflict", f"todo is not available until {iso(todo['available_at'])}")
     if txn.one(f"SELECT 1 FROM todos WHERE id = ? AND NOT ({CLAIMABLE})", (todo_id, txn.now)):
         raise ApiError("conflict", "todo waits for its dependencies or is held by a run that absorbed it")
+    gate = admit(txn, principal.id, [todo["queue"]])
+    if gate.refused:
+        shut = gate.refused[0]
+        raise ApiError("conflict", f"queue {shut['queue']} admits no claim now ({shut['reason'].replace('_', ' ')}"
+                                   f"{' until ' + shut['until'] if shut['until'] else ''})")
     prior = _prior_attempts(txn.one(f"SELECT ({_PRIOR_ATTEMPTS}) FROM todos t WHERE t.id = ?", (todo_id,))[0])
+    gate.count(txn, todo["queue"])
     return _claim_row(txn, principal, todo, prior, body.lease_seconds, body.claimant)
 
 

@@ -33,6 +33,7 @@ from switchboard.models import (
     RequestChanges,
     Reroute,
 )
+from switchboard.store.admission import ring_room
 from switchboard.store.human_actions import (
     answer,
     approve,
@@ -45,6 +46,7 @@ from switchboard.store.human_actions import (
     retry,
     undefer,
 )
+from switchboard.store.queues import next_queue_moment, ring_due_queues
 from switchboard.store.transitions import (
     CLAIMABLE,
     absorb,
@@ -63,7 +65,8 @@ from switchboard.store.transitions import (
 # -- background work --------------------------------------------------------------------------------
 
 def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
-    """Return lapsed leases, wake due deferrals, and ring todos that came due since they went pending."""
+    """Return lapsed leases, wake due deferrals, end pauses and ring queues that opened, and ring todos that came
+    due since they went pending."""
     lapsed = txn.all("SELECT * FROM todos WHERE state = 'claimed' AND lease_expires_at <= ? LIMIT ?",
                      (txn.now, limit))
     for todo in lapsed:
@@ -88,17 +91,20 @@ def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
     if txn.inline_rings:
         for todo in unrung + rerung:
             mark_rung(txn, todo)
+    opened = ring_due_queues(txn)
     return {"lapsed": len(lapsed), "undeferred": len(due), "expired": len(expired), "rung": len(unrung),
-            "rerung": len(rerung), "next_due": next_due(txn)}
+            "rerung": len(rerung), "queues": opened, "next_due": next_due(txn)}
 
 
 def next_due(txn: Txn) -> int | None:
     """When the scheduler next has something to do (a lease lapses, a deferral ends, a held item expires, a
-    retry comes due, a re-ring is owed), from the partial indexes alone; None when nothing waits."""
+    retry comes due, a re-ring is owed, a queue's pause ends or its full window turns), from the partial indexes
+    (and the few queue controls) alone; None when nothing waits."""
     moments = [txn.one("SELECT min(lease_expires_at) FROM todos WHERE state = 'claimed'")[0],
                txn.one("SELECT min(deferred_until) FROM todos WHERE state = 'deferred'")[0],
                txn.one("SELECT min(available_at) FROM todos WHERE state = 'pending' AND ring_count = 0"
                        " AND available_at > ?", (txn.now,))[0]]
+    moments.append(next_queue_moment(txn))
     held = txn.one("SELECT min(created_at) FROM todos WHERE state = 'quarantined'")[0]
     moments.append(held + QUARANTINE_DAYS * 86_400_000 if held is not None else None)
     for count, wait_ms in enumerate(RERING_AFTER_MS, start=1):
@@ -110,14 +116,17 @@ def next_due(txn: Txn) -> int | None:
 
 
 def rings_for_new_session(txn: Txn, endpoint_id: str, queues: Iterable[str], limit: int = 3) -> list[dict]:
-    """A session that connects is rung at once for up to `limit` of its oldest claimable todos. These rings go
-    to that session alone, so they are returned rather than queued for the doorbell."""
-    queues = list(queues)
+    """A session that connects is rung at once for up to `limit` of its oldest claimable todos (of the queues
+    that admit a claim now). These rings go to that session alone, so they are returned rather than queued for the
+    doorbell."""
+    queues = [queue for queue in queues if ring_room(txn, endpoint_id, queue) != 0]
+    if not queues:
+        return []
     marks = ",".join("?" * len(queues))
     rows = txn.all(f"SELECT * FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks})"
                    f" AND available_at <= ? AND silent = 0 AND {CLAIMABLE}"
                    f" ORDER BY priority DESC, created_at, rowid LIMIT ?", (endpoint_id, *queues, txn.now, txn.now, limit))
-    rings = [mark_rung(txn, row) for row in rows]
+    rings = [ring for ring in (mark_rung(txn, row) for row in rows) if ring is not None]
     txn.rings.clear()
     return rings
 

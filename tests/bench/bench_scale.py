@@ -36,8 +36,10 @@ weighs on every size alike; each figure below is the median of the rounds), a fr
  5. server start: `serve` spawned to its first `/healthz` 200
  6. claim + complete over REST, 8 workers, 1,000 cycles: rate, claim p50/p99
  7. ingest without rules over HTTP, 16 senders, 1,500 signed deliveries: rate, ack p50/p99
- 8. Board pages (inbox, queues, deliveries, a todo) and the human's `GET /api/v1/todos?queue=inbox`: server
-    time p50/p95 over 30 requests each, in-process through Starlette's test client (bench_board's Timed)
+ 8. Board pages (inbox, queues, deliveries, a todo, the todo list of done work) and the human's `GET
+    /api/v1/todos`: of a queue, of finished work (`state=done,failed,cancelled`), of one subject, and searched
+    by title (`q`, matched by one todo in the whole database): server time p50/p95 over 30 requests each,
+    in-process through Starlette's test client (bench_board's Timed)
  9. a re-ring tick: every pending todo made due (in a transaction rolled back after), then scheduler ticks of
     500 rings each, timed in-process
 
@@ -51,10 +53,11 @@ Last (it changes the database), on each:
 Before each round and the prune, the run waits (up to `--gate` seconds) for other processes to leave the CPUs
 idle, and the report says how much CPU they took anyway.
 
-Goals (issue 30): every latency at the largest size within 1.5x of its 10k figure; ingest and claim rates at the
-largest size at least 0.8x of 10k; start under 2 s and backup at least 100 MB/s at the largest size; bytes per
-todo flat (within 10%); Board pages and the human's list under 50 ms (p95) at the largest size; the ingest p99
-while a prune runs under 100 ms at every size. Writes tests/bench/results-scale.json.
+Goals (issue 30; issue 36 for the filtered lists): every latency at the largest size within 1.5x of its 10k
+figure; ingest and claim rates at the largest size at least 0.8x of 10k; start under 2 s and backup at least
+100 MB/s at the largest size; bytes per todo flat (within 10%); Board pages and the human's lists under 50 ms (p95)
+at the largest size; the ingest p99 while a prune runs under 100 ms at every size. Writes
+tests/bench/results-scale.json.
 """
 
 from __future__ import annotations
@@ -451,7 +454,11 @@ def board_pages(path: str, made: dict) -> dict:
         auth = {"Authorization": f"Bearer {made['human']['token']}"}
         pages = [("inbox", "/board", {}), ("queues", "/board/queues", {}),
                  ("deliveries", f"/board/webhooks/{hook_id}/deliveries", {}), ("a todo", f"/board/todos/{todo_id}", {}),
-                 ("human's list", f"/api/v1/todos?queue={QUEUE}", auth)]
+                 ("Board todo list, done", "/board/todos?state=done", {}),
+                 ("human's list", f"/api/v1/todos?queue={QUEUE}", auth),
+                 ("finished work", "/api/v1/todos?state=done,failed,cancelled", auth),
+                 ("a subject's todos", "/api/v1/todos?subject=github%3ACodertocat%2FHello-World%237", auth),
+                 ("a title search", "/api/v1/todos?q=Hello-World%2342%3A", auth)]
         for name, page, headers in pages:
             times = []
             for run in range(RUNS + 3):
@@ -580,7 +587,8 @@ def summarize(out: dict) -> dict:
 # goals and the report
 # ----------------------------------------------------------------------------------------------------
 
-PAGES = ("inbox", "queues", "deliveries", "a todo", "human's list")
+PAGES = ("inbox", "queues", "deliveries", "a todo", "Board todo list, done", "human's list", "finished work",
+         "a subject's todos", "a title search")
 # Latencies (ms or s) whose figure at the largest size must stay within 1.5x of 10k's: (label, path in a result).
 LATENCIES = [("claim p50 (ms)", ("claim", "claim_p50_ms")), ("claim p99 (ms)", ("claim", "claim_p99_ms")),
              ("ingest ack p50 (ms)", ("ingest", "p50_ms")), ("ingest ack p99 (ms)", ("ingest", "p99_ms")),
