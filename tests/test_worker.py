@@ -478,7 +478,7 @@ def test_kill_9_of_the_worker_loses_nothing(lane, workers):
     orphan = int(pid_file.read_text())
     try:
         crashed.stop(signal.SIGKILL)
-        # The child carries the parent-death signal: it does not outlive its worker, and work it did would be lost.
+        # The worker's job watcher ends the child: it does not outlive its worker (work it did would be lost).
         eventually(lambda: not alive(orphan), 5, "the killed worker's child ended")
         workers(lane, "--lease", "2", "--name", "survivor", command=CHILD)
         todo = lane.settled(todo_id, ("done",))

@@ -120,6 +120,23 @@ def test_a_job_that_exits_leaves_nothing_running_and_timeouts_end_its_escapees_t
     assert worker.stop() == 0
 
 
+def test_a_worker_killed_outright_takes_its_jobs_processes_along(lane, workers):
+    pid_dir = lane.dir / "pids"
+    pid_dir.mkdir()
+    lane.push({"pids": str(pid_dir)})
+    worker = workers(lane, "--lease", "3", command=ESCAPER)
+    pids = escapee_pids(pid_dir)
+    child = int(Path(f"/proc/{pids['setsid']}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+    try:
+        worker.stop(signal.SIGKILL)
+        # Everything that still names the job in its environment, wherever it moved; the one that cleared its
+        # environment and left the tree is beyond finding once the worker is gone (the unit's cgroup ends it).
+        ended = [child, pids["setsid"], pids["setpgid"], pids["double_fork"]]
+        eventually(lambda: not any(alive(pid) for pid in ended), 5, "the killed worker's jobs ended")
+    finally:
+        kill_all([child, *pids.values()])
+
+
 def test_sighup_is_a_shutdown_like_sigterm(lane, workers):
     pid_file = lane.dir / "child.pid"
     todo_id = lane.push({"sleep": {"1": 1.5}, "pid_file": str(pid_file),

@@ -15,8 +15,11 @@ are found, whatever session or group they moved to, as the child's descendants (
 (/proc/PID/environ) names the job's SWITCHBOARD_TODO_ID, or names no running job at all (one that cleared its
 environment cannot be told apart, so it ends with the first job that ends). When the child exits, or the job is
 stopped (SIGTERM to all of them, SIGKILL KILL_GRACE_SECONDS later), every one left is killed and the worker reaps
-the ones it inherited. The child also carries the parent-death signal (SIGKILL), so a worker killed outright
-takes its children along."""
+the ones it inherited. A worker killed outright (SIGKILL, the OOM killer) takes its jobs along too: a watcher
+process it starts once (JOB_WATCHER, a few MiB) learns each child's pid as it starts and, when the worker's end of
+its pipe closes, kills every running job's child, its group, its descendants and every process whose environment
+names one of those jobs. (A parent-death signal set in each child would need a preexec_fn, which costs every job
+start a fork of the whole worker instead of a vfork: 2-3 ms or more, where a start is about 3 ms.)"""
 
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -53,11 +57,57 @@ OUTPUT_BYTES = 4096  # `result.output` of a child that exits 0 without an outcom
 ERROR_BYTES = 2048  # `error` of a child that fails without one: its stderr tail
 NOTE_CHARS = 200  # a heartbeat's progress note: the child's last stderr line, cut
 EXIT_PARK = 75  # EX_TEMPFAIL: the child hit a quota wall
-EXIT_ORPHANED = 70  # a child whose worker died as it started exits at once
 END_JOB_ROUNDS = 40  # rounds of "find what is left of the job, kill it", about 3 s in all
-PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
+
+# The watcher (run as `python -I -S -c JOB_WATCHER`, standard library only): reads "+ PID TODO_ID" and "- PID"
+# lines from the worker; at the end of its input (the worker exited or was killed) it kills what is left of every
+# job it was told of, twice over (a process may fork while it is being found).
+JOB_WATCHER = r"""
+import os, signal, sys
+def children(pid):
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", "rb") as listing:
+                found += [int(child) for child in listing.read().split()]
+        except OSError:
+            pass
+    return found
+def marker(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            entries = environ.read(1 << 20).split(b"\0")
+    except OSError:
+        return None
+    return next((e[20:].decode(errors="replace") for e in entries if e.startswith(b"SWITCHBOARD_TODO_ID=")), None)
+jobs = {}
+for line in sys.stdin.buffer:
+    parts = line.split()
+    if len(parts) == 3 and parts[0] == b"+":
+        jobs[int(parts[1])] = parts[2].decode(errors="replace")
+    elif len(parts) == 2 and parts[0] == b"-":
+        jobs.pop(int(parts[1]), None)
+for _ in range(2 if jobs else 0):
+    todos = set(jobs.values())
+    roots = list(jobs) + [int(n) for n in os.listdir("/proc") if n.isdigit() and marker(int(n)) in todos]
+    seen = {os.getpid()}
+    while roots:
+        pid = roots.pop()
+        if pid not in seen:
+            seen.add(pid)
+            roots += children(pid)
+            for kill, target in ((os.killpg, pid), (os.kill, pid)) if pid in jobs else ((os.kill, pid),):
+                try:
+                    kill(target, signal.SIGKILL)
+                except OSError:
+                    pass
+"""
 
 
 def prctl(option: int, value: int) -> None:
@@ -68,6 +118,12 @@ def prctl(option: int, value: int) -> None:
 def become_subreaper() -> None:
     """Orphans among the worker's descendants are reparented to the worker, not to init, so it can end them."""
     prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def start_watcher() -> subprocess.Popen:
+    """The job watcher (JOB_WATCHER), in a session of its own so that a signal to the worker's group spares it."""
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", JOB_WATCHER], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def children_of(pid: int) -> list[int]:
@@ -100,14 +156,15 @@ def job_marker(pid: int) -> str | None:
     return None
 
 
-def job_processes(job_id: str, child: int, worker: int, running: dict[int, str]) -> list[int]:
+def job_processes(job_id: str, child: int, worker: int, running: dict[int, str], keep: int | None) -> list[int]:
     """Every process of the job: the child, the processes reparented to the worker that belong to it (their
     environment names it, or names no running job), and all their descendants. `running` maps each running job's
-    child to its todo id; those children and the orphans whose environment names their job are left alone."""
+    child to its todo id; those children and the orphans whose environment names their job are left alone, and
+    so is `keep` (the job watcher)."""
     others = {todo for pid, todo in running.items() if pid != child}
     roots = [child]
     for pid in children_of(worker):
-        if pid not in running and job_marker(pid) not in others:
+        if pid not in running and pid != keep and job_marker(pid) not in others:
             roots.append(pid)
     found, seen = [], set()
     while roots:
@@ -159,6 +216,7 @@ class ExecRunner:
         self.children: dict[int, str] = {}  # the pid of each running job's child -> its todo id
         self.worker_pid = os.getpid()
         become_subreaper()
+        self.watcher = start_watcher()
 
     async def run(self, job: Job) -> Outcome:
         workdir = tempfile.mkdtemp(prefix="switchboard-job-")  # mode 0700
@@ -169,13 +227,17 @@ class ExecRunner:
         finally:
             await asyncio.to_thread(remove_tree, workdir)
 
-    def _die_with_the_worker(self) -> None:
-        """In the child, before exec (after it took the job's user): the parent-death signal, so that a worker
-        killed outright (SIGKILL, the OOM killer) takes its children along. A worker that died already in the
-        moment before is noticed by the child's new parent."""
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != self.worker_pid:
-            os._exit(EXIT_ORPHANED)
+    def _tell_watcher(self, line: str) -> None:
+        try:
+            self.watcher.stdin.write(line.encode())
+            self.watcher.stdin.flush()
+        except OSError as exc:  # it died: jobs still end with their job, only no longer with a killed worker
+            log.error("the job watcher is gone (%s): a worker killed outright would leave its jobs running; starting"
+                      " another", exc)
+            self.watcher = start_watcher()
+            with contextlib.suppress(OSError):
+                self.watcher.stdin.write("".join(f"+ {pid} {todo}\n" for pid, todo in self.children.items()).encode())
+                self.watcher.stdin.flush()
 
     async def _run_child(self, job: Job, workdir: str) -> Outcome:
         loop = asyncio.get_running_loop()
@@ -185,8 +247,9 @@ class ExecRunner:
         child = subprocess.Popen(self.command, executable=self.program, stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
                                  env=child_environment(job, outcome_file, self.user), start_new_session=True,
-                                 preexec_fn=self._die_with_the_worker, **identity)
+                                 **identity)
         self.children[child.pid] = job.id
+        self._tell_watcher(f"+ {child.pid} {job.id}\n")
         exited = watch_exit(child.pid)
         stdout = Capture(STDOUT_KEPT_BYTES)
         stderr = Capture(ERROR_BYTES, lambda data: setattr(job, "note", last_line(data, NOTE_CHARS)))
@@ -210,6 +273,7 @@ class ExecRunner:
             await asyncio.shield(self._end_job(job.id, child.pid))
             child.wait()  # reaped only now: until here its pid, the group's id, could not be reused
             del self.children[child.pid]
+            self._tell_watcher(f"- {child.pid}\n")
             # A process that escaped may have held the pipes: read what is there, do not wait for it.
             await asyncio.wait([stdout.closed, stderr.closed], timeout=1)
             for reader in readers:
@@ -227,7 +291,7 @@ class ExecRunner:
     def _signal_job(self, job_id: str, pid: int, sig: int) -> list[int]:
         """Send `sig` to the child's process group and to every process of the job; the processes found."""
         signal_group(pid, sig)
-        found = job_processes(job_id, pid, self.worker_pid, self.children)
+        found = job_processes(job_id, pid, self.worker_pid, self.children, self.watcher.pid)
         for member in found:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(member, sig)
