@@ -239,15 +239,20 @@ class ExecRunner:
                 self.watcher.stdin.write("".join(f"+ {pid} {todo}\n" for pid, todo in self.children.items()).encode())
                 self.watcher.stdin.flush()
 
+    def spawn(self, job: Job, workdir: str, outcome_file: str, **options) -> subprocess.Popen:
+        """The job's child, in a session of its own. Nothing runs in the child before exec (no preexec_fn), so
+        subprocess keeps its vfork fast path (a user to switch to makes it fork)."""
+        identity = {} if self.user is None else {"user": self.user.uid, "group": self.user.gid,
+                                                 "extra_groups": list(self.user.groups)}
+        return subprocess.Popen(self.command, executable=self.program, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
+                                env=child_environment(job, outcome_file, self.user), start_new_session=True,
+                                **identity, **options)
+
     async def _run_child(self, job: Job, workdir: str) -> Outcome:
         loop = asyncio.get_running_loop()
         outcome_file = os.path.join(workdir, OUTCOME_FILE_NAME)
-        identity = {} if self.user is None else {"user": self.user.uid, "group": self.user.gid,
-                                                 "extra_groups": list(self.user.groups)}
-        child = subprocess.Popen(self.command, executable=self.program, stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
-                                 env=child_environment(job, outcome_file, self.user), start_new_session=True,
-                                 **identity)
+        child = self.spawn(job, workdir, outcome_file)
         self.children[child.pid] = job.id
         self._tell_watcher(f"+ {child.pid} {job.id}\n")
         exited = watch_exit(child.pid)
