@@ -6,6 +6,7 @@ so that memory stays flat whatever is sent, strict JSON, and no proxy for a loop
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import json
 import math
@@ -105,9 +106,11 @@ def parse_json(data: bytes | str) -> object:
         raise ValueError("nested too deep") from None
 
 
+@functools.lru_cache(maxsize=64)
 def is_loopback(url: str) -> bool:
     """Whether the URL's host is this machine (127.0.0.0/8, ::1, localhost, or a name that resolves only there):
-    such a request never goes through a proxy from HTTP_PROXY or ALL_PROXY, which would see its credential."""
+    such a request never goes through a proxy from HTTP_PROXY or ALL_PROXY, which would see its credential.
+    Remembered per URL: ask at start-up (a name may need a DNS lookup), not in the event loop."""
     host = urlsplit(url).hostname or ""
     if host == "localhost" or host.endswith(".localhost"):
         return True
@@ -148,19 +151,24 @@ class ServerApi:
                 async with self.http.stream("POST", path, content=request, timeout=timeout,
                                             headers={"Content-Type": "application/json"}) as answer:
                     raw = await read_capped(answer, SERVER_ANSWER_BYTES)
-            content = parse_json(raw)
         except TimeoutError:
             raise Unanswered(f"no whole answer within {timeout:g} s") from None
         except httpx.HTTPError as exc:
             raise Unanswered(f"{type(exc).__name__}: {str(exc)[:200]}") from None
-        except (AnswerTooLarge, UnreadableAnswer, ValueError) as exc:
-            raise OddAnswer(f"{path}: {str(exc)[:200]}") from None
+        except (AnswerTooLarge, UnreadableAnswer) as exc:
+            raise OddAnswer(f"{path}: {exc}") from None
+        try:
+            content = parse_json(raw)
+        except ValueError as exc:
+            content = exc
         status = answer.status_code
         error = content.get("error", "") if isinstance(content, dict) else ""
         if status == 429 or status >= 500:
             raise Unanswered(f"{status} {str(error)[:100]}")
-        if 400 <= status < 500:
+        if 400 <= status < 500:  # a refusal, even one whose body is not the API's (a proxy's page)
             raise Refused(status, content if isinstance(content, dict) else {})
+        if isinstance(content, ValueError):
+            raise OddAnswer(f"{path}: an answer that is not JSON ({str(content)[:200]})")
         if status != 200 and status != 201:
             raise OddAnswer(f"{path}: an unexpected {status} answer")
         if not isinstance(content, dict):

@@ -3,7 +3,7 @@ outcomes a runner may return. The worker (switchboard.worker) owns everything ar
 the heartbeats, timeouts, shutdown, parking and reporting; a runner (`--exec`'s, the triage runner) only works
 the todo and says how it ended.
 
-An outcome is what a child's outcome line says (`{"outcome": "complete", "result": …}`), validated strictly: a
+An outcome is what a child's outcome file or line says (`{"outcome": "complete", "result": …}`), validated strictly: a
 field the outcome does not take, or of the wrong type, is an error, never a guess."""
 
 from __future__ import annotations

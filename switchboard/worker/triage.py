@@ -3,12 +3,15 @@ API (vLLM, LiteLLM, llama.cpp's server, Ollama) and write the answer back as one
 the forge's label event routes the issue to its lane (seed ADR-0025: a sizing is a label on the forge, auditable
 and editable by a human, never a routing-time guess).
 
-Per todo whose work order names a GitHub or Gitea issue: one chat completion (temperature 0, a strict JSON schema
-as `response_format`), then at most one forge call, adding the mapped label unless a label of the map is already
-on the issue. Nothing else: the repository and number come from the work order Switchboard wrote from the verified
+Per todo whose work order names a GitHub or Gitea issue and says `verified: true` (SPEC section 16; any other is
+refused, since an unsigned webhook's URL is all it takes to make one): one chat completion (temperature 0, a strict
+JSON schema as `response_format`; asked again with the body halved while the model refuses the prompt as longer
+than its context), then at most one forge call, adding the mapped label unless a label of the map is already on
+the issue. Nothing else: the repository and number come from the work order Switchboard wrote from the verified
 delivery, the label from the configured map, and the model's text only picks among S/M/L/XL. Instructions live in
 the system message alone (with the work order's authority text); the issue's title and body reach the model only
-as one JSON object in the user message, so what they say can change the model's input and nothing else.
+as one JSON object in the user message, so what they say can change the model's input and nothing else. Each call
+has one deadline over the whole exchange and a cap on its answer after decompression.
 
 The model is called with plain httpx, not the `openai` package: the worker already carries httpx, the request is
 one POST whose every field the SPEC fixes, and an SDK would bring its own retries (hiding the 429s this runner must
@@ -17,7 +20,7 @@ request goes or which key it carries.
 
 The forge token and the model's key are read from files only their owner may read; they are sent only in the
 Authorization header of their own API and are struck out of any text an API answers with before that text
-reaches a log line or a todo's error."""
+reaches a log line or a todo's error (before it is cut: a cut could leave part of one unmatched)."""
 
 from __future__ import annotations
 
@@ -38,7 +41,15 @@ from typing import Annotated, Literal
 import httpx
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from switchboard.worker.api import AnswerTooLarge, UnreadableAnswer, describe_size, http_client, parse_json, read_capped
+from switchboard.worker.api import (
+    AnswerTooLarge,
+    UnreadableAnswer,
+    describe_size,
+    http_client,
+    is_loopback,
+    parse_json,
+    read_capped,
+)
 from switchboard.worker.job import (
     Complete,
     ConfigError,
@@ -213,6 +224,9 @@ class TriageRunner:
         self.apis = {"github": github_api, "gitea": gitea_api}
         self.labels = labels
         self.secrets = [s for s in (forge_token, llm_key) if s]
+        for url in (llm_url, github_api, gitea_api):  # now, not in the event loop: it may need a DNS lookup
+            if url:
+                is_loopback(url)
         # Workers asking the same model at the same API meet the same quota wall.
         self.quota_group = "triage-" + hashlib.sha256(f"{llm_url}\0{model}".encode()).hexdigest()[:12]
 
