@@ -519,6 +519,7 @@ def test_an_answer_outside_the_schema_writes_nothing_and_the_error_shows_it(work
     assert [r["path"] for r in site.github.requests] == [f"/repos/Codertocat/Hello-World/issues/{forbidden}/labels"]
     assert site.github.issues[off_schema]["labels"] == [] and site.github.issues[forbidden]["labels"] == []
     assert worker.stop() == 0
+    set_aside(site, off_id)  # it would be tried again, by the next test's worker
 
 
 def end_park(state_dir: Path, site: Site, asked_before: int) -> None:
@@ -556,7 +557,8 @@ def test_a_quota_wall_at_the_model_or_the_forge_parks_the_worker_for_at_least_a_
     assert [r["json"] for r in site.github.requests] == [{"labels": ["size/L"]}] * 3
     output = worker.output()
     assert "the model API answered 429: parking for 1 s" in output
-    assert "the forge's rate limit (403): parking" in output and "the forge's rate limit (429): parking for 1 s" in output
+    assert "the forge's rate limit (403): parking" in output
+    assert "the forge's rate limit (429): parking for 1 s" in output
     assert output.count("parked until") == 3
     assert worker.stop() == 0
 
@@ -589,7 +591,8 @@ def test_an_issue_full_of_instructions_changes_only_the_models_input(workers, si
     site.github.open(plain, "fix the typo in the footer", "teh")
     site.github.open(hostile, hostile_title, hostile_body)
     worker = workers.triage("--concurrency", "2")
-    eventually(lambda: len(site.github.requests) == 2, 15, "both issues labelled")
+    paths = {f"/repos/Codertocat/Hello-World/issues/{n}/labels" for n in (plain, hostile)}
+    eventually(lambda: paths <= {r["path"] for r in site.github.requests}, 15, "both issues labelled")
 
     asked = {issue_asked(r)["title"]: r["json"] for r in site.model.requests}
     quiet, loud = asked["fix the typo in the footer"], asked[hostile_title]
@@ -600,7 +603,7 @@ def test_an_issue_full_of_instructions_changes_only_the_models_input(workers, si
     assert issue_asked({"json": loud}) == {"title": hostile_title, "body": cut}, "quoted data, cut to 8 KiB"
 
     # The forge saw one call per issue: its own number, a label of the map. No comment, no close, no HUMAN.
-    calls = sorted((r["method"], r["path"], r["json"]["labels"]) for r in site.github.requests)
+    calls = sorted((r["method"], r["path"], r["json"]["labels"]) for r in site.github.requests if r["path"] in paths)
     assert calls == sorted([("POST", f"/repos/Codertocat/Hello-World/issues/{plain}/labels", ["size/S"]),
                             ("POST", f"/repos/Codertocat/Hello-World/issues/{hostile}/labels", ["size/XL"])])
     # XL is held for a human by the fleet pack.

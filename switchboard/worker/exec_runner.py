@@ -439,7 +439,8 @@ def read_outcome_file(path: str) -> Outcome | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        return Fail(error=f"the outcome file cannot be read: {'a symbolic link' if exc.errno == errno.ELOOP else exc.strerror}")
+        why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        return Fail(error=f"the outcome file cannot be read: {why}")
     try:
         data = bytearray()
         while len(data) <= OUTCOME_FILE_BYTES:

@@ -113,8 +113,8 @@ class Worker:
         return self.exit_code
 
     def shut_down(self) -> None:
-        """SIGTERM, SIGINT or SIGHUP: claim nothing more and give running jobs their lease to finish (a second signal
-        stops them at once); what they leave unfinished is released."""
+        """SIGTERM, SIGINT or SIGHUP: claim nothing more and give running jobs their lease to finish (a second
+        signal stops them at once); what they leave unfinished is released."""
         if self.stopping:
             log.info("stopping the running jobs now")
             for running in list(self.running):
@@ -264,7 +264,8 @@ class Worker:
         seconds = loop.time() - started
         fields = {"todo": job.id, "queue": job.queue, "outcome": outcome, "seconds": round(seconds, 3)}
         if running.error is None:
-            log.info("todo %s queue %s outcome %s in %.2f s", job.id, job.queue, outcome, seconds, extra={"job": fields})
+            log.info("todo %s queue %s outcome %s in %.2f s", job.id, job.queue, outcome, seconds,
+                     extra={"job": fields})
         else:
             error = first_line(scrub(running.error, (self.settings.token,)), LOG_ERROR_CHARS)
             log.info("todo %s queue %s outcome %s in %.2f s: %s", job.id, job.queue, outcome, seconds, error,
@@ -395,7 +396,7 @@ def first_line(text: str, chars: int) -> str:
 
 def claimed_todo(answer: dict) -> tuple[dict, str, float]:
     """The todo, the lease token and the lease's length (seconds) from a claim's answer, checked so that an odd
-    answer is a logged, retried error (Unanswered) and never a traceback: the todo's id goes into URLs, its times
+    answer is a logged, retried error (OddAnswer) and never a traceback: the todo's id goes into URLs, its times
     decide the heartbeats."""
     todo, token = answer.get("todo"), answer.get("lease_token")
     if not isinstance(todo, dict) or not isinstance(token, str) or not token:
