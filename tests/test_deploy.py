@@ -33,6 +33,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -41,7 +42,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import yaml
-from conftest import ROOT, free_port
+from conftest import ROOT, LiveServer, cli_inproc, free_port
 from helpers import system_tool
 
 DEPLOY = ROOT / "deploy"
@@ -774,6 +775,51 @@ def test_worker_template_unit_verifies_as_an_instance_and_runs_the_worker(tmp_pa
                                  " --state-dir /var/lib/switchboard-worker"]
     assert unit["LoadCredential"] == ["token:/etc/switchboard/worker-%i.token"]
     assert unit["EnvironmentFile"] == ["/etc/switchboard/worker-%i.env"]
-    assert unit["StateDirectory"] == ["switchboard-worker"] and unit["DynamicUser"] == ["yes"]
+    assert unit["StateDirectory"] == ["switchboard-worker"] and "DynamicUser" not in unit and "User" not in unit
     assert unit["KillSignal"] == ["SIGTERM"] and unit["Restart"] == ["on-failure"]
     assert not any("TOKEN" in value for value in unit.get("Environment", [])), "the token is a credential"
+    # The worker is root so that its children are not: each runs as the job user, who cannot read the token.
+    assert "SWITCHBOARD_EXEC_USER=switchboard-job" in unit["Environment"]
+    assert unit["CapabilityBoundingSet"] == ["CAP_SETUID CAP_SETGID CAP_CHOWN CAP_KILL CAP_DAC_OVERRIDE CAP_FOWNER"]
+    assert unit["ProtectProc"] == ["default"], "the job user's processes must be visible to end them"
+    assert unit["RestartPreventExitStatus"] == ["2"], "a misconfigured worker stays failed rather than looping"
+
+
+def test_the_readmes_worker_leases_fit_the_worker_units_stop_timeout():
+    """On SIGTERM a worker gives each running job its lease, then 10 s between SIGTERM and SIGKILL: every
+    `--lease` the docs show must end (with room to release) before systemd's stop timeout kills the unit."""
+    stop = seconds(unit_settings(WORKER_SERVICE)["Service"]["TimeoutStopSec"][-1])
+    shown = [int(n) for doc in (ROOT / "README.md", ROOT / "docs" / "triage.md")
+             for n in re.findall(r"--lease (\d+)", doc.read_text())]
+    assert shown, "the README shows a --lease"
+    assert all(lease + 10 + 10 <= stop for lease in shown), (shown, stop)
+
+
+def test_the_worker_runs_a_job_as_another_user_inside_the_worker_units_seccomp_sandbox(tmp_path):
+    """The worker unit's SystemCallFilter= and RestrictAddressFamilies= allow what --exec-user takes (setgroups,
+    setuid, chown, signalling the job's processes), with a real server, worker and child."""
+    if os.geteuid() != 0:
+        pytest.skip("--exec-user needs root")
+    db = str(tmp_path / "switchboard.db")
+    code, human = cli_inproc(db, "human", "add", "alice")
+    assert code == 0, human
+    server = LiveServer(db)
+    jobs = Path(tempfile.mkdtemp(prefix="sb-unit-jobs-", dir="/tmp"))
+    try:
+        os.chmod(jobs, 0o711)
+        api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {human['token']}"}, timeout=10)
+        made = api.post("/api/v1/endpoints", json={"name": "lane", "queues": ["lane"]}).json()
+        todo = api.post(f"/api/v1/endpoints/{made['id']}/todos", json={"title": "t", "queue": "lane"}).json()
+        token_file = tmp_path / "token"
+        token_file.write_text(made["token"])
+        token_file.chmod(0o600)
+        child = ["/bin/sh", "-c", 'cat >/dev/null; echo "{\\"outcome\\": \\"complete\\", \\"result\\": $(id -u)}"']
+        done = run([*unit_sandbox(WORKER_SERVICE), "-m", "switchboard", "worker", "--server", server.url,
+                    "--token-file", str(token_file), "--state-dir", str(tmp_path / "state"), "--once", "--wait", "10",
+                    "--exec-user", "nobody", "--exec", "--", *child], env=clean_env(TMPDIR=str(jobs)), cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        finished = api.get(f"/api/v1/todos/{todo['id']}").json()
+        assert (finished["state"], finished["result"]) == ("done", 65534), finished
+    finally:
+        server.stop()
+        shutil.rmtree(jobs, ignore_errors=True)

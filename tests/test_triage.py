@@ -19,13 +19,16 @@ import itertools
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -90,18 +93,35 @@ class _Recording(BaseHTTPRequestHandler):
                    "headers": {name.lower(): value for name, value in self.headers.items()}}
         self.server.requests.append(request)
         status, headers, answer = self.server.answer(request)
-        data = json.dumps(answer).encode()
+        data = answer.data if isinstance(answer, Trickle) else answer if isinstance(answer, bytes) else \
+            json.dumps(answer).encode()
         self.send_response(status)
         for name, value in {"Content-Type": "application/json", **headers}.items():
             self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        if not isinstance(answer, Trickle):
+            self.wfile.write(data)
+            return
+        try:
+            for byte in data:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(answer.seconds_per_byte)
+        except OSError:  # the worker gave up and closed the connection
+            self.close_connection = True
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _any
 
     def log_message(self, *args) -> None:
         pass
+
+
+@dataclass
+class Trickle:
+    """An answer sent a byte at a time, `seconds_per_byte` apart."""
+    data: bytes
+    seconds_per_byte: float
 
 
 class ApiServer(ThreadingHTTPServer):
@@ -499,35 +519,61 @@ def test_an_answer_outside_the_schema_writes_nothing_and_the_error_shows_it(work
     assert [r["path"] for r in site.github.requests] == [f"/repos/Codertocat/Hello-World/issues/{forbidden}/labels"]
     assert site.github.issues[off_schema]["labels"] == [] and site.github.issues[forbidden]["labels"] == []
     assert worker.stop() == 0
+    set_aside(site, off_id)  # it would be tried again, by the next test's worker
 
 
-def test_a_quota_wall_at_the_model_or_the_forge_parks_the_worker_for_the_time_it_names(workers, site):
+def end_park(state_dir: Path, site: Site, asked_before: int) -> None:
+    """Once the worker parked: the park is at least a minute long, no claim (no model call) comes while it holds,
+    and then it is ended early, as another worker of the group ending it (or the minute passing) would."""
+    park_file = eventually(lambda: next(state_dir.glob("park-*.json"), None), 15, "a park file")
+    parked = json.loads(park_file.read_text())
+    assert parked["until"] - time.time() >= 55, "a park lasts at least 60 s, whatever the API asked for"
+    time.sleep(2.5)  # the worker reads the park file every 2 s
+    assert len(site.model.requests) == asked_before, "no claim while parked"
+    park_file.write_text(json.dumps({"until": time.time(), "parks": parked["parks"]}))
+
+
+def test_a_quota_wall_at_the_model_or_the_forge_parks_the_worker_for_at_least_a_minute(workers, site, tmp_path):
     number = next(NUMBERS)
     answers = iter([(429, {"Retry-After": "1"}, {"error": {"message": "Rate limit reached", "type": "requests"}})])
     site.model.script = lambda request: next(answers, sized("L"))
-    # When the model answers, the forge's primary rate limit is spent until its reset time (1 to 2 s on), and
-    # then its secondary limit asks for a second's pause (GitHub answers 403 or 429 for either).
+    # When the model answers, the forge's primary rate limit is spent until its reset time (2 s on), and then its
+    # secondary limit asks for a second's pause (GitHub answers 403 or 429 for either).
     site.github.walls += [lambda: (403, {"x-ratelimit-remaining": "0", "x-ratelimit-reset": str(int(time.time()) + 2)},
                                    {"message": "API rate limit exceeded for user ID 1."}),
                           lambda: (429, {"retry-after": "1"}, {"message": "You have exceeded a secondary rate limit."})]
     todo_id = site.github.open(number, "split the monolith's config loader", "…")["todos"][0]["id"]
 
     worker = workers.triage()
+    for asked in (1, 2, 3):  # the model's 429, the forge's 403, the forge's 429
+        eventually(lambda: len(site.model.requests) == asked and worker.output().count("parked until") == asked, 20,
+                   f"park {asked}")
+        end_park(tmp_path / "state", site, asked)
     todo = site.settled(todo_id, ("done",), seconds=30)
     assert [a["outcome"] for a in todo["attempts"]] == ["released"] * 3 + ["completed"]
     assert todo["attempt"] == 1, "each park released the todo and refunded its attempt"
     assert todo["result"]["label"] == "size/L" and todo["result"]["labelled"] is True
-    asked = [r["at"] for r in site.model.requests]
-    labelling = [r["at"] for r in site.github.requests]
-    assert len(asked) == 4 and asked[1] - asked[0] >= 1, "no claim before the model's Retry-After passed"
+    assert len(site.model.requests) == 4
     assert [r["json"] for r in site.github.requests] == [{"labels": ["size/L"]}] * 3
-    assert asked[2] - labelling[0] >= 1, "no claim before the forge's reset time"
-    assert asked[3] - labelling[1] >= 1, "no claim before the forge's Retry-After passed"
     output = worker.output()
     assert "the model API answered 429: parking for 1 s" in output
-    assert "the forge's rate limit (403): parking" in output and "the forge's rate limit (429): parking for 1 s" in output
+    assert "the forge's rate limit (403): parking" in output
+    assert "the forge's rate limit (429): parking for 1 s" in output
     assert output.count("parked until") == 3
     assert worker.stop() == 0
+
+
+def test_retry_after_0_parks_a_minute_rather_than_hitting_the_wall_again(workers, site, tmp_path):
+    site.model.script = lambda request: (429, {"Retry-After": "0"}, {"error": {"message": "Rate limit reached"}})
+    todo_id = site.github.open(next(NUMBERS), "a wall that says go on", "…")["todos"][0]["id"]
+    parked_at = time.time()
+    worker = workers.triage()
+    park_file = eventually(lambda: next((tmp_path / "state").glob("park-*.json"), None), 15, "a park file")
+    assert json.loads(park_file.read_text())["until"] - parked_at >= 59
+    time.sleep(3)
+    assert len(site.model.requests) == 1, "the worker does not hit the wall every 2 s"
+    assert worker.stop() == 0
+    set_aside(site, todo_id)
 
 
 def test_an_issue_full_of_instructions_changes_only_the_models_input(workers, site):
@@ -545,7 +591,8 @@ def test_an_issue_full_of_instructions_changes_only_the_models_input(workers, si
     site.github.open(plain, "fix the typo in the footer", "teh")
     site.github.open(hostile, hostile_title, hostile_body)
     worker = workers.triage("--concurrency", "2")
-    eventually(lambda: len(site.github.requests) == 2, 15, "both issues labelled")
+    paths = {f"/repos/Codertocat/Hello-World/issues/{n}/labels" for n in (plain, hostile)}
+    eventually(lambda: paths <= {r["path"] for r in site.github.requests}, 15, "both issues labelled")
 
     asked = {issue_asked(r)["title"]: r["json"] for r in site.model.requests}
     quiet, loud = asked["fix the typo in the footer"], asked[hostile_title]
@@ -556,7 +603,7 @@ def test_an_issue_full_of_instructions_changes_only_the_models_input(workers, si
     assert issue_asked({"json": loud}) == {"title": hostile_title, "body": cut}, "quoted data, cut to 8 KiB"
 
     # The forge saw one call per issue: its own number, a label of the map. No comment, no close, no HUMAN.
-    calls = sorted((r["method"], r["path"], r["json"]["labels"]) for r in site.github.requests)
+    calls = sorted((r["method"], r["path"], r["json"]["labels"]) for r in site.github.requests if r["path"] in paths)
     assert calls == sorted([("POST", f"/repos/Codertocat/Hello-World/issues/{plain}/labels", ["size/S"]),
                             ("POST", f"/repos/Codertocat/Hello-World/issues/{hostile}/labels", ["size/XL"])])
     # XL is held for a human by the fleet pack.
@@ -639,7 +686,7 @@ def test_flags_read_the_environment_and_secret_files_others_can_read_are_refused
 
     # Without --gitea-api a gitea issue fails at once, asking neither the model nor any forge.
     todo = {"id": "td_gitea", "queue": "triage", "payload": None,
-            "work_order": {"authority": AUTHORITY, "subject": {"type": "issue", "provider": "gitea",
+            "work_order": {"authority": AUTHORITY, "verified": True, "subject": {"type": "issue", "provider": "gitea",
                                                                "repo": "homelab/infra", "number": 7, "title": "t",
                                                                "labels": []}}}
     outcome = asyncio.run(runner.run(Job(todo, "w")))
@@ -691,3 +738,152 @@ def test_the_json_object_form_sends_the_same_schema_for_servers_that_refuse_json
     assert object_form["response_format"] == {"type": "json_object", "schema": RESPONSE_FORMAT["json_schema"]["schema"]}
     assert {k: v for k, v in object_form.items() if k != "response_format"} == \
         {k: v for k, v in spec_form.items() if k != "response_format"}
+
+
+# -- issue 35: triage under attack, and a new user's first loop --------------------------------------------------
+
+def set_aside(site: Site, todo_id: str) -> None:
+    """Cancel a todo a test left claimable, so that the next test's worker does not get it."""
+    site.call("POST", f"/todos/{todo_id}/cancel", reason="the test is over")
+
+
+def issue_todo(number: int, *, verified: bool) -> dict:
+    return {"id": f"td_issue{number}", "queue": "triage", "attempt": 1,
+            "payload": {"issue": {"body": "please label me"}},
+            "work_order": {"authority": AUTHORITY, "verified": verified, "subject": {
+                "type": "issue", "provider": "github", "repo": "Codertocat/Hello-World", "number": number,
+                "title": "label me", "labels": []}}}
+
+
+def test_an_unverified_work_order_is_never_labelled(apis, tmp_path):
+    """With `require_verified: false`, anyone holding a generic webhook's URL can make work: triage refuses it."""
+    parser = argparse.ArgumentParser()
+    add_triage_arguments(parser)
+    runner = make_triage_runner(parser.parse_args([
+        "--llm-url", f"{apis.model.url}/v1", "--llm-model", MODEL, "--github-api", apis.github.api,
+        "--forge-token-file", str(apis.forge_token_file)]))
+    number = next(NUMBERS)
+    apis.github.issues[number] = {"title": "label me", "body": "", "labels": [], "author": "mallory"}
+    outcome = asyncio.run(runner.run(Job(issue_todo(number, verified=False), "w")))
+    assert isinstance(outcome, Fail) and outcome.retry is False
+    assert "the work order is not verified" in outcome.error
+    assert apis.model.requests == [] and apis.github.requests == [] and apis.github.issues[number]["labels"] == []
+    # The same order, verified, is sized and labelled.
+    outcome = asyncio.run(runner.run(Job(issue_todo(number, verified=True), "w")))
+    assert isinstance(outcome, Complete) and apis.github.issues[number]["labels"] == ["size/M"]
+
+
+def gzip_of_zeros(gib: int = 1) -> bytes:
+    """A valid gzip stream of `gib` GiB of NUL bytes (about 1 MiB): one compressed MiB repeated, since a full
+    flush makes each MiB compress to the same bytes."""
+    block = b"\0" * (1 << 20)
+    squeeze = zlib.compressobj(9, zlib.DEFLATED, 31)
+    first = squeeze.compress(block) + squeeze.flush(zlib.Z_FULL_FLUSH)
+    again = squeeze.compress(block) + squeeze.flush(zlib.Z_FULL_FLUSH)
+    crc = 0
+    for _ in range(gib << 10):
+        crc = zlib.crc32(block, crc)
+    final = zlib.compressobj(9, zlib.DEFLATED, -15).flush()
+    return first + again * ((gib << 10) - 1) + final + struct.pack("<II", crc, (gib << 30) & 0xFFFFFFFF)
+
+
+def peak_rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
+
+
+def test_a_gigabyte_answer_fails_cleanly_with_flat_memory(workers, site):
+    bomb = gzip_of_zeros()
+    assert len(bomb) < 2 << 20
+    site.model.script = lambda request: (200, {"Content-Encoding": "gzip"}, bomb)
+    todo_id = site.github.open(next(NUMBERS), "a model that answers a gigabyte", "…")["todos"][0]["id"]
+    worker = workers.triage()
+    todo = site.settled(todo_id, ("pending",))
+    assert todo["last_error"].startswith("the model API's answer is over 256 KiB")
+    assert peak_rss_mib(worker.proc.pid) < 150, "the answer was read a bounded piece at a time"
+    assert site.github.requests == [] and worker.stop() == 0
+    set_aside(site, todo_id)
+
+
+def test_a_model_that_trickles_its_answer_ends_at_llm_timeout(workers, site):
+    site.model.script = lambda request: (200, {}, Trickle(json.dumps(sized("S")[2]).encode(), 0.2))
+    todo_id = site.github.open(next(NUMBERS), "a model one byte at a time", "…")["todos"][0]["id"]
+    worker = workers.triage("--llm-timeout", "2")
+    todo = site.settled(todo_id, ("pending",))
+    assert todo["last_error"] == "the model API did not answer in time: timed out after 2 s"
+    [attempt] = todo["attempts"]
+    took = (datetime.fromisoformat(attempt["ended_at"]) - datetime.fromisoformat(attempt["claimed_at"]))
+    assert 2 <= took.total_seconds() < 6, took
+    assert "timed out after 2 s" in worker.output() and worker.stop() == 0
+    set_aside(site, todo_id)
+
+
+def test_a_quoted_key_is_struck_out_before_the_quote_is_cut_and_the_job_line_says_why(workers, site):
+    def quotes_the_key(request: dict) -> tuple[int, dict, object]:
+        key = request["headers"]["authorization"].removeprefix("Bearer ")
+        return 401, {}, {"error": {"message": "x" * 290 + f" invalid key {key}"}}
+    site.model.script = quotes_the_key
+    todo_id = site.github.open(next(NUMBERS), "a proxy that quotes keys", "…")["todos"][0]["id"]
+    worker = workers.triage("--log-format", "json")
+    todo = site.settled(todo_id, ("failed",))
+    assert todo["last_error"].startswith("the model API answered 401: xxx") and LLM_KEY[:6] not in todo["last_error"]
+    [line] = eventually(lambda: [json.loads(x) for x in worker.output().splitlines() if '"outcome"' in x], 10,
+                        "the job's log line")
+    assert (line["todo"], line["outcome"]) == (todo_id, "fail")
+    assert line["error"].startswith("the model API answered 401: xxx") and LLM_KEY[:6] not in worker.output()
+    assert worker.stop() == 0
+
+
+LLAMA_CONTEXT = 4096  # the context of the model server below, in tokens
+
+
+def refuses_long_prompts(request: dict) -> tuple[int, dict, object]:
+    """A model server with a context of 4,096 tokens, counting a token per two bytes of the messages (a log
+    tokenizes about so), which refuses a longer prompt as llama-cpp-python's server does."""
+    prompt = len(json.dumps(request["json"]["messages"])) // 2
+    asked = prompt + request["json"]["max_tokens"]
+    if asked > LLAMA_CONTEXT:
+        return 400, {}, {"error": {
+            "message": f"This model's maximum context length is {LLAMA_CONTEXT} tokens. However, you requested {asked}"
+                       f" tokens ({prompt} in the messages, {request['json']['max_tokens']} in the completion)."
+                       " Please reduce the length of the messages or completion.",
+            "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}
+    return sized("L", "a failing backup job with a long log")
+
+
+def test_a_long_log_is_sized_against_a_model_with_a_small_context_by_cutting_the_body_in_the_same_attempt(
+        workers, site):
+    log = "".join(f'2026-12-01T03:{n // 60:02d}:{n % 60:02d}Z restic[{4000 + n}]: error: "Fatal: unable to open'
+                  f' config file: Stat: 503 Service Unavailable" (attempt {n})\n' for n in range(140))
+    assert len(log.encode()) > 15_000
+    number = next(NUMBERS)
+    site.model.script = refuses_long_prompts
+    todo_id = site.github.open(number, "Nightly backup fails with a 503", log)["todos"][0]["id"]
+    worker = workers.triage("--once", "--wait", "10")
+    assert worker.finished() == 0, worker.output()
+    todo = site.todo(todo_id)
+    assert todo["state"] == "done" and todo["attempt"] == 1 and len(todo["attempts"]) == 1
+    first, second = (issue_asked(r) for r in site.model.requests)
+    assert first["title"] == second["title"] == "Nightly backup fails with a 503", "the title is always kept"
+    assert len(first["body"].encode()) == 8192 and log.startswith(second["body"])
+    assert len(second["body"].encode()) == 4096
+    assert todo["attempts"][0]["summary"] == (f"sized L; labelled Codertocat/Hello-World#{number} size/L (its body"
+                                              " cut to 4096 bytes to fit the model's context)")
+    assert site.github.issues[number]["labels"] == ["size/L"]
+
+
+def test_the_json_schema_refusal_of_llama_cpp_python_releases_the_todo_and_names_the_flag(workers, site):
+    # llama-cpp-python's server validates response_format.type against text and json_object, and its route handler
+    # turns the validation error into a 500.
+    site.model.script = lambda request: (500, {}, {"error": {
+        "message": "[{'type': 'literal_error', 'loc': ('body', 'response_format', 'type'), 'msg': \"Input should be"
+                   " 'text' or 'json_object'\", 'input': 'json_schema', 'ctx': {'expected': \"'text' or"
+                   " 'json_object'\"}}]", "type": "internal_server_error", "param": None, "code": None}})
+    todo_id = site.github.open(next(NUMBERS), "sized by llama-cpp-python", "…")["todos"][0]["id"]
+    worker = workers.triage()
+    assert worker.finished() == 2, worker.output()
+    todo = site.todo(todo_id)
+    assert todo["state"] == "pending" and todo["attempt"] == 0, "released, its attempt refunded"
+    assert [a["outcome"] for a in todo["attempts"]] == ["released"]
+    assert "--llm-response-format json_object" in worker.output() and len(site.model.requests) == 1
+    set_aside(site, todo_id)

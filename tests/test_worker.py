@@ -27,7 +27,13 @@ import pytest
 from conftest import ROOT, LiveServer, cli_inproc
 from helpers import query
 
-from switchboard.worker.park import FIRST_PARK_SECONDS, LONGEST_BACKOFF_SECONDS, LONGEST_PARK_SECONDS, QuotaPark
+from switchboard.worker.park import (
+    FIRST_PARK_SECONDS,
+    LONGEST_BACKOFF_SECONDS,
+    LONGEST_PARK_SECONDS,
+    SHORTEST_PARK_SECONDS,
+    QuotaPark,
+)
 
 
 def worker_command() -> list[str]:
@@ -74,11 +80,12 @@ def eventually(check: Callable[[], object], seconds: float, what: str) -> object
 
 
 def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, dead but not yet reaped by whoever inherited it, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    return True
+    return state not in ("Z", "X")
 
 
 @dataclass
@@ -241,9 +248,12 @@ print(json.dumps({"outcome": "complete", "summary": "looked around", "result": {
 """]
     payload = {"note": "PRODUCER-TEXT from the webhook"}
     todo_id = lane.push(payload, title="PRODUCER-TITLE")
-    # The token file given by environment (SWITCHBOARD_<FLAG>), which the child must not inherit either.
+    # The token file given by environment (SWITCHBOARD_<FLAG>), which the child must not inherit either; nor
+    # systemd's credentials directory, nor any other setting of the worker's own that names a secret.
     worker = workers(lane, "--once", "--wait", "10", "--name", "lane-worker", "--log-format", "json",
-                     command=reporter, env={"SWITCHBOARD_TOKEN_FILE": str(lane.token_file)}, token_flag=False)
+                     command=reporter, token_flag=False,
+                     env={"SWITCHBOARD_TOKEN_FILE": str(lane.token_file), "CREDENTIALS_DIRECTORY": str(lane.dir),
+                          "SWITCHBOARD_FORGE_TOKEN_FILE": str(lane.token_file), "OPERATOR_SETTING": "for the job"})
     assert worker.proc.wait(timeout=20) == 0, worker.output()
 
     todo = lane.todo(todo_id)
@@ -255,11 +265,15 @@ print(json.dumps({"outcome": "complete", "summary": "looked around", "result": {
     assert (env["SWITCHBOARD_TODO_ID"], env["SWITCHBOARD_QUEUE"], env["SWITCHBOARD_ATTEMPT"],
             env["SWITCHBOARD_WORKER"]) == (todo_id, lane.queue, "1", "lane-worker")
     assert not [name for name in env if name.startswith("SWITCHBOARD_TOKEN")]
+    assert "CREDENTIALS_DIRECTORY" not in env and "SWITCHBOARD_FORGE_TOKEN_FILE" not in env
+    assert str(lane.token_file) not in json.dumps(env) and env["OPERATOR_SETTING"] == "for the job"
+    assert env["SWITCHBOARD_OUTCOME_FILE"] == os.path.join(result["cwd"], ".switchboard-outcome.json")
     for text in (lane.token, "PRODUCER"):
         assert text not in json.dumps(env) and text not in json.dumps(result["argv"])
     assert result["cwd_mode"] == 0o700 and result["cwd"] != str(ROOT)
     assert not os.path.exists(result["cwd"]), "the job's directory is removed afterwards"
     assert result["own_group"], "the child leads a process group of its own"
+    assert "error" not in worker.job_lines()[0]
 
     [attempt] = todo["attempts"]
     assert (attempt["claimant"], attempt["outcome"], attempt["summary"]) == ("lane-worker", "completed",
@@ -291,6 +305,10 @@ def test_a_failing_childs_stderr_becomes_the_error_and_a_timeout_kills_the_child
         assert [a["outcome"] for a in todo["attempts"]] == ["failed"]
     assert not alive(int(pid_file.read_text())), "the timed-out child was killed"
     assert worker.stop() == 0
+    # The job's log line says why it failed: the error's first line.
+    output = worker.output()
+    assert f"todo {stderr_tail} queue {lane.queue} outcome fail in" in output and ": compiling\n" in output
+    assert f"todo {slow} queue {lane.queue} outcome timeout in" in output and "s: timeout\n" in output
 
 
 def test_the_childs_outcome_line_decides(lane, workers):
@@ -343,10 +361,19 @@ def test_exit_75_parks_the_quota_group_on_the_host_while_another_group_drains_th
         assert worker.stop() == 0
 
 
-def test_a_park_lasts_as_long_as_the_outcome_says_then_the_worker_claims_again(lane, workers):
+def test_a_park_of_a_second_lasts_a_minute_then_the_worker_claims_again(lane, workers):
     todo_id = lane.push({"park_once": str(lane.dir / "parked"), "retry_after": 1,
                          "stdout": ['{"outcome": "complete", "result": "after the park"}']})
+    parked_at = time.time()
     worker = workers(lane, "--quota-group", "provider-a", command=CHILD)
+    worker.logged("quota group provider-a parked until")
+    park_file = lane.state_dir / "park-provider-a.json"
+    park = json.loads(park_file.read_text())
+    assert 59 <= park["until"] - parked_at <= 65, "a park lasts at least a minute, whatever the outcome says"
+    time.sleep(2.5)  # the worker reads the park file every 2 s: it still holds
+    assert lane.todo(todo_id)["state"] == "pending"
+    # Another worker of the group ends the park early (as the minute passing would): this one claims again.
+    park_file.write_text(json.dumps({"until": time.time(), "parks": 1}))
     todo = lane.settled(todo_id, ("done",))
     assert [a["outcome"] for a in todo["attempts"]] == ["released", "completed"]
     assert todo["result"] == "after the park"
@@ -373,7 +400,11 @@ def test_parks_double_up_to_six_hours_never_pass_eight_days_and_a_served_job_sta
     now = park.until(until + 1)
     park.served(now)
     assert park.park(None, now) == now + FIRST_PARK_SECONDS
-    assert park.park(5, now + FIRST_PARK_SECONDS) == now + FIRST_PARK_SECONDS + 5
+    assert park.park(5, now + FIRST_PARK_SECONDS) == now + FIRST_PARK_SECONDS + SHORTEST_PARK_SECONDS
+    now = park.until(now + FIRST_PARK_SECONDS)
+    assert park.park(0, now) == now + SHORTEST_PARK_SECONDS, "Retry-After: 0 waits a minute, not 0 s"
+    now += SHORTEST_PARK_SECONDS
+    assert park.park(-3600, now) == now + SHORTEST_PARK_SECONDS, "nor a date in the past"
 
 
 def test_cancelling_a_running_todo_kills_its_child_within_a_third_of_the_lease_plus_10_s(lane, workers):
@@ -447,9 +478,11 @@ def test_kill_9_of_the_worker_loses_nothing(lane, workers):
     orphan = int(pid_file.read_text())
     try:
         crashed.stop(signal.SIGKILL)
+        # The worker's job watcher ends the child: it does not outlive its worker (work it did would be lost).
+        eventually(lambda: not alive(orphan), 5, "the killed worker's child ended")
         workers(lane, "--lease", "2", "--name", "survivor", command=CHILD)
         todo = lane.settled(todo_id, ("done",))
-    finally:  # the crashed worker's child outlives it; it is ours to end
+    finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(orphan, signal.SIGKILL)
     assert [(a["claimant"], a["outcome"]) for a in todo["attempts"]] == [("crashed", "lease_expired"),

@@ -3,7 +3,7 @@ outcomes a runner may return. The worker (switchboard.worker) owns everything ar
 the heartbeats, timeouts, shutdown, parking and reporting; a runner (`--exec`'s, the triage runner) only works
 the todo and says how it ended.
 
-An outcome is what a child's outcome line says (`{"outcome": "complete", "result": …}`), validated strictly: a
+An outcome is what a child's outcome file or line says (`{"outcome": "complete", "result": …}`), validated strictly: a
 field the outcome does not take, or of the wrong type, is an error, never a guess."""
 
 from __future__ import annotations
@@ -19,6 +19,28 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapte
 
 class ConfigError(Exception):
     """The worker cannot start as configured (a runner may say so too); the message says what to change."""
+
+
+class Misconfigured(ConfigError):
+    """Raised by a runner's `run` when the job showed that the worker is configured wrong for what it talks to
+    (a flag must change): the worker hands the todo back (its attempt refunded, `note` saying why), claims nothing
+    more, and exits 2 so that its supervisor shows the message."""
+
+
+# Credentials of the shapes the worker may meet (its own endpoint token, forge and model tokens), struck out of any
+# text it logs or reports, whatever quoted them.
+CREDENTIAL_SHAPES = re.compile(
+    r"\b(?:sb[a-z]_[A-Za-z0-9_-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_-]{20,}"
+    r"|sk-[A-Za-z0-9_-]{16,}|xox[abpr]-[A-Za-z0-9-]{10,})")
+
+
+def scrub(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
+    """`text` without the given secrets nor anything of a credential's shape (each becomes `[redacted]`), and
+    without NUL (the API refuses it). Scrub before cutting: a cut may leave a part no longer matched."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "[redacted]")
+    return CREDENTIAL_SHAPES.sub("[redacted]", text).replace("\x00", "\ufffd")
 
 
 def read_secret_file(path: str, what: str, pattern: str = r"[\x21-\x7e]+",
@@ -76,7 +98,7 @@ class Release(_OutcomeModel):
 
 class Park(_OutcomeModel):
     outcome: Literal["park"] = "park"
-    retry_after: Annotated[float, Field(ge=0)] | None = None
+    retry_after: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
 
 
 Outcome = Annotated[Complete | Fail | NeedsInput | Block | Release | Park, Field(discriminator="outcome")]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -15,10 +17,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from switchboard.worker.api import Backoff, Refused, ServerApi, Unanswered
-from switchboard.worker.job import Fail, Job, JobRunner, Outcome, Park
+from switchboard.worker.api import Backoff, OddAnswer, Refused, ServerApi, Unanswered
+from switchboard.worker.job import Fail, Job, JobRunner, Misconfigured, Outcome, Park, scrub
 from switchboard.worker.park import QuotaPark
 
 log = logging.getLogger("switchboard.worker")
@@ -28,6 +28,11 @@ MAX_CLAIM_WAIT_SECONDS = 60.0
 PARK_POLL_SECONDS = 2.0  # how often the park file is read again: another worker of the group may park it
 RELEASE_PAUSE_SECONDS = 5.0  # a slot whose job released its todo waits this long before claiming again
 MESSAGE_CHARS = 2048  # the worker's own error texts (a job that raised, an answer refused) are cut to this
+LOG_ERROR_CHARS = 200  # a job's log line carries the first line of its error, cut to this
+INSTANT_EMPTY_SECONDS = 1.0  # a waiting claim answered empty sooner than this was not a wait: back off
+SHORTEST_HEARTBEAT_SECONDS = 0.5  # between two heartbeats of one job, whatever lease the server granted
+LONGEST_LEASE_SECONDS = 7 * 86400  # a granted lease past this is not an answer the server gives
+TODO_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,100}")  # it goes into the URL of every call on the todo
 
 
 @dataclass
@@ -50,6 +55,7 @@ class RunningJob:
     lease: Lease
     task: asyncio.Task
     stopped: str | None = None  # why the worker stopped it: "timeout", "shutdown" or "lease_lost"
+    error: str | None = None  # the error the todo was failed with, for the job's log line
 
     def stop(self, reason: str) -> None:
         """Cancel the job (its runner kills what it started); the first reason given is the one that counts."""
@@ -91,7 +97,7 @@ class Worker:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: a closed terminal, a supervisor
             loop.add_signal_handler(sig, self.shut_down)
         s = self.settings
         log.info("worker %s on %s: queues %s, concurrency %d, quota group %s", s.name, s.server,
@@ -107,8 +113,8 @@ class Worker:
         return self.exit_code
 
     def shut_down(self) -> None:
-        """SIGTERM or SIGINT: claim nothing more and give running jobs their lease to finish (a second signal
-        stops them at once); what they leave unfinished is released."""
+        """SIGTERM, SIGINT or SIGHUP: claim nothing more and give running jobs their lease to finish (a second
+        signal stops them at once); what they leave unfinished is released."""
         if self.stopping:
             log.info("stopping the running jobs now")
             for running in list(self.running):
@@ -177,10 +183,11 @@ class Worker:
         """Claim and work todos one at a time until the worker stops (with --once: one todo, or none in --wait)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.wait if self.settings.once else None
-        retry = Backoff()
+        retry, empties = Backoff(), Backoff()
         while await self._claimable(deadline):
             wait = CLAIM_WAIT_SECONDS if deadline is None else max(0.0, min(MAX_CLAIM_WAIT_SECONDS,
                                                                             deadline - loop.time()))
+            asked = loop.time()
             try:
                 claimed = await self._claim(wait)
             except Unanswered as exc:
@@ -194,6 +201,12 @@ class Worker:
                 return
             self._found_server()
             retry = Backoff()
+            if claimed is None and wait >= INSTANT_EMPTY_SECONDS and loop.time() - asked < INSTANT_EMPTY_SECONDS:
+                # Nothing, at once, though the claim could wait (a paused queue, a cap, a server that does not
+                # wait): not straight back, or the worker would hammer it.
+                await self._pause(empties.next())
+            elif claimed is not None or loop.time() - asked >= INSTANT_EMPTY_SECONDS:
+                empties = Backoff()
             if claimed is not None:
                 job, lease = claimed
                 if self.stopping or self.park.until(time.time()) is not None:
@@ -213,7 +226,7 @@ class Worker:
             body["queues"] = self.settings.queues
         if self.settings.lease is not None:
             body["lease_seconds"] = self.settings.lease
-        claim = asyncio.create_task(self.api.post("/todos/claim", body, httpx.Timeout(10, read=wait + 10)))
+        claim = asyncio.create_task(self.api.post("/todos/claim", body, wait + 10))
         self.waiting_claims.add(claim)
         try:
             await asyncio.wait([claim])
@@ -222,15 +235,13 @@ class Worker:
         if claim.cancelled():
             return None
         answer = claim.result()
-        if answer.get("empty"):
+        if answer.get("empty") is True and "todo" not in answer:
             return None
-        todo = answer["todo"]
-        granted = (datetime.fromisoformat(todo["lease_expires_at"]) -
-                   datetime.fromisoformat(todo["updated_at"])).total_seconds()  # both the server's clock
+        todo, token, granted = claimed_todo(answer)
         # The lease began when the server claimed, just before it answered (a waiting claim may have waited long
         # before that, so the time the claim was sent says nothing).
         received = asyncio.get_running_loop().time()
-        return Job(todo, self.settings.name), Lease(todo["id"], answer["lease_token"], granted, received)
+        return Job(todo, self.settings.name), Lease(todo["id"], token, granted, received)
 
     async def _work(self, job: Job, lease: Lease) -> str:
         """Run the job under its lease and report how it ended; returns the outcome its log line names."""
@@ -251,8 +262,14 @@ class Worker:
             await asyncio.wait([keeper])
         outcome = await self._finish(running)
         seconds = loop.time() - started
-        log.info("todo %s queue %s outcome %s in %.2f s", job.id, job.queue, outcome, seconds,
-                 extra={"job": {"todo": job.id, "queue": job.queue, "outcome": outcome, "seconds": round(seconds, 3)}})
+        fields = {"todo": job.id, "queue": job.queue, "outcome": outcome, "seconds": round(seconds, 3)}
+        if running.error is None:
+            log.info("todo %s queue %s outcome %s in %.2f s", job.id, job.queue, outcome, seconds,
+                     extra={"job": fields})
+        else:
+            error = first_line(scrub(running.error, (self.settings.token,)), LOG_ERROR_CHARS)
+            log.info("todo %s queue %s outcome %s in %.2f s: %s", job.id, job.queue, outcome, seconds, error,
+                     extra={"job": {**fields, "error": error}})
         return outcome
 
     async def _keep_lease(self, running: RunningJob) -> None:
@@ -260,9 +277,10 @@ class Worker:
         unreachable until the lease would lapse) stops the job, and nothing more is reported for it."""
         loop = asyncio.get_running_loop()
         lease = running.lease
-        sent_note = None
+        sent_note, sent = None, -math.inf
         while True:
-            await asyncio.sleep(max(0.0, lease.renewed_at + lease.seconds / 3 - loop.time()))
+            await asyncio.sleep(max(0.0, lease.renewed_at + lease.seconds / 3 - loop.time(),
+                                    sent + SHORTEST_HEARTBEAT_SECONDS - loop.time()))
             note = running.job.note
             sent = loop.time()
             try:
@@ -283,19 +301,29 @@ class Worker:
             await self._hand_back(running.lease, "the worker stopped before the job finished")
             return "shutdown"
         if running.stopped == "timeout":
-            return await self._report(running.lease, Fail(error="timeout"), name="timeout")
+            return await self._report(running, Fail(error="timeout"), name="timeout")
         failure = running.task.exception()
+        if isinstance(failure, Misconfigured):
+            log.error("todo %s: %s; handing it back and stopping (exit 2)", running.job.id, failure)
+            await self._hand_back(running.lease, str(failure)[:MESSAGE_CHARS])
+            self.exit_code = 2
+            self._stop_claiming()
+            running.error = str(failure)
+            return "misconfigured"
         if failure is not None:
             log.error("todo %s: the job failed in the worker", running.job.id, exc_info=failure)
             error = f"the worker's job failed: {failure!r}"[:MESSAGE_CHARS]
-            return await self._report(running.lease, Fail(error=error), fallback=True)
-        return await self._report(running.lease, running.task.result())
+            return await self._report(running, Fail(error=error), fallback=True)
+        return await self._report(running, running.task.result())
 
-    async def _report(self, lease: Lease, outcome: Outcome, *, name: str | None = None,
+    async def _report(self, running: RunningJob, outcome: Outcome, *, name: str | None = None,
                       fallback: bool = False) -> str:
         """Send the outcome (a park parks the group and releases the todo); returns the name the job's log line
         gives it. An outcome the server refuses (other than for a lost lease) fails the todo saying why, unless it
         is that failure (`fallback`) being refused."""
+        lease = running.lease
+        if isinstance(outcome, Fail):
+            running.error = outcome.error
         now = time.time()
         if isinstance(outcome, Park):
             until = self.park.park(outcome.retry_after, now)
@@ -314,8 +342,8 @@ class Worker:
             if fallback:
                 log.error("todo %s: the server refused the %s: %s", lease.todo_id, verb, exc)
                 return "unreported"
-            return await self._report(lease, Fail(error=f"the server refused the {outcome.outcome}: "
-                                                        f"{exc.message}"[:MESSAGE_CHARS]), fallback=True)
+            return await self._report(running, Fail(error=f"the server refused the {outcome.outcome}: "
+                                                          f"{exc.message}"[:MESSAGE_CHARS]), fallback=True)
         except Unanswered:
             log.error("todo %s: the server was unreachable until the lease lapsed; the %s is lost and the todo will"
                       " be claimed again", lease.todo_id, outcome.outcome)
@@ -348,6 +376,9 @@ class Worker:
             return answer
 
     def _lost_server(self, exc: Exception) -> None:
+        if isinstance(exc, OddAnswer):  # every time: the backoff bounds how often
+            log.warning("server %s answered oddly (%s): trying again with backoff", self.settings.server, exc)
+            return
         if not self.unreachable:
             self.unreachable = True
             log.warning("server %s unreachable (%s): trying again with backoff", self.settings.server, exc)
@@ -356,6 +387,33 @@ class Worker:
         if self.unreachable:
             self.unreachable = False
             log.info("server %s reachable again", self.settings.server)
+
+
+def first_line(text: str, chars: int) -> str:
+    """The first non-empty line of `text`, cut to `chars`."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")[:chars]
+
+
+def claimed_todo(answer: dict) -> tuple[dict, str, float]:
+    """The todo, the lease token and the lease's length (seconds) from a claim's answer, checked so that an odd
+    answer is a logged, retried error (OddAnswer) and never a traceback: the todo's id goes into URLs, its times
+    decide the heartbeats."""
+    todo, token = answer.get("todo"), answer.get("lease_token")
+    if not isinstance(todo, dict) or not isinstance(token, str) or not token:
+        raise OddAnswer("the claim's answer has no todo and lease token")
+    if not isinstance(todo.get("id"), str) or not TODO_ID_PATTERN.fullmatch(todo["id"]):
+        raise OddAnswer("the claim's answer names no todo id")
+    if not isinstance(todo.get("queue"), str) or not isinstance(todo.get("attempt"), int) \
+            or isinstance(todo["attempt"], bool):
+        raise OddAnswer(f"the claim's answer for todo {todo['id']} has no queue or attempt")
+    try:
+        granted = (datetime.fromisoformat(todo["lease_expires_at"]) -
+                   datetime.fromisoformat(todo["updated_at"])).total_seconds()  # both the server's clock
+    except (KeyError, TypeError, ValueError, OverflowError):
+        raise OddAnswer(f"the claim's answer for todo {todo['id']} has no readable lease times") from None
+    if not 0 <= granted <= LONGEST_LEASE_SECONDS:
+        raise OddAnswer(f"the claim's answer for todo {todo['id']} grants a lease of {granted:g} s")
+    return todo, token, granted
 
 
 def iso(unix_seconds: float) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 from switchboard.worker.exec_runner import ExecRunner
 from switchboard.worker.job import ConfigError, JobRunner, read_secret_file
 from switchboard.worker.loop import Settings, Worker, iso, log
-from switchboard.worker.park import QUOTA_GROUP_PATTERN
+from switchboard.worker.park import QUOTA_GROUP_PATTERN, check_state_dir
 from switchboard.worker.triage import add_triage_arguments, make_triage_runner
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
@@ -61,11 +61,21 @@ def _pattern(pattern: str, what: str) -> Callable[[str], str]:
     return parse
 
 
+def _server_url(text: str) -> str:
+    """`--server`: an http(s) URL without a user name or password (a credential there would be logged with the
+    URL; the token goes in --token-file). The message never repeats the value."""
+    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", text):
+        raise argparse.ArgumentTypeError("not an http(s) URL")
+    if "@" in text.split("/", 3)[2]:
+        raise argparse.ArgumentTypeError("a URL with a user name or password is refused (it would be logged): give"
+                                         " the server's address alone, and the token with --token-file")
+    return text
+
+
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `switchboard worker` (SPEC section 15), each defaulting to SWITCHBOARD_<FLAG>. The job kind
     comes last: `--exec -- CMD [ARG …]` (or SWITCHBOARD_EXEC="CMD ARG …")."""
-    parser.add_argument("--server", metavar="URL", default=_env("server", DEFAULT_SERVER),
-                        type=_pattern(r"https?://[^\s/]+(/\S*)?", "http(s) URL"),
+    parser.add_argument("--server", metavar="URL", default=_env("server", DEFAULT_SERVER), type=_server_url,
                         help=f"the Switchboard server (default {DEFAULT_SERVER})")
     parser.add_argument("--token-file", metavar="PATH", dest="token_file", default=_env("token-file", None),
                         help="a file holding the endpoint's token (sbk_…), readable by its owner only (required)")
@@ -102,6 +112,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                           " its exit status (0 complete, 75 park, else fail)")
     job.add_argument("--triage", action="store_true", default=_env("triage", False),
                      help="size issues with a model behind an OpenAI-compatible API and label them (the flags below)")
+    job.add_argument("--exec-user", metavar="USER", dest="exec_user", default=_env("exec-user", None),
+                     help="with --exec, the worker running as root: run each child as USER, in a directory USER owns,"
+                          " so that it cannot read the worker's token (not used by --triage, which starts no child)")
     job.add_argument("command", nargs="*", metavar="CMD", help="after --exec --: the command and its arguments")
     add_triage_arguments(parser)
 
@@ -133,10 +146,7 @@ def settings_from(args: argparse.Namespace, default_quota_group: str) -> Setting
     once = _switch("once", args.once)
     queues = [q.strip() for q in args.queues or _env("queue", "").split(",") if q.strip()]
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
-    try:  # last: a worker refused for another reason leaves nothing behind
-        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot make the state directory {state_dir}: {exc.strerror}") from None
+    check_state_dir(state_dir)  # last: a worker refused for another reason leaves nothing behind
     return Settings(server=args.server.rstrip("/"), token=token, queues=queues or None,
                     name=args.name or f"{socket.gethostname()}-{os.getpid()}", concurrency=args.concurrency,
                     once=once, wait=args.wait, state_dir=state_dir, quota_group=args.quota_group or default_quota_group,
@@ -196,7 +206,7 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     if triage:
         return run_jobs(args, lambda: triage_runner(args))
-    return run_jobs(args, lambda: ExecRunner(exec_command(args)))
+    return run_jobs(args, lambda: ExecRunner(exec_command(args), args.exec_user or None))
 
 
 def triage_runner(args: argparse.Namespace) -> JobRunner:
