@@ -17,6 +17,7 @@ from switchboard.database import Database
 from switchboard.doorbell import Doorbell
 from switchboard.evaluator import Evaluator
 from switchboard.flows import Flows
+from switchboard.forge import ForgeSender
 from switchboard.http.mcp import Mcp, api_error, http_error, unexpected_error
 from switchboard.http.rest import MCP_ROUTES, Api
 from switchboard.limits import RateLimiter
@@ -31,8 +32,9 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
                notify_allow_private: bool | None = None, notify_allow: str | None = None) -> Starlette:
     """The ASGI app. `background=False` leaves the scheduler to the caller (tests drive it by hand).
     `trust_proxy`: X-Forwarded-Proto from a reverse proxy counts (the Board's cookie is Secure behind https).
-    `notify_allow_private` / `notify_allow`: notification channels may reach loopback, link-local and unspecified
-    addresses (all, or those listed); not given, SWITCHBOARD_NOTIFY_ALLOW_PRIVATE / SWITCHBOARD_NOTIFY_ALLOW say."""
+    `notify_allow_private` / `notify_allow`: notification channels and forge connections may reach loopback,
+    link-local and unspecified addresses (all, or those listed); not given, SWITCHBOARD_NOTIFY_ALLOW_PRIVATE /
+    SWITCHBOARD_NOTIFY_ALLOW say."""
     addresses = Addresses.configured(notify_allow_private, notify_allow)
     db = Database(db_path, synchronous=synchronous, clock=clock)
     try:
@@ -49,8 +51,16 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     base_url = base_url or os.environ.get("SWITCHBOARD_BASE_URL")
     metrics = Metrics(db, doorbell)
     notifier = Notifier(db, box, base_url, metrics.notify_failures, metrics.notify_sent, addresses)
-    db.on_outbox = notifier.wake
-    flows = Flows(db, doorbell, evaluator, box, RateLimiter(ingest_rate, ingest_burst), metrics, vitals, notifier)
+    forge = ForgeSender(db, box, addresses, metrics.forge_outputs, metrics.forge_status)
+
+    def wake_senders() -> None:
+        """A commit wrote to an outbox: the notifier's, the forge's, or both (each looks at its own)."""
+        notifier.wake()
+        forge.wake()
+
+    db.on_outbox = wake_senders
+    flows = Flows(db, doorbell, evaluator, box, RateLimiter(ingest_rate, ingest_burst), metrics, vitals, notifier,
+                  forge)
     origins = allowed_origins if allowed_origins is not None else os.environ.get("SWITCHBOARD_ALLOWED_ORIGINS", "")
     api = Api(flows, base_url, frozenset(o.strip().rstrip("/") for o in origins.split(",") if o.strip()))
 
@@ -62,8 +72,8 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         db.loop = asyncio.get_running_loop()
-        loops = ({"scheduler": flows.background(), "retention": flows.retention(), "notifier": notifier.run()}
-                 if background else {})
+        loops = ({"scheduler": flows.background(), "retention": flows.retention(), "notifier": notifier.run(),
+                  "forge sender": forge.run()} if background else {})
         tasks = [asyncio.create_task(coroutine) for coroutine in loops.values()]
         for task, what in zip(tasks, loops, strict=True):
             watch(task, what)

@@ -43,12 +43,23 @@ from switchboard.evaluator import (
     EvaluatorBusy,
     EvaluatorUnavailable,
 )
+from switchboard.forge import REFUSED_CONNECTION, ForgeError, ForgeSender
 from switchboard.limits import PendingRules, RateLimited, RateLimiter, TenantGate
 from switchboard.metrics import Metrics
-from switchboard.models import ClaimNext, NotifyCreate, ReleaseQuarantine, ReplayMany, ReplayOne, RuleSet, RulesTest
+from switchboard.models import (
+    ClaimNext,
+    ConnectionCreate,
+    NotifyCreate,
+    ReleaseQuarantine,
+    ReplayMany,
+    ReplayOne,
+    RuleSet,
+    RulesTest,
+)
 from switchboard.notifier import Notifier
 from switchboard.payload import decode_payload, payload_text, value_at
 from switchboard.providers import VerificationFailed, delivery_key, verify_delivery
+from switchboard.store.connections import add_connection, own_connection, record_connection_test
 from switchboard.store.deliveries import Delivery, duplicate_of, find_webhook, record_delivery
 from switchboard.store.outbox import add_channel, notify_verification_failures, queue_test_message
 from switchboard.store.principals import Principal
@@ -245,9 +256,10 @@ class Flows:
     """The shared flows, over one database, doorbell, evaluator and secret box."""
 
     def __init__(self, db: Database, doorbell: Doorbell, evaluator: Evaluator, box: SecretBox,
-                 limiter: RateLimiter, metrics: Metrics, vitals: Vitals, notifier: Notifier):
+                 limiter: RateLimiter, metrics: Metrics, vitals: Vitals, notifier: Notifier, forge: ForgeSender):
         self.db = db
         self.notifier = notifier
+        self.forge = forge
         self.failed_checks = FailedChecks(db.clock.now_ms())  # the Board's "failed signature checks" count
         self.recent_failures: dict[str, collections.deque] = {}  # the last few, for the repeated-failures alert
         self.failures_told: dict[str, float] = {}
@@ -466,7 +478,8 @@ class Flows:
         payload, payload_error = decode_payload(headers, body)
         envelope = build_envelope(provider=provider, webhook_id=webhook["id"], trust_mode=webhook["trust_mode"],
                                   verified=verified, headers=headers, body=body, payload=payload,
-                                  trusted_actors=stored_json(webhook["trusted_actors"]))
+                                  trusted_actors=stored_json(webhook["trusted_actors"]),
+                                  connection_login=webhook["connection_login"])
         if provider == "slack" and value_at(payload, "type") == "url_verification":
             return 200, {"challenge": value_at(payload, "challenge")}
         key, body_hash = delivery_key(provider, headers, payload, body), hashlib.sha256(body).hexdigest()
@@ -567,6 +580,38 @@ class Flows:
     async def test_channel(self, principal: Principal, channel_id: str) -> dict:
         return await self.notifier.send_now(await self.db.write(queue_test_message, principal, channel_id))
 
+    # -- forge connections ---------------------------------------------------------------------------
+    async def add_connection(self, principal: Principal, body: ConnectionCreate, human_id: str | None = None) -> dict:
+        """A new forge connection: its API's host checked as notification channels' are, then the forge asked who
+        the token is (its login is stored; a token the forge refuses is refused here), then the token sealed."""
+        principal.require_human("forge connections")
+        login = await self.whoami(body.kind, body.api_url, body.token)
+        return await self.db.write(add_connection, principal, self.box, body, login, human_id)
+
+    async def whoami(self, kind: str, api_url: str, token: str) -> str:
+        try:
+            await self.forge.addresses.vet(api_url)
+        except ApiError:
+            raise ApiError("invalid_argument", REFUSED_CONNECTION) from None
+        try:
+            return await self.forge.whoami(kind, api_url, token)
+        except ForgeError as error:
+            raise ApiError("invalid_argument", f"the forge at {api_url} did not say who the token is:"
+                                               f" {error.message}") from None
+
+    async def test_connection(self, principal: Principal, connection_id: str) -> dict:
+        """Ask the forge again who the connection's token is; the answer says whether it still works."""
+        row = await self.db.read(own_connection, principal, connection_id)
+        token = self.box.open(row["token_sealed"], row["id"]).decode()
+        try:
+            login, error = await self.forge.whoami(row["kind"], row["api_url"], token), None
+        except ForgeError as failure:
+            login, error = None, failure.message
+        if login is not None and login.lower() != row["login"].lower():
+            error = f"the token is now {login}'s, not {row['login']}'s: add the connection again"
+        await self.db.write(record_connection_test, row["id"], error)
+        return {"id": row["id"], "ok": error is None, "login": login, "error": error}
+
     # -- the background loop -------------------------------------------------------------------------
     async def background(self) -> None:
         """Every second, look; run a tick (leases, deferrals, rings) only when another connection committed
@@ -623,5 +668,6 @@ class Flows:
             task.cancel()
         await asyncio.gather(*self.dispatchers, return_exceptions=True)
         await self.notifier.close()
+        await self.forge.close()
         self.eval_threads.shutdown(wait=False, cancel_futures=True)
         self.evaluator.close()
