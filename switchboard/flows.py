@@ -43,7 +43,7 @@ from switchboard.evaluator import (
     EvaluatorBusy,
     EvaluatorUnavailable,
 )
-from switchboard.forge import REFUSED_CONNECTION, ForgeError, ForgeSender
+from switchboard.forge import ForgeSender, test_connection, token_login
 from switchboard.limits import PendingRules, RateLimited, RateLimiter, TenantGate
 from switchboard.metrics import Metrics
 from switchboard.models import (
@@ -59,7 +59,7 @@ from switchboard.models import (
 from switchboard.notifier import Notifier
 from switchboard.payload import decode_payload, payload_text, value_at
 from switchboard.providers import VerificationFailed, delivery_key, verify_delivery
-from switchboard.store.connections import add_connection, own_connection, record_connection_test
+from switchboard.store.connections import add_connection
 from switchboard.store.deliveries import Delivery, duplicate_of, find_webhook, record_delivery
 from switchboard.store.outbox import add_channel, notify_verification_failures, queue_test_message
 from switchboard.store.principals import Principal
@@ -581,36 +581,14 @@ class Flows:
         return await self.notifier.send_now(await self.db.write(queue_test_message, principal, channel_id))
 
     # -- forge connections ---------------------------------------------------------------------------
-    async def add_connection(self, principal: Principal, body: ConnectionCreate, human_id: str | None = None) -> dict:
-        """A new forge connection: its API's host checked as notification channels' are, then the forge asked who
-        the token is (its login is stored; a token the forge refuses is refused here), then the token sealed."""
+    async def add_connection(self, principal: Principal, body: ConnectionCreate) -> dict:
+        """A new forge connection: the forge is asked who the token is first (forge.token_login)."""
         principal.require_human("forge connections")
-        login = await self.whoami(body.kind, body.api_url, body.token)
-        return await self.db.write(add_connection, principal, self.box, body, login, human_id)
-
-    async def whoami(self, kind: str, api_url: str, token: str) -> str:
-        try:
-            await self.forge.addresses.vet(api_url)
-        except ApiError:
-            raise ApiError("invalid_argument", REFUSED_CONNECTION) from None
-        try:
-            return await self.forge.whoami(kind, api_url, token)
-        except ForgeError as error:
-            raise ApiError("invalid_argument", f"the forge at {api_url} did not say who the token is:"
-                                               f" {error.message}") from None
+        login = await token_login(self.forge, body.kind, body.api_url, body.token)
+        return await self.db.write(add_connection, principal, self.box, body, login)
 
     async def test_connection(self, principal: Principal, connection_id: str) -> dict:
-        """Ask the forge again who the connection's token is; the answer says whether it still works."""
-        row = await self.db.read(own_connection, principal, connection_id)
-        token = self.box.open(row["token_sealed"], row["id"]).decode()
-        try:
-            login, error = await self.forge.whoami(row["kind"], row["api_url"], token), None
-        except ForgeError as failure:
-            login, error = None, failure.message
-        if login is not None and login.lower() != row["login"].lower():
-            error = f"the token is now {login}'s, not {row['login']}'s: add the connection again"
-        await self.db.write(record_connection_test, row["id"], error)
-        return {"id": row["id"], "ok": error is None, "login": login, "error": error}
+        return await test_connection(self.forge, principal, connection_id)
 
     # -- the background loop -------------------------------------------------------------------------
     async def background(self) -> None:

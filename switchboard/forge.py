@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from prometheus_client import Counter
 
-from switchboard.configuration import VERSION, iso, log
+from switchboard.configuration import VERSION, ApiError, iso, log
 from switchboard.crypto import SecretBox
 from switchboard.database import Database
 from switchboard.notifier import Addresses, host_and_port, outbound_client, resolve
+from switchboard.store.connections import own_connection, record_connection_test
 from switchboard.store.forge_outbox import (
     STATUS_MARKER,
     ForgeJob,
@@ -29,6 +30,7 @@ from switchboard.store.forge_outbox import (
     record_output,
     record_status,
 )
+from switchboard.store.principals import Principal
 
 if TYPE_CHECKING:
     import httpx
@@ -380,3 +382,32 @@ class ForgeSender:
             await self._client.aclose()
             self._client = None
 
+
+
+async def token_login(sender: ForgeSender, kind: str, api_url: str, token: str) -> str:
+    """Who the forge says a new connection's token is. Its API's host is checked first as notification channels'
+    are (internal addresses refused unless the operator allows them); a token the forge refuses, or an API that does
+    not answer, is 400 with the forge's words."""
+    try:
+        await sender.addresses.vet(api_url)
+    except ApiError:
+        raise ApiError("invalid_argument", REFUSED_CONNECTION) from None
+    try:
+        return await sender.whoami(kind, api_url, token)
+    except ForgeError as error:
+        raise ApiError("invalid_argument", f"the forge at {api_url} did not say who the token is:"
+                                           f" {error.message}") from None
+
+
+async def test_connection(sender: ForgeSender, principal: Principal, connection_id: str) -> dict:
+    """Ask the forge again who a connection's token is: whether it still works, as whom."""
+    row = await sender.db.read(own_connection, principal, connection_id)
+    token = sender.box.open(row["token_sealed"], row["id"]).decode()
+    try:
+        login, error = await sender.whoami(row["kind"], row["api_url"], token), None
+    except ForgeError as failure:
+        login, error = None, failure.message
+    if login is not None and login.lower() != row["login"].lower():
+        error = f"the token is now {login}'s, not {row['login']}'s: add the connection again"
+    await sender.db.write(record_connection_test, row["id"], error)
+    return {"id": row["id"], "ok": error is None, "login": login, "error": error}

@@ -31,6 +31,16 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import httpx
 import producers
 
+REPO = "acme/site"
+# Rules for a webhook of one human's two lanes: an opened issue to triage, an issue labelled size/S to lane-s, each
+# once, with a work order.
+RULES = {"rules": [
+    {"id": "sized-s", "expr": ".issue != null and any(.issue.labels[]?; . == \"size/S\")",
+     "action": {"queue": "lane-s", "work_order": True, "once": True}},
+    {"id": "triage", "expr": ".issue != null and .issue.action == \"opened\"",
+     "action": {"queue": "triage", "work_order": True, "once": True}}],
+    "default_action": {"drop": True}}
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -255,3 +265,79 @@ class FakeForge(ThreadingHTTPServer):
             else:
                 answers.append(post(raw, headers))
         return answers
+
+
+class Scene:
+    """A human, one endpoint for both lanes, a webhook with the rules above writing through a connection to `forge`."""
+
+    def __init__(self, world, human, forge: FakeForge, provider: str | None = None, **connect):
+        self.world, self.client, self.human, self.forge = world, world.client, human, forge
+        self.endpoint = world.endpoint(human, ["triage", "lane-s"], verbs=["all"])
+        self.provider = provider or forge.kind
+        self.hook = world.webhook(human, self.endpoint, self.provider, "triage")
+        assert self.call("PUT", f"/webhooks/{self.hook['id']}/rules", **RULES).status_code == 200
+        made = self.call("POST", "/connections", kind=forge.kind, api_url=forge.api, token=forge.token,
+                         repos=["acme/"])
+        assert made.status_code == 201, made.text
+        self.connection = made.json()
+        connected = self.call("PUT", f"/webhooks/{self.hook['id']}/connection",
+                              connection_id=self.connection["id"], **connect)
+        assert connected.status_code == 200, connected.text
+
+    def call(self, method: str, path: str, **body):
+        return self.client.request(method, f"/api/v1{path}", headers=self.human.auth, json=body or None)
+
+    def deliver(self, raw: bytes, headers: dict) -> dict:
+        if self.provider == "github":
+            headers = producers.github_headers(self.hook["secret"], raw, headers.get("X-GitHub-Delivery"),
+                                               headers["X-GitHub-Event"])
+        else:
+            headers = {**headers, "X-Gitea-Signature": producers.hex_hmac(self.hook["secret"], raw)}
+        answer = self.world.deliver(self.hook, raw, headers)
+        assert answer.status_code == 202, answer.text
+        return answer.json()
+
+    def open_issue(self, number: int, author: str = "Codertocat") -> str:
+        """The issue on the forge and its `issues.opened` delivery; the triage todo's id."""
+        self.forge.issue(REPO, number, title="Spelling error", author=author)
+        patch = {"issue": {"number": number, "title": "Spelling error", "labels": [], "user": {"login": author},
+                           "pull_request": None, "html_url": f"{self.forge.url}/{REPO}/issues/{number}"},
+                 "repository": {"full_name": REPO}, "sender": {"login": author}}
+        if self.forge.kind == "github":
+            raw, headers = producers.github("issues.opened", "", patch)
+        else:
+            raw, headers = producers.gitea("issues.opened", "", {**patch, "number": number})
+        opened = self.deliver(raw, headers)
+        assert opened["disposition"] == "routed", opened
+        return opened["todos"][0]["id"]
+
+    def flush(self) -> list[dict]:
+        """The forge's deliveries (labels, comments) posted to the webhook: Switchboard's answers."""
+        return [self.deliver(raw, headers) for raw, headers in self.forge.flush(lambda raw, headers: (raw, headers))]
+
+    def claim(self, todo_id: str, claimant: str = "lane-worker") -> str:
+        claimed = self.client.post(f"/api/v1/todos/{todo_id}/claim", headers=self.endpoint.auth,
+                                   json={"claimant": claimant})
+        assert claimed.status_code == 200, claimed.text
+        return claimed.json()["lease_token"]
+
+    def act(self, todo_id: str, verb: str, **body):
+        return self.client.post(f"/api/v1/todos/{todo_id}/{verb}", headers=self.endpoint.auth, json=body)
+
+    def todo(self, todo_id: str) -> dict:
+        return self.call("GET", f"/todos/{todo_id}").json()
+
+    def wake(self) -> None:
+        self.world.client.app.state.flows.forge.wake()
+
+    def tried(self, todo_id: str, attempts: int) -> dict:
+        """The todo's first output once its `attempts`-th try is recorded (the sender looks again only then)."""
+        return self.forge.wait_for(lambda: (o := self.todo(todo_id)["outputs"][0])["attempts"] >= attempts and o,
+                                   what=f"try {attempts} of {todo_id}'s output")
+
+    def settled(self, todo_id: str, states=("sent", "failed")) -> list[dict]:
+        """The todo's outputs once none is pending."""
+        def check():
+            outputs = self.todo(todo_id)["outputs"]
+            return outputs if outputs and all(o["state"] in states for o in outputs) else None
+        return self.forge.wait_for(check, what=f"the outputs of {todo_id}")

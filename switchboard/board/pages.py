@@ -23,6 +23,7 @@ from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Match, Mount, NoMatchFound, Route, get_route_path, request_response
 from starlette.staticfiles import StaticFiles
 
+from switchboard.board.forge_pages import ForgePages, subject_path
 from switchboard.board.queries import (
     BOARD_BACK,
     BOARD_COOKIE,
@@ -361,6 +362,7 @@ class Board:
         self.live = LiveViews(self.db, flows.changes)
         flows.doorbell.attach(Session("board:live", frozenset(), "stream", lambda ring: None, self.live.close,
                                       via="board"))
+        self.forge_pages = ForgePages(self)
 
     @functools.cached_property
     def templates(self) -> jinja2.Environment:
@@ -372,6 +374,7 @@ class Board:
         templates.filters["json"] = pretty_json
         templates.filters["iso"] = lambda value: iso(_as_ms(value)) or ""
         templates.globals["inbox_groups"] = INBOX_GROUPS
+        templates.globals["subject_path"] = subject_path
         return templates
 
     def routes(self) -> list[BaseRoute]:
@@ -409,6 +412,7 @@ class Board:
             Route("/endpoints/vend", act(self.vend), methods=["POST"]),
             Route("/endpoints/{endpoint_id}/revoke", page(self.revoke_confirm)),
             Route("/endpoints/{endpoint_id}/revoke", act(self.revoke), methods=["POST"]),
+            *self.forge_pages.routes(page, act),
             Mount("/static", app=StaticFiles(directory=BOARD_DIR / "static")),
             Route("/{rest:path}", page(self.not_found), methods=["GET", "POST"]),
         ]

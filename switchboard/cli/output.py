@@ -25,6 +25,10 @@ TABLE_COLUMNS = {
     "friends": ("id", "requester_id", "approver_id", "approved_at"),
     "attempts": ("seq", "claimant", "claimed_at", "ended_at", "outcome", "summary"),
     "history": ("at", "actor", "from", "to", "evidence"),
+    "connections": ("id", "kind", "login", "api_url", "repos", "last_used_at", "last_error"),
+    "subjects": ("key", "state", "open_todos", "queues", "last_activity_at", "title"),
+    "outputs": ("id", "type", "state", "target", "error", "sent_at"),
+    "timeline": ("at", "type", "todo_id", "kind", "disposition", "to", "output_type", "state"),
 }
 
 

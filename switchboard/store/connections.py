@@ -62,11 +62,6 @@ def list_connections(txn: Txn, principal: Principal) -> dict:
                             for r in owned_rows(txn, principal, "forge_connections")]}
 
 
-def connection_secret(txn: Txn, principal: Principal, connection_id: str) -> sqlite3.Row:
-    """The connection's row, sealed token included, for a test of it (the caller opens the token)."""
-    return own_connection(txn, principal, connection_id)
-
-
 def record_connection_test(txn: Txn, connection_id: str, error: str | None) -> None:
     if error is None:
         txn.execute("UPDATE forge_connections SET last_used_at = ?, last_error = NULL WHERE id = ?",
