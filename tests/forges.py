@@ -126,6 +126,12 @@ class FakeForge(ThreadingHTTPServer):
                                                        "comments": []})
         return made
 
+    def open(self, repo: str, number: int, title: str = "Spelling error in the README file",
+             author: str = "Codertocat") -> None:
+        """An issue opened by `author`: the forge sends its `issues.opened` delivery."""
+        self.issue(repo, number, title=title, author=author)
+        self._deliver((repo, number), "issue", "opened")
+
     def comments(self, repo: str, number: int) -> list[dict]:
         return self.issues[(repo, number)]["comments"]
 
@@ -231,7 +237,10 @@ class FakeForge(ThreadingHTTPServer):
                            "html_url": f"{self.url}/{repo}/issues/{number}"},
                  "repository": {"full_name": repo, "name": repo.split("/")[1], "owner": {"login": owner}},
                  "sender": {"login": self.login}}
-        if what == "comment":
+        if what == "issue":
+            made = (producers.github(f"issues.{action}", "", patch) if self.kind == "github" else
+                    producers.gitea(f"issues.{action}", "", {**patch, "number": number}, delivery=str(uuid.uuid4())))
+        elif what == "comment":
             patch["comment"] = {"id": comment["id"], "body": comment["body"], "user": {"login": comment["user"]}}
             if self.kind == "github":
                 made = producers.github("issue_comment.created", "", {**patch, "action": action})
