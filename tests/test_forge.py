@@ -425,3 +425,36 @@ def test_a_comment_by_anyone_else_is_no_echo(scene, github):
     answer = scene.deliver(raw, headers)
     event = scene.call("GET", f"/events/{answer['event_id']}").json()
     assert answer["disposition"] == "dropped" and event["trace"]["stage"] == "default"
+
+
+def test_over_mcp_the_verbs_take_outputs_and_get_todo_shows_them(scene, github):
+    """The MCP tools' schemas are the REST models: `outputs` beside complete's other fields, and get_todo's answer
+    lists the outputs with their states."""
+    todo_id, lease = _claimed(scene, 95)
+
+    def rpc(method: str, params: dict, session: str | None = None) -> dict:
+        headers = {**scene.endpoint.auth, "Accept": "application/json, text/event-stream"}
+        if session:
+            headers["Mcp-Session-Id"] = session
+        answer = scene.client.post("/mcp", headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": method,
+                                                                   "params": params})
+        assert answer.status_code == 200, answer.text
+        return answer
+
+    opened = rpc("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                                "clientInfo": {"name": "test", "version": "1"}})
+    session = opened.headers["mcp-session-id"]
+    tools = {t["name"]: t for t in rpc("tools/list", {}, session).json()["result"]["tools"]}
+    for verb in ("complete", "fail", "needs_input", "block"):
+        assert "outputs" in tools[verb]["inputSchema"]["properties"], verb
+    refused = rpc("tools/call", {"name": "complete", "arguments": {
+        "id": todo_id, "lease_token": lease, "outputs": [{"type": "add_labels", "labels": ["wontfix"]}]}},
+        session).json()["result"]
+    assert refused["isError"] and refused["structuredContent"]["message"].startswith("outputs[0]: label 'wontfix'")
+    done = rpc("tools/call", {"name": "complete", "arguments": {
+        "id": todo_id, "lease_token": lease, "outputs": [{"type": "add_labels", "labels": ["size/M"]}]}},
+        session).json()["result"]
+    assert not done["isError"] and done["structuredContent"]["outputs"][0]["labels"] == ["size/M"]
+    scene.settled(todo_id)
+    shown = rpc("tools/call", {"name": "get_todo", "arguments": {"id": todo_id}}, session).json()["result"]
+    assert [(o["type"], o["state"]) for o in shown["structuredContent"]["outputs"]] == [("add_labels", "sent")]

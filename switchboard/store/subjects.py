@@ -123,9 +123,8 @@ def subject_humans(txn: Txn, principal: Principal) -> list[str]:
 
 def _todo_queues(txn: Txn, human_id: str, key: str) -> list[str]:
     """The queues of the human's todos about the subject (todos_by_subject: a subject's few todos)."""
-    return [r["queue"] for r in txn.all("SELECT DISTINCT queue FROM todos WHERE subject_key = ? AND endpoint_id IN"
-                                        " (SELECT id FROM endpoints WHERE human_id = ?) ORDER BY queue",
-                                        (key, human_id))]
+    return sorted({r["queue"] for r in txn.all("SELECT queue FROM todos WHERE subject_key = ? AND endpoint_id IN"
+                                               " (SELECT id FROM endpoints WHERE human_id = ?)", (key, human_id))})
 
 
 def subject_line(txn: Txn, row: sqlite3.Row) -> dict:
