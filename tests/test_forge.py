@@ -19,6 +19,14 @@ from helpers import query
 from starlette.testclient import TestClient
 
 from switchboard.app import create_app
+from switchboard.models import (
+    ConnectionAnswer,
+    ConnectionListAnswer,
+    ConnectionTestAnswer,
+    OutputsAnswer,
+    TodoAnswer,
+    WebhookConnectionAnswer,
+)
 from switchboard.store.forge_outbox import OUTPUT_MAX_ATTEMPTS
 from switchboard.store.outputs import STATUS_EDIT_MS, WORD_JOINER
 
@@ -73,6 +81,9 @@ def test_a_connection_asks_the_forge_who_the_token_is_and_never_shows_it(world, 
     assert TOKEN.encode() not in stored
     tested = world.client.post(f"/api/v1/connections/{connection['id']}/test", headers=alice.auth)
     assert tested.json() == {"id": connection["id"], "ok": True, "login": BOT, "error": None}
+    ConnectionAnswer.model_validate(connection)
+    ConnectionListAnswer.model_validate(listed.json())
+    ConnectionTestAnswer.model_validate(tested.json())
 
     # A token the forge does not know is refused, and nothing is stored.
     before = snapshot(db_path)
@@ -111,7 +122,9 @@ def test_the_connections_login_is_a_trusted_actor_of_the_webhook(world, alice, g
     assert shown["connection"] == {"id": connection["id"], "kind": "github", "login": BOT, "mirror": False}
     raw, headers = producers.github("issues.labeled", hook["secret"], {"sender": {"login": BOT.upper()}})
     assert world.deliver(hook, raw, headers).json()["disposition"] == "routed"
-    policy = world.client.get(f"/api/v1/webhooks/{hook['id']}/connection", headers=alice.auth).json()["policy"]
+    connected = world.client.get(f"/api/v1/webhooks/{hook['id']}/connection", headers=alice.auth).json()
+    WebhookConnectionAnswer.model_validate(connected)
+    policy = connected["policy"]
     assert policy == {"add_labels": {"allow": ["size/*"], "max": 3}, "comment": {"max": 3, "max_bytes": 8192}}
 
 
@@ -129,6 +142,8 @@ def test_complete_with_add_labels_writes_the_label_once_on_the_work_orders_issue
     assert (accepted["type"], accepted["labels"], accepted["target"]) == ("add_labels", ["size/S"], f"{REPO}#41")
     [sent] = scene.settled(todo_id)
     assert sent["state"] == "sent" and sent["error"] is None and sent["sent_at"]
+    TodoAnswer.model_validate(done.json())
+    TodoAnswer.model_validate(scene.todo(todo_id))
     [post] = label_posts(github, 41)
     assert post["json"] == {"labels": ["size/S"]} and post["headers"]["authorization"] == f"Bearer {TOKEN}"
     assert post["headers"]["host"] == f"127.0.0.1:{github.server_port}"
@@ -180,6 +195,7 @@ def test_a_second_comment_over_the_cap_is_refused_and_only_the_first_is_posted(w
     todo_id, lease = _claimed(scene, 51)
     first = scene.act(todo_id, "outputs", lease_token=lease, outputs=[{"type": "comment", "body": "working on it"}])
     assert first.status_code == 200 and len(first.json()["outputs"]) == 1
+    OutputsAnswer.model_validate(first.json())
     scene.settled(todo_id)
     before = snapshot(db_path)
     second = scene.act(todo_id, "fail", lease_token=lease, error="no", outputs=[{"type": "comment", "body": "again"}])

@@ -20,7 +20,7 @@ from test_board import ORIGIN, csrf, post, sign_in
 
 from switchboard.app import create_app
 from switchboard.database import Database
-from switchboard.models import SubjectListQuery
+from switchboard.models import SubjectAnswer, SubjectListAnswer, SubjectListQuery
 from switchboard.store.principals import OPERATOR
 from switchboard.store.subjects import get_subject, list_subjects
 from switchboard.store.upkeep import prune_batch
@@ -120,6 +120,8 @@ def test_the_seeds_loop_reads_as_one_story_on_one_subject_page(scene, world, ali
         ("transition", "lane-s", "claimed", "done")]
     stamps = [entry["at"] for entry in subject["timeline"]]
     assert stamps == sorted(stamps)
+    SubjectAnswer.model_validate(subject)  # the OpenAPI document's model is the answer's
+    SubjectListAnswer.model_validate(client.get("/api/v1/subjects", headers=alice.auth).json())
 
     # The Board's subject page tells the same story, in the same order, with the link and its labels.
     sign_in(client, alice)

@@ -74,6 +74,7 @@ def record_connection_test(txn: Txn, connection_id: str, error: str | None) -> N
 def remove_connection(txn: Txn, principal: Principal, connection_id: str) -> dict:
     """The connection goes, and with it every webhook's use of it; its outputs not yet sent fail (their todos
     show why)."""
+    txn.lock("forge_connections", "id = ?", (connection_id,))
     row = own_connection(txn, principal, connection_id)
     webhooks = _webhooks_of(txn, connection_id)
     txn.execute("UPDATE forge_outputs SET state = 'failed', error = 'the forge connection was removed'"

@@ -97,6 +97,7 @@ def due_forge_work(txn: Txn, busy: frozenset[str], room: int) -> tuple[list[Forg
 def record_output(txn: Txn, output_id: str, outcome: SendOutcome) -> str:
     """After a send: the output is sent, waits to be tried again, or failed (with the forge's word). Returns its
     state."""
+    txn.lock("forge_outputs", "id = ?", (output_id,))
     row = txn.one("SELECT * FROM forge_outputs WHERE id = ?", (output_id,))
     if row is None or row["state"] != "pending":
         return row["state"] if row is not None else "failed"
@@ -125,6 +126,7 @@ def record_output(txn: Txn, output_id: str, outcome: SendOutcome) -> str:
 def record_status(txn: Txn, connection_id: str, subject_key: str, shown: int, outcome: SendOutcome) -> None:
     """After a status comment's send: the version it showed (and its comment's id), and whether it is due again
     (changed meanwhile: at least STATUS_EDIT_MS after this edit), or tried again, or left until the next change."""
+    txn.lock("forge_status", "connection_id = ? AND subject_key = ?", (connection_id, subject_key))
     row = txn.one("SELECT * FROM forge_status WHERE connection_id = ? AND subject_key = ?", (connection_id, subject_key))
     if row is None:
         return

@@ -83,7 +83,7 @@ def note_delivery(txn: Txn, human_ids: Iterable[str], envelope: dict) -> None:
         txn.execute("INSERT INTO subjects (human_id, key, title, url, labels, first_seen_at, last_activity_at)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (human_id, key) DO UPDATE SET"
                     " title = coalesce(excluded.title, title), url = coalesce(excluded.url, url),"
-                    " labels = CASE WHEN ? THEN excluded.labels ELSE labels END,"
+                    " labels = CASE WHEN ? = 1 THEN excluded.labels ELSE labels END,"
                     " last_activity_at = CASE WHEN excluded.last_activity_at > last_activity_at"
                     " THEN excluded.last_activity_at ELSE last_activity_at END",
                     (human_id, key, facts["title"], facts["url"], labels or "[]", txn.now, txn.now,
