@@ -399,10 +399,18 @@ CREATE TRIGGER IF NOT EXISTS subjects_todo_insert AFTER INSERT ON todos WHEN NEW
             last_activity_at = CASE WHEN excluded.last_activity_at > last_activity_at THEN excluded.last_activity_at
                                     ELSE last_activity_at END;
 END;
--- A todo that changes state, queue or dead-letter flag on the same human's endpoint moves its subject's counts.
+-- A todo on the same human's endpoint that opens, finishes, or starts or stops waiting on the human moves its
+-- subject's counts and its last activity. A change that moves neither count (a claim, a release, a retry's
+-- backoff) writes nothing here: the hottest transitions cost no subject write.
 CREATE TRIGGER IF NOT EXISTS subjects_todo_update AFTER UPDATE OF state, queue, dead_letter, endpoint_id ON todos
     WHEN NEW.subject_key IS NOT NULL AND OLD.endpoint_id IS NEW.endpoint_id
-         AND (OLD.state IS NOT NEW.state OR OLD.queue IS NOT NEW.queue OR OLD.dead_letter IS NOT NEW.dead_letter) BEGIN
+         AND ((CASE WHEN OLD.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END) <> (CASE WHEN NEW.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END)
+              OR (CASE WHEN OLD.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (OLD.state = 'failed' AND OLD.dead_letter = 1)
+                         OR (OLD.state = 'pending' AND OLD.queue = 'hold') THEN 1 ELSE 0 END)
+                 <> (CASE WHEN NEW.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (NEW.state = 'failed' AND NEW.dead_letter = 1)
+                         OR (NEW.state = 'pending' AND NEW.queue = 'hold') THEN 1 ELSE 0 END)) BEGIN
     UPDATE subjects SET
         open_todos = open_todos + (CASE WHEN NEW.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END)
                                 - (CASE WHEN OLD.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END),
