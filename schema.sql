@@ -109,12 +109,16 @@ CREATE TABLE IF NOT EXISTS events (
     disposition   TEXT NOT NULL CHECK (disposition IN ('routed', 'dropped', 'repeat', 'quarantined', 'ping')),
     trace         TEXT CHECK (trace IS NULL OR json_valid(trace)),
     outcome       TEXT CHECK (outcome IS NULL OR json_valid(outcome)),
-    received_at   INTEGER NOT NULL
+    received_at   INTEGER NOT NULL,
+    -- What the delivery is about (the envelope's subject_key), for the subject's timeline. Last, as the migration
+    -- that added it left it.
+    subject_key   TEXT
 );
 CREATE UNIQUE INDEX IF NOT EXISTS events_delivery ON events(webhook_id, delivery_key) WHERE webhook_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS events_body ON events(webhook_id, body_hash) WHERE webhook_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS events_received ON events(received_at);
 CREATE INDEX IF NOT EXISTS events_by_webhook ON events(webhook_id, received_at) WHERE webhook_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS events_by_subject ON events(subject_key, received_at) WHERE subject_key IS NOT NULL;
 
 -- A delivery's body as received, the only copy: its payload (in its envelope and its todos) is read from it. It
 -- lives apart from the event's row so that reading events never reads bodies: a row longer than a page keeps its
@@ -199,6 +203,8 @@ CREATE INDEX IF NOT EXISTS todos_held ON todos(created_at) WHERE state = 'quaran
 CREATE INDEX IF NOT EXISTS todos_by_endpoint ON todos(endpoint_id, created_at);
 CREATE INDEX IF NOT EXISTS todos_by_event ON todos(event_id);
 CREATE INDEX IF NOT EXISTS todos_finished ON todos(updated_at) WHERE state IN ('done', 'failed', 'cancelled');
+-- A subject's todos in every queue, oldest first (its page, its status comment).
+CREATE INDEX IF NOT EXISTS todos_by_subject ON todos(subject_key, created_at);
 -- Todos by group (endpoint, state, queue), oldest first: each group's first page is one ordered range of it, so
 -- the Board's inbox and the human's list pick a page from the few groups todo_counts names, at any size.
 CREATE INDEX IF NOT EXISTS todos_by_state ON todos(endpoint_id, state, queue, created_at);
@@ -378,3 +384,235 @@ CREATE TABLE IF NOT EXISTS event_replays (
     created     INTEGER NOT NULL CHECK (created >= 0)
 );
 CREATE INDEX IF NOT EXISTS event_replays_by_event ON event_replays(event_id, at);
+
+-- Subjects: what work is about (an issue, a pull request, a cairn artifact: its subject_key), one row for each
+-- human whose webhooks received a delivery about it or whose endpoints hold a todo about it. The delivery
+-- transaction writes the title, link and labels as last delivered; the triggers below keep the counts of the
+-- human's todos about it that are open and that wait on the human (held, quarantined, needs_input, blocked,
+-- review, dead letter) in the transaction that changes the todos, and `state` with them, so that the list
+-- filters by state through an index at any size. A row outlives the todos and events retention prunes.
+CREATE TABLE IF NOT EXISTS subjects (
+    human_id          TEXT NOT NULL REFERENCES humans(id) ON DELETE CASCADE,
+    key               TEXT NOT NULL CHECK (length(key) BETWEEN 1 AND 4096),
+    title             TEXT,
+    url               TEXT,
+    labels            TEXT NOT NULL DEFAULT '[]' CHECK (json_valid(labels) AND json_type(labels) = 'array'),
+    open_todos        INTEGER NOT NULL DEFAULT 0 CHECK (open_todos >= 0),
+    waiting_todos     INTEGER NOT NULL DEFAULT 0 CHECK (waiting_todos >= 0),
+    state             TEXT NOT NULL DEFAULT 'done'
+                      CHECK (state = CASE WHEN waiting_todos > 0 THEN 'waiting' WHEN open_todos > 0 THEN 'open'
+                                          ELSE 'done' END),
+    first_seen_at     INTEGER NOT NULL,
+    last_activity_at  INTEGER NOT NULL CHECK (last_activity_at >= first_seen_at),
+    PRIMARY KEY (human_id, key)
+) WITHOUT ROWID;
+-- Most recently active first, per state: the list reads one range per state (a page at any size).
+CREATE INDEX IF NOT EXISTS subjects_by_state ON subjects(human_id, state, last_activity_at, key);
+CREATE TRIGGER IF NOT EXISTS subjects_todo_insert AFTER INSERT ON todos WHEN NEW.subject_key IS NOT NULL BEGIN
+    INSERT INTO subjects (human_id, key, open_todos, waiting_todos, state, first_seen_at, last_activity_at)
+        SELECT human_id, NEW.subject_key,
+               CASE WHEN NEW.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END,
+               CASE WHEN NEW.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (NEW.state = 'failed' AND NEW.dead_letter = 1)
+                         OR (NEW.state = 'pending' AND NEW.queue = 'hold') THEN 1 ELSE 0 END,
+               CASE WHEN NEW.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (NEW.state = 'failed' AND NEW.dead_letter = 1)
+                         OR (NEW.state = 'pending' AND NEW.queue = 'hold') THEN 'waiting'
+                    WHEN NEW.state IN ('done', 'failed', 'cancelled') THEN 'done' ELSE 'open' END,
+               NEW.created_at, NEW.created_at
+        FROM endpoints WHERE id = NEW.endpoint_id
+        ON CONFLICT (human_id, key) DO UPDATE SET
+            open_todos = open_todos + excluded.open_todos,
+            waiting_todos = waiting_todos + excluded.waiting_todos,
+            state = CASE WHEN waiting_todos + excluded.waiting_todos > 0 THEN 'waiting'
+                         WHEN open_todos + excluded.open_todos > 0 THEN 'open' ELSE 'done' END,
+            last_activity_at = CASE WHEN excluded.last_activity_at > last_activity_at THEN excluded.last_activity_at
+                                    ELSE last_activity_at END;
+END;
+-- A todo on the same human's endpoint that opens, finishes, or starts or stops waiting on the human moves its
+-- subject's counts and its last activity. A change that moves neither count (a claim, a release, a retry's
+-- backoff) writes nothing here: the hottest transitions cost no subject write.
+CREATE TRIGGER IF NOT EXISTS subjects_todo_update AFTER UPDATE OF state, queue, dead_letter, endpoint_id ON todos
+    WHEN NEW.subject_key IS NOT NULL AND OLD.endpoint_id IS NEW.endpoint_id
+         AND ((CASE WHEN OLD.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END) <> (CASE WHEN NEW.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END)
+              OR (CASE WHEN OLD.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (OLD.state = 'failed' AND OLD.dead_letter = 1)
+                         OR (OLD.state = 'pending' AND OLD.queue = 'hold') THEN 1 ELSE 0 END)
+                 <> (CASE WHEN NEW.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (NEW.state = 'failed' AND NEW.dead_letter = 1)
+                         OR (NEW.state = 'pending' AND NEW.queue = 'hold') THEN 1 ELSE 0 END)) BEGIN
+    UPDATE subjects SET
+        open_todos = open_todos + (CASE WHEN NEW.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END)
+                                - (CASE WHEN OLD.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END),
+        waiting_todos = waiting_todos
+            + (CASE WHEN NEW.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (NEW.state = 'failed' AND NEW.dead_letter = 1)
+                         OR (NEW.state = 'pending' AND NEW.queue = 'hold') THEN 1 ELSE 0 END)
+            - (CASE WHEN OLD.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (OLD.state = 'failed' AND OLD.dead_letter = 1)
+                         OR (OLD.state = 'pending' AND OLD.queue = 'hold') THEN 1 ELSE 0 END),
+        state = CASE WHEN waiting_todos
+            + (CASE WHEN NEW.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (NEW.state = 'failed' AND NEW.dead_letter = 1)
+                         OR (NEW.state = 'pending' AND NEW.queue = 'hold') THEN 1 ELSE 0 END)
+            - (CASE WHEN OLD.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (OLD.state = 'failed' AND OLD.dead_letter = 1)
+                         OR (OLD.state = 'pending' AND OLD.queue = 'hold') THEN 1 ELSE 0 END) > 0 THEN 'waiting'
+            WHEN open_todos + (CASE WHEN NEW.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END)
+                            - (CASE WHEN OLD.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END) > 0 THEN 'open'
+            ELSE 'done' END,
+        last_activity_at = CASE WHEN NEW.updated_at > last_activity_at THEN NEW.updated_at ELSE last_activity_at END
+    WHERE human_id = (SELECT human_id FROM endpoints WHERE id = NEW.endpoint_id) AND key = NEW.subject_key;
+END;
+-- A todo moved to another endpoint (a held delivery released to a friend's lane) leaves its old endpoint's
+-- human's subject row and joins its new one's (which may be another human's).
+CREATE TRIGGER IF NOT EXISTS subjects_todo_moved AFTER UPDATE OF endpoint_id ON todos
+    WHEN NEW.subject_key IS NOT NULL AND OLD.endpoint_id IS NOT NEW.endpoint_id BEGIN
+    UPDATE subjects SET
+        open_todos = open_todos - (CASE WHEN OLD.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END),
+        waiting_todos = waiting_todos
+            - (CASE WHEN OLD.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (OLD.state = 'failed' AND OLD.dead_letter = 1)
+                         OR (OLD.state = 'pending' AND OLD.queue = 'hold') THEN 1 ELSE 0 END),
+        state = CASE WHEN waiting_todos
+            - (CASE WHEN OLD.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (OLD.state = 'failed' AND OLD.dead_letter = 1)
+                         OR (OLD.state = 'pending' AND OLD.queue = 'hold') THEN 1 ELSE 0 END) > 0 THEN 'waiting'
+            WHEN open_todos - (CASE WHEN OLD.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END) > 0
+                 THEN 'open' ELSE 'done' END
+    WHERE human_id = (SELECT human_id FROM endpoints WHERE id = OLD.endpoint_id) AND key = OLD.subject_key;
+    INSERT INTO subjects (human_id, key, open_todos, waiting_todos, state, first_seen_at, last_activity_at)
+        SELECT human_id, NEW.subject_key,
+               CASE WHEN NEW.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END,
+               CASE WHEN NEW.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (NEW.state = 'failed' AND NEW.dead_letter = 1)
+                         OR (NEW.state = 'pending' AND NEW.queue = 'hold') THEN 1 ELSE 0 END,
+               CASE WHEN NEW.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (NEW.state = 'failed' AND NEW.dead_letter = 1)
+                         OR (NEW.state = 'pending' AND NEW.queue = 'hold') THEN 'waiting'
+                    WHEN NEW.state IN ('done', 'failed', 'cancelled') THEN 'done' ELSE 'open' END,
+               NEW.updated_at, NEW.updated_at
+        FROM endpoints WHERE id = NEW.endpoint_id
+        ON CONFLICT (human_id, key) DO UPDATE SET
+            open_todos = open_todos + excluded.open_todos,
+            waiting_todos = waiting_todos + excluded.waiting_todos,
+            state = CASE WHEN waiting_todos + excluded.waiting_todos > 0 THEN 'waiting'
+                         WHEN open_todos + excluded.open_todos > 0 THEN 'open' ELSE 'done' END,
+            last_activity_at = CASE WHEN excluded.last_activity_at > last_activity_at THEN excluded.last_activity_at
+                                    ELSE last_activity_at END;
+END;
+CREATE TRIGGER IF NOT EXISTS subjects_todo_delete AFTER DELETE ON todos WHEN OLD.subject_key IS NOT NULL BEGIN
+    UPDATE subjects SET
+        open_todos = open_todos - (CASE WHEN OLD.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END),
+        waiting_todos = waiting_todos
+            - (CASE WHEN OLD.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (OLD.state = 'failed' AND OLD.dead_letter = 1)
+                         OR (OLD.state = 'pending' AND OLD.queue = 'hold') THEN 1 ELSE 0 END),
+        state = CASE WHEN waiting_todos
+            - (CASE WHEN OLD.state IN ('quarantined', 'needs_input', 'blocked', 'review')
+                         OR (OLD.state = 'failed' AND OLD.dead_letter = 1)
+                         OR (OLD.state = 'pending' AND OLD.queue = 'hold') THEN 1 ELSE 0 END) > 0 THEN 'waiting'
+            WHEN open_todos - (CASE WHEN OLD.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END) > 0
+                 THEN 'open' ELSE 'done' END
+    WHERE human_id = (SELECT human_id FROM endpoints WHERE id = OLD.endpoint_id) AND key = OLD.subject_key;
+END;
+
+-- Todos done, by endpoint, queue and minute, over the last day: the queues page's "done in the last hour and
+-- day" reads at most 1,440 rows a queue instead of the day's finished todos. Kept by the trigger (which also
+-- drops the queue's minutes older than a day) in the transaction that finishes the todo.
+CREATE TABLE IF NOT EXISTS todo_done_minutes (
+    endpoint_id  TEXT NOT NULL,
+    queue        TEXT NOT NULL,
+    minute       INTEGER NOT NULL,
+    n            INTEGER NOT NULL CHECK (n > 0),
+    PRIMARY KEY (endpoint_id, queue, minute)
+) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS todo_done_minutes_count AFTER UPDATE OF state ON todos
+    WHEN NEW.state = 'done' AND OLD.state IS NOT 'done' BEGIN
+    DELETE FROM todo_done_minutes WHERE endpoint_id = NEW.endpoint_id AND queue = NEW.queue
+        AND minute < NEW.updated_at / 60000 - 1440;
+    INSERT INTO todo_done_minutes (endpoint_id, queue, minute, n) VALUES (NEW.endpoint_id, NEW.queue,
+                                                                          NEW.updated_at / 60000, 1)
+        ON CONFLICT (endpoint_id, queue, minute) DO UPDATE SET n = n + 1;
+END;
+
+-- Forge connections: a human's credential for writing to GitHub or Gitea (labels, comments) on the repositories
+-- `repos` names (owners `acme/` or repositories `acme/site`). The token is sealed (AES-GCM, the connection's id as
+-- associated data) and never shown again; `login` is who the forge said the token is when it was added.
+CREATE TABLE IF NOT EXISTS forge_connections (
+    id             TEXT PRIMARY KEY CHECK (id LIKE 'fc\_%' ESCAPE '\'),
+    human_id       TEXT NOT NULL REFERENCES humans(id) ON DELETE CASCADE,
+    kind           TEXT NOT NULL CHECK (kind IN ('github', 'gitea')),
+    api_url        TEXT NOT NULL CHECK (length(api_url) BETWEEN 1 AND 2048),
+    token_sealed   BLOB NOT NULL,
+    login          TEXT NOT NULL CHECK (length(login) BETWEEN 1 AND 256),
+    repos          TEXT NOT NULL CHECK (json_valid(repos) AND json_type(repos) = 'array'
+                                        AND json_array_length(repos) > 0),
+    created_at     INTEGER NOT NULL,
+    last_used_at   INTEGER,
+    last_error     TEXT,
+    last_error_at  INTEGER
+);
+CREATE INDEX IF NOT EXISTS forge_connections_by_human ON forge_connections(human_id);
+
+-- The connection a webhook writes through, whether it keeps a status comment on each issue (`mirror`), and its
+-- output policy: which outputs a worker holding one of its todos may ask for, which labels, how many per todo.
+CREATE TABLE IF NOT EXISTS webhook_connections (
+    webhook_id     TEXT PRIMARY KEY REFERENCES webhooks(id) ON DELETE CASCADE,
+    connection_id  TEXT NOT NULL REFERENCES forge_connections(id) ON DELETE CASCADE,
+    mirror         INTEGER NOT NULL DEFAULT 0 CHECK (mirror IN (0, 1)),
+    policy         TEXT NOT NULL CHECK (json_valid(policy) AND json_type(policy) = 'object'),
+    connected_at   INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS webhook_connections_by_connection ON webhook_connections(connection_id);
+
+-- Outputs: what a worker asked the server to write on the forge, accepted in the transaction of the worker's
+-- report and sent after commit, in order per subject, by the forge sender. The target (repository and number)
+-- is the work order's, never the worker's. `error` is the last failure (a pending output is being retried).
+CREATE TABLE IF NOT EXISTS forge_outputs (
+    id             TEXT PRIMARY KEY CHECK (id LIKE 'out\_%' ESCAPE '\'),
+    todo_id        TEXT NOT NULL REFERENCES todos(id) ON DELETE CASCADE,
+    connection_id  TEXT REFERENCES forge_connections(id) ON DELETE SET NULL,
+    subject_key    TEXT NOT NULL,
+    repo           TEXT NOT NULL,
+    number         INTEGER NOT NULL CHECK (number > 0),
+    type           TEXT NOT NULL CHECK (type IN ('add_labels', 'remove_labels', 'comment')),
+    labels         TEXT CHECK (labels IS NULL OR (json_valid(labels) AND json_type(labels) = 'array')),
+    body           TEXT,
+    state          TEXT NOT NULL CHECK (state IN ('pending', 'sent', 'failed')),
+    error          TEXT,
+    attempts       INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    next_at        INTEGER NOT NULL,
+    created_at     INTEGER NOT NULL,
+    sent_at        INTEGER,
+    forge_id       TEXT,
+    CHECK ((type = 'comment') = (body IS NOT NULL)),
+    CHECK ((type = 'comment') = (labels IS NULL)),
+    CHECK ((state = 'sent') = (sent_at IS NOT NULL)),
+    CHECK (state <> 'failed' OR error IS NOT NULL),
+    CHECK (state <> 'pending' OR connection_id IS NOT NULL)
+);
+CREATE INDEX IF NOT EXISTS forge_outputs_by_todo ON forge_outputs(todo_id, created_at);
+CREATE INDEX IF NOT EXISTS forge_outputs_by_subject ON forge_outputs(subject_key, created_at);
+CREATE INDEX IF NOT EXISTS forge_outputs_pending ON forge_outputs(subject_key, created_at, id) WHERE state = 'pending';
+
+-- The status comment of each issue a mirroring webhook's todos are about: one comment, found again by its
+-- marker, edited in place. `version` moves with every change of those todos; `shown_version` is what the comment
+-- last said; `due_at` is when the sender edits it next (at least 10 s after the last edit), NULL when it is
+-- up to date.
+CREATE TABLE IF NOT EXISTS forge_status (
+    connection_id  TEXT NOT NULL REFERENCES forge_connections(id) ON DELETE CASCADE,
+    subject_key    TEXT NOT NULL,
+    repo           TEXT NOT NULL,
+    number         INTEGER NOT NULL CHECK (number > 0),
+    comment_id     TEXT,
+    version        INTEGER NOT NULL DEFAULT 1 CHECK (version >= 1),
+    shown_version  INTEGER NOT NULL DEFAULT 0 CHECK (shown_version >= 0),
+    due_at         INTEGER,
+    edited_at      INTEGER,
+    edits          INTEGER NOT NULL DEFAULT 0 CHECK (edits >= 0),
+    attempts       INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    error          TEXT,
+    PRIMARY KEY (connection_id, subject_key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS forge_status_due ON forge_status(due_at) WHERE due_at IS NOT NULL;

@@ -12,16 +12,19 @@ checks it from the import graph).
   models             request bodies, rule documents, work items, answers (pydantic, extra="forbid")
   envelope           the document every rule sees
   evaluator          jq rule sets in sandboxed child processes
-  store.*            transaction bodies, no HTTP: principals, outbox, todos, admission, transitions, queues,
-                     webhooks, human_actions, bulk, deliveries, rules, routing, quarantine, replay, upkeep
+  store.*            transaction bodies, no HTTP: principals, outbox, todos, admission, outputs, forge_outbox,
+                     transitions, queues, webhooks, connections, human_actions, bulk, subjects, deliveries, rules,
+                     routing, quarantine, replay, upkeep
   doorbell           waking one waiting session when work becomes claimable
   notifier           the outbox's sender (ntfy, Gotify, Slack, Discord, signed webhooks)
+  forge              the forge outputs' sender and the status comments (GitHub, Gitea); "who am I"
   limits, metrics    ingest rate limits, the proxies believed, the owners' evaluator gate; Prometheus metrics
   flows              what REST, MCP, the CLI and the Board do the same way
   http.*             common answers, streams, REST and ingress, MCP
-  board.*            the Board's queries and pages (templates and static files beside them)
+  board.*            the Board's queries, its subjects' and connections' pages, and the pages (templates and
+                     static files beside them)
   app                the app factory: every part put together
   server             uvicorn, logging, the process's lifetime
   worker.*           `switchboard worker`, the client side: job, park, api, exec_runner, triage, loop, main
-  cli.*              output, commands, parser and main()
+  cli.*              output, commands, forge_commands (connections, subjects), parser and main()
 """

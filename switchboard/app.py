@@ -26,6 +26,7 @@ from switchboard.database import Database
 from switchboard.doorbell import Doorbell
 from switchboard.evaluator import Evaluator
 from switchboard.flows import Flows
+from switchboard.forge import ForgeSender
 from switchboard.http.mcp import Mcp, api_error, http_error, unexpected_error
 from switchboard.http.rest import MCP_ROUTES, Api
 from switchboard.limits import RateLimiter, TrustedProxies
@@ -59,7 +60,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     turns both off. `trust_proxy`: the proxies in front (TrustedProxies: True, the bare flag, believes
     X-Forwarded-Proto from anyone; addresses also have X-Forwarded-For believed, and `auth_header`, the header
     such a proxy signs a Board visitor in with). `notify_allow_private` / `notify_allow`: notification channels
-    may reach loopback, link-local and unspecified addresses (all, or those listed); not given,
+    and forge connections may reach loopback, link-local and unspecified addresses (all, or those listed); not given,
     SWITCHBOARD_NOTIFY_ALLOW_PRIVATE / SWITCHBOARD_NOTIFY_ALLOW say."""
     proxies = trust_proxy if isinstance(trust_proxy, TrustedProxies) else TrustedProxies.parse(trust_proxy)
     auth_header = auth_header_name(auth_header, proxies)
@@ -79,9 +80,16 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     base_url = base_url or os.environ.get("SWITCHBOARD_BASE_URL")
     metrics = Metrics(db, doorbell)
     notifier = Notifier(db, box, base_url, metrics.notify_failures, metrics.notify_sent, addresses)
-    db.on_outbox = notifier.wake
+    forge = ForgeSender(db, box, addresses, metrics.forge_outputs, metrics.forge_status)
+
+    def wake_senders() -> None:
+        """A commit wrote to an outbox: the notifier's, the forge's, or both (each looks at its own)."""
+        notifier.wake()
+        forge.wake()
+
+    db.on_outbox = wake_senders
     flows = Flows(db, doorbell, evaluator, box, RateLimiter(ingest_rate, ingest_burst), metrics, vitals, notifier,
-                  RateLimiter(verified_rate if ingest_rate > 0 else 0, verified_burst))
+                  forge, RateLimiter(verified_rate if ingest_rate > 0 else 0, verified_burst))
     origins = allowed_origins if allowed_origins is not None else os.environ.get("SWITCHBOARD_ALLOWED_ORIGINS", "")
     api = Api(flows, base_url, frozenset(o.strip().rstrip("/") for o in origins.split(",") if o.strip()), proxies)
 
@@ -93,8 +101,8 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         db.loop = asyncio.get_running_loop()
-        loops = ({"scheduler": flows.background(), "retention": flows.retention(), "notifier": notifier.run()}
-                 if background else {})
+        loops = ({"scheduler": flows.background(), "retention": flows.retention(), "notifier": notifier.run(),
+                  "forge sender": forge.run()} if background else {})
         tasks = [asyncio.create_task(coroutine) for coroutine in loops.values()]
         for task, what in zip(tasks, loops, strict=True):
             watch(task, what)

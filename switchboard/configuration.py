@@ -26,7 +26,7 @@ SCHEMA_PATH = shipped_path("schema.sql")
 # The rule packs that ship with Switchboard (`rules set --pack fleet`), wherever it is installed.
 PACKS_DIR = shipped_path("packs")
 PACK_NAMES = ("fleet", "pool-review")
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 DEFAULT_LEASE_SECONDS = 300
 MAX_REQUEST_BYTES = 1 << 20

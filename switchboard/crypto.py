@@ -56,11 +56,13 @@ class KeyMismatch(ApiError):
 
 
 def sealed_sample(txn: Txn) -> tuple[str, bytes] | None:
-    """One sealed credential the database holds (a webhook secret, else a notification channel's URL), to prove
-    a key against."""
+    """One sealed credential the database holds (a webhook secret, else a notification channel's URL, else a forge
+    connection's token), to prove a key against."""
     row = txn.one("SELECT id, secret_sealed FROM webhooks WHERE secret_sealed IS NOT NULL LIMIT 1")
     if row is None and txn.one("SELECT 1 FROM sqlite_master WHERE name = 'notify_channels'"):
         row = txn.one("SELECT id, url_sealed AS secret_sealed FROM notify_channels LIMIT 1")
+    if row is None and txn.one("SELECT 1 FROM sqlite_master WHERE name = 'forge_connections'"):
+        row = txn.one("SELECT id, token_sealed AS secret_sealed FROM forge_connections LIMIT 1")
     return (row["id"], row["secret_sealed"]) if row else None
 
 

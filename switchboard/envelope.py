@@ -123,22 +123,28 @@ def _login(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def actor_view(provider: str, payload: Any, trusted_actors: dict | None) -> dict:
+def actor_view(provider: str, payload: Any, trusted_actors: dict | None, connection_login: str | None = None) -> dict:
     """`.actor`: who sent the delivery and who wrote what it is about, from the verified body, and whether the
     webhook's trusted actors name them. Logins compare ASCII case-insensitively, cairn actor ids exactly; a
     field of the wrong type names nobody. The author is trusted only when the thread's author is too (a
     maintainer's comment on an outsider's issue is not author-trusted). Under allow_all the per-actor flags
-    are null and the delivery is trusted; a webhook with no gate has everything null."""
+    are null and the delivery is trusted; a webhook with no gate has everything null. A forge webhook that writes
+    through a connection trusts the connection's login too, and `via_connection` says whether the sender is it
+    (what the server itself wrote on the forge); null without a connection."""
     if provider == "cairn":
         sender = author = thread = _login(value_at(payload, "data", "actor_id"))
+        connection_login = None
     elif PROVIDER_TABLE[provider].forge:
         sender = _login(value_at(payload, "sender", "login"))
         author = next((login for part in ("comment", "review", "pull_request", "issue", "discussion")
                        if (login := _login(value_at(payload, part, "user", "login")))), None)
         thread = _thread_author(payload)
     else:
-        return {"sender": None, "author": None, "sender_trusted": None, "author_trusted": None, "trusted": None}
-    view = {"sender": sender, "author": author, "sender_trusted": None, "author_trusted": None, "trusted": None}
+        return {"sender": None, "author": None, "sender_trusted": None, "author_trusted": None, "trusted": None,
+                "via_connection": None}
+    own = connection_login.translate(ASCII_FOLD) if connection_login else None
+    view = {"sender": sender, "author": author, "sender_trusted": None, "author_trusted": None, "trusted": None,
+            "via_connection": None if own is None else sender is not None and sender.translate(ASCII_FOLD) == own}
     if trusted_actors is None:
         return view
     if trusted_actors.get("allow_all"):
@@ -146,7 +152,8 @@ def actor_view(provider: str, payload: Any, trusted_actors: dict | None) -> dict
     if "actor_ids" in trusted_actors:
         names, fold = set(trusted_actors["actor_ids"]), (lambda name: name)
     else:
-        names, fold = {n.translate(ASCII_FOLD) for n in trusted_actors["logins"]}, (lambda n: n.translate(ASCII_FOLD))
+        names = {n.translate(ASCII_FOLD) for n in trusted_actors["logins"]} | ({own} if own else set())
+        fold = lambda n: n.translate(ASCII_FOLD)  # noqa: E731 - a one-line key
     known = lambda name: name is not None and fold(name) in names  # noqa: E731 - a one-line predicate
     view["sender_trusted"] = known(sender)
     view["author_trusted"] = known(author) and (thread is None or known(thread)) if author else known(sender)
@@ -190,7 +197,8 @@ def artifact_view(payload: Any) -> dict | None:
 
 
 def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified: bool, headers: dict[str, str],
-                   body: bytes, payload: Any, trusted_actors: dict | None, released: dict | None = None) -> dict:
+                   body: bytes, payload: Any, trusted_actors: dict | None, released: dict | None = None,
+                   connection_login: str | None = None) -> dict:
     kind = event_kind(provider, headers, payload)
     key = subject_key(provider, kind, payload, headers)
     return {
@@ -198,7 +206,7 @@ def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified:
         "content_type": headers.get("content-type"), "size": len(body), "headers": redact_headers(headers),
         "payload": payload, "issue": issue_view(provider, kind, headers, payload, key),
         "artifact": artifact_view(payload) if provider == "cairn" else None,
-        "subject_key": key, "release": released, "actor": actor_view(provider, payload, trusted_actors),
+        "subject_key": key, "release": released, "actor": actor_view(provider, payload, trusted_actors, connection_login),
     }
 
 

@@ -43,11 +43,13 @@ from switchboard.evaluator import (
     EvaluatorBusy,
     EvaluatorUnavailable,
 )
+from switchboard.forge import ForgeSender, test_connection, token_login
 from switchboard.limits import PendingRules, RateLimited, RateLimiter, TenantGate
 from switchboard.metrics import Metrics
 from switchboard.models import (
     BulkAction,
     ClaimNext,
+    ConnectionCreate,
     NotifyCreate,
     ReleaseQuarantine,
     ReplayMany,
@@ -59,6 +61,7 @@ from switchboard.notifier import Notifier
 from switchboard.payload import decode_payload, payload_text, value_at
 from switchboard.providers import VerificationFailed, delivery_key, verify_delivery
 from switchboard.store.bulk import BULK_PAUSE_MS, BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step
+from switchboard.store.connections import add_connection
 from switchboard.store.deliveries import Delivery, duplicate_of, find_webhook, record_delivery
 from switchboard.store.outbox import add_channel, notify_verification_failures, queue_test_message
 from switchboard.store.principals import Principal
@@ -257,10 +260,11 @@ class Flows:
     """The shared flows, over one database, doorbell, evaluator and secret box."""
 
     def __init__(self, db: Database, doorbell: Doorbell, evaluator: Evaluator, box: SecretBox,
-                 limiter: RateLimiter, metrics: Metrics, vitals: Vitals, notifier: Notifier,
+                 limiter: RateLimiter, metrics: Metrics, vitals: Vitals, notifier: Notifier, forge: ForgeSender,
                  verified_limiter: RateLimiter | None = None):
         self.db = db
         self.notifier = notifier
+        self.forge = forge
         self.failed_checks = FailedChecks(db.clock.now_ms())  # the Board's "failed signature checks" count
         self.recent_failures: dict[str, collections.deque] = {}  # the last few, for the repeated-failures alert
         self.failures_told: dict[str, float] = {}
@@ -497,7 +501,8 @@ class Flows:
         payload, payload_error = decode_payload(headers, body)
         envelope = build_envelope(provider=provider, webhook_id=webhook["id"], trust_mode=webhook["trust_mode"],
                                   verified=verified, headers=headers, body=body, payload=payload,
-                                  trusted_actors=stored_json(webhook["trusted_actors"]))
+                                  trusted_actors=stored_json(webhook["trusted_actors"]),
+                                  connection_login=webhook["connection_login"])
         if provider == "slack" and value_at(payload, "type") == "url_verification":
             return 200, {"challenge": value_at(payload, "challenge")}
         key, body_hash = delivery_key(provider, headers, payload, body), hashlib.sha256(body).hexdigest()
@@ -612,6 +617,16 @@ class Flows:
     async def test_channel(self, principal: Principal, channel_id: str) -> dict:
         return await self.notifier.send_now(await self.db.write(queue_test_message, principal, channel_id))
 
+    # -- forge connections ---------------------------------------------------------------------------
+    async def add_connection(self, principal: Principal, body: ConnectionCreate) -> dict:
+        """A new forge connection: the forge is asked who the token is first (forge.token_login)."""
+        principal.require_human("forge connections")
+        login = await token_login(self.forge, body.kind, body.api_url, body.token)
+        return await self.db.write(add_connection, principal, self.box, body, login)
+
+    async def test_connection(self, principal: Principal, connection_id: str) -> dict:
+        return await test_connection(self.forge, principal, connection_id)
+
     # -- the background loop -------------------------------------------------------------------------
     async def background(self) -> None:
         """Every second, look; run a tick (leases, deferrals, rings) only when another connection committed
@@ -668,5 +683,6 @@ class Flows:
             task.cancel()
         await asyncio.gather(*self.dispatchers, return_exceptions=True)
         await self.notifier.close()
+        await self.forge.close()
         self.eval_threads.shutdown(wait=False, cancel_futures=True)
         self.evaluator.close()

@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 from switchboard.configuration import WAL_LIMIT_BYTES
 from switchboard.database import Database
 from switchboard.doorbell import Doorbell
+from switchboard.store.forge_outbox import pending_outputs
 from switchboard.store.upkeep import queue_stats
 
 
@@ -39,6 +40,10 @@ class Metrics:
                                    registry=self.registry)
         self.notify_failures = Counter("switchboard_notify_failures", "Notification sends that failed, by channel"
                                        " kind", ["kind"], registry=self.registry)
+        self.forge_outputs = Counter("switchboard_forge_outputs", "Forge outputs that reached an end, by type and state"
+                                     " (sent, failed)", ["type", "state"], registry=self.registry)
+        self.forge_status = Counter("switchboard_forge_status_comments", "Status comment writes, by result",
+                                    ["result"], registry=self.registry)
         self.registry.register(_StoreCollector(db, doorbell))
 
     def count_delivery(self, provider: str, outcome: dict, trace: dict) -> None:
@@ -77,6 +82,15 @@ class _StoreCollector(Collector):
         yield completed
         yield CounterMetricFamily("switchboard_lease_expiries", "Leases that lapsed",
                                   value=counts.get("lease_expired", 0))
+        accepted = CounterMetricFamily("switchboard_forge_outputs_accepted", "Forge outputs accepted, by type",
+                                       labels=["type"])
+        pending = GaugeMetricFamily("switchboard_forge_outputs_pending", "Forge outputs not yet sent, by type",
+                                    labels=["type"])
+        for kind, count in self.db.read_sync(pending_outputs).items():
+            accepted.add_metric([kind], counts.get(f"output_accepted:{kind}", 0))
+            pending.add_metric([kind], count)
+        yield accepted
+        yield pending
         rings = CounterMetricFamily("switchboard_doorbell_rings", "Rings, by whether a session heard them",
                                     labels=["heard"])
         rings.add_metric(["true"], self.doorbell.rung)

@@ -14,14 +14,31 @@ from switchboard.configuration import SCHEMA_PATH, SCHEMA_VERSION, ApiError
 class Migration:
     """Upgrades a database from user_version v to v + 1. SQLite cannot change a CHECK in place, so a table whose
     constraints changed is rebuilt from its definition in schema.sql, copying the columns both versions have;
-    `fill` gives SQL expressions (over the old row) for new columns that need a value. Then schema.sql runs
-    again (every statement is idempotent), which adds new tables and indexes. `before` runs first, on the old
-    tables, and `after` last, for changes to the data itself."""
+    `fill` gives SQL expressions (over the old row) for new columns that need a value. A nullable column without
+    a constraint is added in place instead (`add`: table -> columns) where an earlier step's rebuild did not make
+    it already, so a large table is not copied for it. Then schema.sql runs again (every statement is
+    idempotent), which adds new tables and indexes. `before` runs first, on the old tables, and `after` last, for
+    changes to the data itself."""
     summary: str
     rebuild: tuple[str, ...] = ()
+    add: dict[str, tuple[str, ...]] = field(default_factory=dict)
     fill: dict[str, dict[str, str]] = field(default_factory=dict)
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
+
+
+# What migration 6 fills the subjects' counts with: schema.sql's triggers' cases, over a todo `t`.
+_OPEN = "CASE WHEN t.state IN ('done', 'failed', 'cancelled') THEN 0 ELSE 1 END"
+_WAITING = ("CASE WHEN t.state IN ('quarantined', 'needs_input', 'blocked', 'review')"
+            " OR (t.state = 'failed' AND t.dead_letter = 1) OR (t.state = 'pending' AND t.queue = 'hold')"
+            " THEN 1 ELSE 0 END")
+
+
+def _latest(*paths: str) -> str:
+    """The first of the envelope's `paths` that the latest stored delivery about a subject has."""
+    found = ", ".join(f"json_extract(v.envelope, '$.{path}')" for path in paths)
+    return (f"SELECT coalesce({found}, NULL) FROM events v WHERE v.subject_key = subjects.key"
+            f" AND v.envelope IS NOT NULL ORDER BY v.received_at DESC, v.id DESC LIMIT 1")
 
 
 # Explicit, ordered migrations: MIGRATIONS[v] upgrades a database from user_version v to v + 1.
@@ -64,6 +81,35 @@ MIGRATIONS: dict[int, Migration] = {
     7: Migration(
         "queue control: queue_controls holds each endpoint's queue pauses and admission caps (every queue starts"
         " open and uncapped), and todos_by_subject indexes the todos by subject for the filtered todo list"),
+    8: Migration(
+        "work items you can follow: subjects (one row per human and subject, with the counts its list filters on,"
+        " kept by triggers), events gain their subject_key and todos an index by subject, done todos are counted"
+        " by the minute for the queues page; forge connections, webhooks' connections and output policies, the"
+        " outputs outbox and the status comments",
+        add={"events": ("subject_key",)},
+        after=(
+            "UPDATE events SET subject_key = json_extract(envelope, '$.subject_key')"
+            " WHERE envelope IS NOT NULL AND json_extract(envelope, '$.subject_key') IS NOT NULL",
+            # The counts as the triggers keep them from here on (the same cases as theirs, summed).
+            f"INSERT INTO subjects (human_id, key, open_todos, waiting_todos, state, first_seen_at, last_activity_at)"
+            f" SELECT e.human_id, t.subject_key, sum({_OPEN}), sum({_WAITING}),"
+            f" CASE WHEN sum({_WAITING}) > 0 THEN 'waiting' WHEN sum({_OPEN}) > 0 THEN 'open' ELSE 'done' END,"
+            f" min(t.created_at), max(max(t.updated_at), min(t.created_at))"
+            f" FROM todos t JOIN endpoints e ON e.id = t.endpoint_id WHERE t.subject_key IS NOT NULL"
+            f" GROUP BY e.human_id, t.subject_key",
+            "INSERT INTO subjects (human_id, key, first_seen_at, last_activity_at)"
+            " SELECT human_id, subject_key, min(received_at), max(received_at) FROM events"
+            " WHERE subject_key IS NOT NULL GROUP BY human_id, subject_key"
+            " ON CONFLICT (human_id, key) DO UPDATE SET"
+            " first_seen_at = min(first_seen_at, excluded.first_seen_at),"
+            " last_activity_at = max(last_activity_at, excluded.last_activity_at)",
+            # Title, link and labels as the latest stored delivery about the subject gave them.
+            f"UPDATE subjects SET title = ({_latest('issue.title', 'artifact.title')}),"
+            f" url = ({_latest('issue.url', 'artifact.url')}), labels = coalesce(({_latest('issue.labels')}), '[]')",
+            "INSERT INTO todo_done_minutes (endpoint_id, queue, minute, n)"
+            " SELECT endpoint_id, queue, updated_at / 60000, count(*) FROM todos WHERE state = 'done'"
+            " AND updated_at >= CAST(strftime('%s', 'now') AS INTEGER) * 1000 - 86400000"
+            " GROUP BY endpoint_id, queue, updated_at / 60000")),
 }
 
 # Columns that moved to a table of their own: (table, column) -> (new table, the copy). Whichever migration first
@@ -125,6 +171,10 @@ def _migrate(conn: sqlite3.Connection, migration: Migration, statements: list[st
         conn.execute(f"DROP VIEW {view}")
     for statement in migration.before:
         conn.execute(statement)
+    for table, columns in migration.add.items():
+        present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        for column in (c for c in columns if c not in present):
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
     for table in migration.rebuild:
         old_columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
         conn.execute(tables[table].replace(f"CREATE TABLE IF NOT EXISTS {table} ", f"CREATE TABLE {table}__new ", 1))

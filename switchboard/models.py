@@ -131,6 +131,38 @@ class Leased(Body):
     lease_token: Annotated[str, StringConstraints(min_length=1, max_length=128)]
 
 
+# -- forge outputs: what a worker asks the server to write on the work order's issue -------------------------
+
+ForgeLabel = Annotated[str, StringConstraints(min_length=1, max_length=100, pattern=ONE_LINE)]
+ForgeLabels = Annotated[list[ForgeLabel], Field(min_length=1, max_length=10)]
+MAX_OUTPUTS = 10
+MAX_COMMENT_BYTES = 65536
+
+
+class AddLabels(Body):
+    type: Literal["add_labels"]
+    labels: ForgeLabels
+
+
+class RemoveLabels(Body):
+    type: Literal["remove_labels"]
+    labels: ForgeLabels
+
+
+class CommentOutput(Body):
+    type: Literal["comment"]
+    body: Annotated[str, StringConstraints(min_length=1, max_length=MAX_COMMENT_BYTES, pattern=MULTI_LINE)]
+
+
+Output = Annotated[AddLabels | RemoveLabels | CommentOutput, Field(discriminator="type")]
+Outputs = Annotated[list[Output], Field(max_length=MAX_OUTPUTS)]
+
+
+class PostOutputs(Leased):
+    """Outputs on their own, while the worker holds the lease."""
+    outputs: Annotated[list[Output], Field(min_length=1, max_length=MAX_OUTPUTS)]
+
+
 class Heartbeat(Leased):
     note: Note | None = None
     lease_seconds: LeaseSeconds | None = None
@@ -140,6 +172,7 @@ class Complete(Leased):
     result: Any = None
     summary: Annotated[str, StringConstraints(pattern=MULTI_LINE)] | None = None
     artifact: Annotated[str, StringConstraints(max_length=2048)] | None = None
+    outputs: Outputs | None = None
 
     @model_validator(mode="after")
     def _artifact(self) -> Complete:
@@ -152,6 +185,7 @@ class Fail(Leased):
     error: ShortText
     retry: bool = True
     retry_in_seconds: Annotated[int, Field(ge=0, le=86400)] | None = None
+    outputs: Outputs | None = None
 
 
 class Release(Leased):
@@ -160,10 +194,12 @@ class Release(Leased):
 
 class NeedsInput(Leased):
     question: ShortText
+    outputs: Outputs | None = None
 
 
 class Block(Leased):
     reason: ShortText
+    outputs: Outputs | None = None
 
 
 class HumanNote(Body):
@@ -530,6 +566,76 @@ class NotifyCreate(Body):
         return self
 
 
+# -- forge connections and their use by webhooks --------------------------------------------------------------
+
+ConnectionId = Annotated[str, StringConstraints(pattern=r"^fc_[0-9a-f]{1,64}$")]
+# An owner (`acme/`) or a repository (`acme/site`) a connection may write to.
+RepoScope = Annotated[str, StringConstraints(max_length=200, pattern=r"^[A-Za-z0-9_.-]+/([A-Za-z0-9_.-]+)?$")]
+LabelGlob = Annotated[str, StringConstraints(min_length=1, max_length=100, pattern=ONE_LINE)]
+
+
+class ConnectionCreate(Body):
+    """A forge connection: the forge's API (`https://api.github.com`, `https://gitea.lab/api/v1`), a token for it
+    (write-only), and the owners or repositories it may write to."""
+    kind: Literal["github", "gitea"]
+    api_url: HttpUrl
+    token: Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=r"^[\x21-\x7e]+$")]
+    repos: Annotated[list[RepoScope], Field(min_length=1, max_length=64)]
+
+    @model_validator(mode="after")
+    def _url(self) -> ConnectionCreate:
+        try:
+            parts = urllib.parse.urlsplit(self.api_url)
+            parts.port  # noqa: B018 - raises on a port that is not a number or out of range
+        except ValueError:
+            raise ValueError("api_url: not a valid http(s) URL") from None
+        if not parts.hostname or parts.username is not None or parts.password is not None:
+            raise ValueError("api_url: names no host, or carries a user and password (the token is the credential)")
+        if parts.query or parts.fragment:
+            raise ValueError("api_url: the API's base URL takes no query or fragment")
+        return self
+
+
+class LabelPolicy(Body):
+    """Labels a worker may add (or remove): each must match one of `allow` (globs: `size/*`), at most `max` labels
+    per todo."""
+    allow: Annotated[list[LabelGlob], Field(min_length=1, max_length=64)]
+    max: Annotated[int, Field(ge=1, le=100)]
+
+
+class CommentPolicy(Body):
+    """Comments a worker may post: at most `max` per todo, each at most `max_bytes` of UTF-8."""
+    max: Annotated[int, Field(ge=1, le=100)]
+    max_bytes: Annotated[int, Field(ge=1, le=MAX_COMMENT_BYTES)]
+
+
+class OutputPolicy(Body):
+    """Which outputs a webhook's workers may ask for; a kind left out is not allowed."""
+    add_labels: LabelPolicy | None = None
+    remove_labels: LabelPolicy | None = None
+    comment: CommentPolicy | None = None
+
+
+DEFAULT_OUTPUT_POLICY = {"add_labels": {"allow": ["size/*"], "max": 3}, "comment": {"max": 3, "max_bytes": 8192}}
+
+
+class WebhookConnect(Body):
+    """The connection a webhook writes through, whether it keeps a status comment on each issue, and its policy
+    (omitted: DEFAULT_OUTPUT_POLICY)."""
+    connection_id: ConnectionId
+    mirror: bool = False
+    policy: OutputPolicy | None = None
+
+
+class SubjectListQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    q: Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=ONE_LINE)] | None = None
+    state: Literal["open", "waiting", "done"] | None = None
+    provider: Literal[PROVIDERS] | None = None
+    limit: Annotated[int, Field(ge=1, le=200)] = 50
+    cursor: Annotated[str, StringConstraints(min_length=1, max_length=8192, pattern=r"^[A-Za-z0-9_-]+$")] | None = None
+
+
 class ReplayOne(Body):
     dry_run: bool = False
 
@@ -597,8 +703,29 @@ class HistoryAnswer(AnswerModel):
     evidence: Any
 
 
+class OutputAnswer(AnswerModel):
+    """A forge output: what it asks for, and how its send went (`error` is the forge's or the network's last
+    word: a pending output is being retried)."""
+    id: str
+    todo_id: str
+    type: Literal["add_labels", "remove_labels", "comment"]
+    labels: list[str] | None = None
+    body: str | None = None
+    target: str
+    state: Literal["pending", "sent", "failed"]
+    error: str | None
+    attempts: int
+    created_at: Instant
+    sent_at: Instant
+
+
+class OutputsAnswer(AnswerModel):
+    outputs: list[OutputAnswer]
+
+
 class TodoAnswer(AnswerModel):
-    """A todo. `get_todo` adds attempts, history, depends_on and receipt; an operator push adds created."""
+    """A todo. `get_todo` adds attempts, history, depends_on, receipt and outputs; an operator push adds created;
+    a report with outputs adds the outputs it made."""
     id: str
     endpoint_id: str
     queue: str
@@ -633,6 +760,7 @@ class TodoAnswer(AnswerModel):
     history: list[HistoryAnswer] | None = None
     depends_on: list[str] | None = None
     receipt: dict | None = None
+    outputs: list[OutputAnswer] | None = None
 
 
 class TodoListAnswer(AnswerModel):
@@ -725,6 +853,80 @@ class DeliveryAnswer(AnswerModel):
     held: bool | None = None
     ping: bool | None = None
     payload_error: Literal["empty", "not_json", "too_deep", "bad_form", "form_without_payload"] | None = None
+
+
+class SubjectLine(AnswerModel):
+    key: str
+    title: str | None
+    url: str | None
+    provider: str | None
+    repo: str | None
+    number: int | None
+    state: Literal["open", "waiting", "done"]
+    last_activity_at: Instant
+    open_todos: int
+    queues: list[str]
+
+
+class SubjectListAnswer(AnswerModel):
+    subjects: list[SubjectLine]
+    next_cursor: str | None
+
+
+class TimelineEntry(BaseModel):
+    """One step of a subject's story: `type` is delivery (event_id, kind, action, sender, disposition, rule_id),
+    transition (todo_id, from, to, actor), output (output_id, todo_id, output_type, state) or receipt."""
+    model_config = ConfigDict(extra="allow")
+    at: Instant
+    type: Literal["delivery", "transition", "output", "receipt"]
+
+
+class SubjectAnswer(AnswerModel):
+    key: str
+    title: str | None
+    url: str | None
+    provider: str | None
+    repo: str | None
+    number: int | None
+    labels: list[str]
+    state: Literal["open", "waiting", "done"]
+    todos: list[TodoAnswer]
+    timeline: list[TimelineEntry]
+
+
+class WebhookConnectionAnswer(AnswerModel):
+    webhook_id: str
+    connection_id: str
+    kind: Literal["github", "gitea"]
+    login: str
+    mirror: bool
+    policy: dict
+    connected_at: Instant
+
+
+class ConnectionAnswer(AnswerModel):
+    """A forge connection; its token is never shown."""
+    id: str
+    kind: Literal["github", "gitea"]
+    api_url: str
+    login: str
+    repos: list[str]
+    created_at: Instant
+    last_used_at: Instant
+    last_error: str | None = None
+    webhooks: list[str] | None = None
+    removed: bool | None = None
+
+
+class ConnectionListAnswer(AnswerModel):
+    connections: list[ConnectionAnswer]
+
+
+class ConnectionTestAnswer(AnswerModel):
+    id: str
+    ok: bool
+    login: str | None
+    error: str | None
 
 
 def parse_model(model: type[BaseModel], raw: bytes | str | dict) -> Any:

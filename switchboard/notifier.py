@@ -271,9 +271,9 @@ class Addresses:
         and checks its host again (a name may point elsewhere by then), so nothing reaches a refused address."""
         if self.allow_private:
             return
-        import httpx  # with the first channel: see _notify_client
+        import httpx  # with the first channel: see outbound_client
         try:
-            host, port = _host_and_port(httpx.URL(url))
+            host, port = host_and_port(httpx.URL(url))
         except (httpx.InvalidURL, UnicodeError, ValueError):
             return  # no send can go there either: it fails on the URL
         try:
@@ -285,8 +285,9 @@ class Addresses:
             raise ApiError("invalid_argument", REFUSED_CHANNEL)
 
 
-def _host_and_port(url: httpx.URL) -> tuple[str, int]:
-    """The host a channel URL names (as sent: no brackets around IPv6) and the port it connects to."""
+def host_and_port(url: httpx.URL) -> tuple[str, int]:
+    """The host a channel's (or a forge connection's) URL names (as sent: no brackets around IPv6) and the port it
+    connects to."""
     return url.raw_host.decode("ascii"), url.port or (443 if url.scheme == "https" else 80)
 
 
@@ -335,10 +336,10 @@ def _scrubbed(error: str, url: str | None, token: str | None) -> str:
     return error
 
 
-async def _notify_client() -> httpx.AsyncClient:
-    """The HTTP client notifications go out on: no redirects (a channel URL is the one the human set), no proxy or
-    credentials from the environment, and a new connection for every send (each goes to the address just checked,
-    and TLS is never reused across host names that share one). The TLS trust store is loaded in a worker thread:
+async def outbound_client() -> httpx.AsyncClient:
+    """The HTTP client notifications (and forge outputs) go out on: no redirects (a channel URL is the one the human
+    set), no proxy or credentials from the environment, and a new connection for every send (each goes to the
+    address just checked, and TLS is never reused across host names that share one). The TLS trust store is loaded in a worker thread:
     0.2 s on a slow box, not to be spent on the event loop. httpx is imported here and in the send path, not
     with this module: a box without channels never spends its 2.6 MiB."""
     import httpx
@@ -390,7 +391,7 @@ class Notifier:
         self._client_made = self._client_made or asyncio.Lock()
         async with self._client_made:
             if self._client is None:
-                self._client = await _notify_client()
+                self._client = await outbound_client()
             return self._client
 
     async def run(self) -> None:
@@ -473,7 +474,7 @@ class Notifier:
 
     async def send(self, client: httpx.AsyncClient, message: Outgoing, patience: float | None = None) -> str | None:
         """One message to its channel within NOTIFY_TIMEOUT_SECONDS from start to end; the error, or None."""
-        import httpx  # with the first channel: see _notify_client
+        import httpx  # with the first channel: see outbound_client
         channel = message.channel
         url = token = None
         try:
@@ -497,9 +498,9 @@ class Notifier:
     async def _post(self, client: httpx.AsyncClient, target: str, headers: dict[str, str], body: bytes) -> str | None:
         """POST to the channel's host at an address just resolved and checked (a name that resolves elsewhere by
         the time of connecting changes nothing), trying its addresses in turn while they refuse connections."""
-        import httpx  # with the first channel: see _notify_client
+        import httpx  # with the first channel: see outbound_client
         url = httpx.URL(target)
-        host, port = _host_and_port(url)
+        host, port = host_and_port(url)
         addresses = await resolve(host, port)
         if not addresses:
             raise OSError("cannot resolve the host: no address")
@@ -528,7 +529,7 @@ class Notifier:
         if self._loop is not None:
             error = await self.deliver(await self.client(), message, NOTIFY_TIMEOUT_SECONDS)
         else:  # no sender loop in this process (the CLI's `notify test`): a client for this one message
-            async with await _notify_client() as client:
+            async with await outbound_client() as client:
                 error = await self.deliver(client, message, NOTIFY_TIMEOUT_SECONDS)
         return {"id": message.id, "channel_id": message.channel["id"], "sent": error is None, "error": error}
 

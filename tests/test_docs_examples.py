@@ -134,6 +134,8 @@ SKIPPED = {
     ("README.md", "vllm serve"):
         "needs vLLM and a model; tests/test_triage.py runs the worker against a model of its own",
     ("README.md", "sudo systemctl daemon-reload"): "root and systemd (installs the service)",
+    ("README.md", "switchboard connection add"):
+        "a forge that answers who the token is; tests/test_cli_forge.py runs these commands against a GitHub of our own",
     ("docs/operations.md", "docker build"): "docker",
     ("docs/operations.md", "apt-get update && apt-get install"): "root and systemd (a fresh Debian box)",
     ("docs/operations.md", "systemd-run --quiet --pipe"): "systemd (the service's dynamic user)",

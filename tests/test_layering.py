@@ -13,14 +13,15 @@ PACKAGE = ROOT / "switchboard"
 # Lowest first. A module may import any module listed before it, never one after it.
 LAYERS = [
     "configuration", "migrations", "database", "crypto", "payload", "providers", "models", "envelope", "evaluator",
-    "store.principals", "store.outbox", "store.todos", "store.admission", "store.transitions", "store.queues",
-    "store.webhooks", "store.human_actions", "store.bulk",
-    "store.deliveries", "store.rules", "store.routing", "store.quarantine", "store.replay", "store.upkeep",
-    "doorbell", "notifier", "limits", "metrics", "flows",
+    "store.principals", "store.outbox", "store.todos", "store.admission", "store.outputs", "store.forge_outbox",
+    "store.transitions", "store.queues", "store.webhooks", "store.connections", "store.human_actions", "store.bulk",
+    "store.subjects", "store.deliveries", "store.rules", "store.routing", "store.quarantine", "store.replay",
+    "store.upkeep",
+    "doorbell", "notifier", "forge", "limits", "metrics", "flows",
     "http.common", "http.streams", "http.rest", "http.mcp",
-    "board.queries", "board.pages", "app", "server",
+    "board.queries", "board.forge_pages", "board.pages", "app", "server",
     "worker.job", "worker.park", "worker.api", "worker.exec_runner", "worker.triage", "worker.loop", "worker.main",
-    "cli.output", "cli.commands", "cli.parser",
+    "cli.output", "cli.commands", "cli.forge_commands", "cli.parser",
 ]
 # Package markers (docstrings only) and the entry point, which sits above everything.
 OUTSIDE_THE_LAYERS = {"__init__", "store.__init__", "http.__init__", "board.__init__", "cli.__init__", "__main__",

@@ -9,7 +9,7 @@ from openapi_spec_validator import validate
 from starlette.routing import Route
 
 from switchboard.configuration import VERSION
-from switchboard.http.rest import REST_ROUTES
+from switchboard.http.rest import REST_ROUTES, documented_path
 from switchboard.models import ClaimAnswer, DeliveryAnswer, ErrorAnswer, TodoAnswer, TodoListAnswer
 
 
@@ -26,7 +26,7 @@ def test_the_document_is_valid_openapi_3_1_and_needs_no_credential(document):
 
 
 def test_every_mounted_route_and_method_is_documented(app, document):
-    mounted = {(route.path, method.lower()) for route in app.routes if isinstance(route, Route)
+    mounted = {(documented_path(route.path), method.lower()) for route in app.routes if isinstance(route, Route)
                for method in route.methods if method != "HEAD"}
     documented = {(path, method) for path, operations in document["paths"].items() for method in operations}
     assert mounted == documented
@@ -36,7 +36,7 @@ def test_every_mounted_route_and_method_is_documented(app, document):
 def test_every_body_and_query_schema_is_the_models_own(document):
     schemas = document["components"]["schemas"]
     for route in REST_ROUTES:
-        operation = document["paths"][route.path][route.method.lower()]
+        operation = document["paths"][documented_path(route.path)][route.method.lower()]
         if route.body is not None:
             ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
             expected = route.body.model_json_schema(ref_template="#/components/schemas/{model}")

@@ -25,14 +25,24 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
 import bench_scale  # noqa: E402
 
+from switchboard.board.forge_pages import board_subject  # noqa: E402
 from switchboard.board.queries import board_counts, board_endpoints, board_inbox, board_queues, board_todos  # noqa: E402
 from switchboard.configuration import SCHEMA_VERSION, Clock  # noqa: E402
 from switchboard.database import Txn, connect  # noqa: E402
 from switchboard.migrations import apply_schema  # noqa: E402
-from switchboard.models import BulkAction, ClaimNext, QueueLimits, QueuePause, QueueResume, TodoListQuery  # noqa: E402
+from switchboard.models import (  # noqa: E402
+    BulkAction,
+    ClaimNext,
+    QueueLimits,
+    QueuePause,
+    QueueResume,
+    SubjectListQuery,
+    TodoListQuery,
+)
 from switchboard.store.bulk import bulk_dry_run  # noqa: E402
 from switchboard.store.principals import Principal, authenticate  # noqa: E402
 from switchboard.store.queues import pause_queue, resume_queue, set_queue_limits  # noqa: E402
+from switchboard.store.subjects import get_subject, list_subjects  # noqa: E402
 from switchboard.store.todos import Selection, list_todos  # noqa: E402
 from switchboard.store.transitions import claim_next  # noqa: E402
 from switchboard.store.upkeep import prune_batch, queue_stats, scheduler_tick  # noqa: E402
@@ -275,3 +285,109 @@ def test_todo_counts_are_the_todos_counted_after_a_migration_and_every_change(bu
     conn.execute("COMMIT")
     assert [tuple(r) for r in conn.execute(_KEPT)] == [tuple(r) for r in conn.execute(_COUNTED)]
     conn.close()
+
+
+# -- subjects (issue 36): their list and page read a page's worth at any size -----------------------------------
+
+# The large tables a subject's calls read besides the todos: none may be scanned, whatever the plan's table name.
+SUBJECT_TABLES = ("todos", "todo_rows", "events", "subjects", "todo_history", "forge_outputs", "receipts",
+                  "attempts")
+
+
+def _subject_calls(human: Principal, endpoint: Principal, key: str) -> dict:
+    return {
+        "the subjects list": lambda txn: list_subjects(txn, human, SubjectListQuery()),
+        "the subjects list of a state": lambda txn: list_subjects(txn, human, SubjectListQuery(state="waiting")),
+        "the subjects list's second page": lambda txn: list_subjects(txn, human, SubjectListQuery(
+            cursor=list_subjects(txn, human, SubjectListQuery(limit=5))["next_cursor"])),
+        "a subject's page": lambda txn: get_subject(txn, human, key),
+        "a subject's page for an endpoint": lambda txn: get_subject(txn, endpoint, key),
+        "the Board's subject page": lambda txn: board_subject(txn, human, key),
+    }
+
+
+def _subject_problems(conn: sqlite3.Connection, sql: str, params: tuple) -> list[str]:
+    """_problems, where a sort of the todos read through todos_by_subject (one subject's few) is bounded too."""
+    plan = [row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params)]
+    reads = [line for line in plan if re.match(r"(SEARCH|SCAN) (todos|t)\b", line)]
+    by_subject = reads and all("todos_by_subject (subject_key=?)" in line for line in reads)
+    return [p for p in _problems(conn, sql, params) if not (by_subject and p.startswith("USE TEMP B-TREE"))]
+
+
+def _a_subject(path: str) -> str:
+    """A subject in the middle of the built database: a todo done, the ones about it in every state."""
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("SELECT subject_key FROM todos WHERE state = 'done' ORDER BY created_at DESC"
+                            " LIMIT 1").fetchone()[0]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("statistics", [False, True], ids=["as served", "after ANALYZE"])
+def test_no_subject_call_scans_or_sorts_a_large_table(built, tmp_path, statistics):
+    path, made = built[LARGE]
+    if statistics:
+        copy = str(tmp_path / "analyzed.db")
+        shutil.copy(path, copy)
+        conn = sqlite3.connect(copy)
+        conn.execute("ANALYZE")
+        conn.close()
+        path = copy
+    conn = connect(path)
+    try:
+        human, endpoint = _principals(conn, made)
+        problems = {}
+        for name, call in _subject_calls(human, endpoint, _a_subject(path)).items():
+            statements = _run(conn, call, False)
+            found = [problem for sql, params in statements if any(t in sql for t in SUBJECT_TABLES)
+                     and sql.lstrip().upper().startswith("SELECT") for problem in _subject_problems(conn, sql, params)]
+            if found:
+                problems[name] = found
+    finally:
+        conn.close()
+    assert not problems, "plans that read every row:\n" + "\n".join(
+        f"{name}:\n  " + "\n  ".join(lines) for name, lines in problems.items())
+
+
+def test_a_subject_call_costs_the_same_with_four_times_the_todos(built):
+    steps = {}
+    for n, (path, made) in built.items():
+        key = _a_subject(path)
+        conn = connect(path)
+        counted = [0]
+
+        def count() -> int:
+            counted[0] += 1
+            return 0
+
+        conn.set_progress_handler(count, 100)
+        try:
+            human, endpoint = _principals(conn, made)
+            for name, call in _subject_calls(human, endpoint, key).items():
+                counted[0] = 0
+                _run(conn, call, False)
+                steps.setdefault(name, {})[n] = counted[0] * 100
+        finally:
+            conn.close()
+    grown = {name: by for name, by in steps.items() if by[LARGE] > 1.5 * by[SMALL] + 2_000}
+    assert not grown, f"steps grew with the todos ({SMALL} -> {LARGE}): {grown}"
+
+
+def test_the_subjects_counts_are_the_todos_counted_after_every_change(built):
+    """What the subjects list filters on is kept by triggers through every transition the build made."""
+    path, _ = built[LARGE]
+    conn = sqlite3.connect(path)
+    try:
+        kept = conn.execute("SELECT human_id, key, open_todos, waiting_todos, state FROM subjects ORDER BY 1, 2").fetchall()
+        counted = conn.execute(
+            "SELECT e.human_id, t.subject_key, sum(t.state NOT IN ('done', 'failed', 'cancelled')),"
+            " sum(t.state IN ('quarantined', 'needs_input', 'blocked', 'review') OR (t.state = 'failed' AND"
+            " t.dead_letter = 1) OR (t.state = 'pending' AND t.queue = 'hold')) AS waiting, NULL"
+            " FROM todos t JOIN endpoints e ON e.id = t.endpoint_id WHERE t.subject_key IS NOT NULL"
+            " GROUP BY 1, 2 ORDER BY 1, 2").fetchall()
+    finally:
+        conn.close()
+    assert [r[:4] for r in kept] == [r[:4] for r in counted] and len(kept) > LARGE // 2
+    assert {r[4] for r in kept} == {"open", "waiting", "done"}
+    assert all(r[4] == ("waiting" if r[3] else "open" if r[2] else "done") for r in kept)

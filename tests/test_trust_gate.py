@@ -51,7 +51,7 @@ def test_sender_match_is_ascii_case_insensitive_and_rules_never_see_the_untruste
     assert trusted["disposition"] == "routed" and trusted["todos"][0]["queue"] == "lane-s"
     actor = envelope_of(world, alice, trusted)["actor"]
     assert actor == {"sender": "ALICE", "author": "mallory", "sender_trusted": True, "author_trusted": False,
-                     "trusted": True}
+                     "trusted": True, "via_connection": None}
     outsider = world.deliver(hook, *issue_opened(hook["secret"], "alice", "mallory")).json()
     assert outsider["disposition"] == "quarantined"
     event = world.client.get(f"/api/v1/events/{outsider['event_id']}", headers=alice.auth).json()

@@ -23,6 +23,7 @@ from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Match, Mount, NoMatchFound, Route, get_route_path, request_response
 from starlette.staticfiles import StaticFiles
 
+from switchboard.board.forge_pages import ForgePages, subject_path
 from switchboard.board.queries import (
     BOARD_BACK,
     BOARD_COOKIE,
@@ -424,6 +425,7 @@ class Board:
         self.live = LiveViews(self.db, flows.changes)
         flows.doorbell.attach(Session("board:live", frozenset(), "stream", lambda ring: None, self.live.close,
                                       via="board"))
+        self.forge_pages = ForgePages(self)
 
     @functools.cached_property
     def templates(self) -> jinja2.Environment:
@@ -439,6 +441,7 @@ class Board:
         templates.globals["inbox_first_action"] = INBOX_FIRST_ACTION
         templates.globals["bulk_actions"] = BULK_ACTIONS
         templates.globals["bulk_max"] = BULK_MAX
+        templates.globals["subject_path"] = subject_path
         return templates
 
     def routes(self) -> list[BaseRoute]:
@@ -483,6 +486,7 @@ class Board:
             Route("/endpoints/{endpoint_id}/queues/{queue}/pause", act(self.queue_pause), methods=["POST"]),
             Route("/endpoints/{endpoint_id}/queues/{queue}/resume", act(self.queue_resume), methods=["POST"]),
             Route("/endpoints/{endpoint_id}/queues/{queue}/limits", act(self.queue_limits), methods=["POST"]),
+            *self.forge_pages.routes(page, act),
             Mount("/static", app=StaticFiles(directory=BOARD_DIR / "static")),
             Route("/{rest:path}", page(self.not_found), methods=["GET", "POST"]),
         ]

@@ -16,6 +16,7 @@ from switchboard.database import Txn
 from switchboard.envelope import stored_envelope, untrusted_names
 from switchboard.payload import stored_payload, value_at
 from switchboard.providers import PROVIDER_TABLE
+from switchboard.store.connections import list_connections
 from switchboard.store.deliveries import EVENT_WITH_BODY, get_event
 from switchboard.store.principals import (
     Principal,
@@ -80,7 +81,8 @@ _INBOX_CASE = "CASE " + " ".join(f"WHEN {where} THEN '{name}'" for name, (_, whe
 _OPEN = "state NOT IN ('done', 'cancelled')"  # open work: what the inbox and the queues page show
 # Producer text keeps no bidirectional controls or lone surrogates on a page: they would make it read otherwise.
 BOARD_UNSAFE = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-BOARD_BACK = re.compile(r"^/board(?:/[A-Za-z0-9_.~/-]*)?(?:\?[A-Za-z0-9_.~=&%:-]*)?$")
+# A Board path a form may send the browser back to; a subject's page has its key quoted in it (`%23`, `:`).
+BOARD_BACK = re.compile(r"^/board(?:/[A-Za-z0-9_.~/%:-]*)?(?:\?[A-Za-z0-9_.~=&%:-]*)?$")
 EVENT_DISPOSITIONS = ("routed", "dropped", "repeat", "quarantined", "ping")
 # A delivery's line on a page (`issues.opened · org/repo#41 · Spelling error…`) reads its body for what the
 # stored envelope does not keep (a pull request's action and title) only up to this size.
@@ -216,7 +218,7 @@ def _todo_rows(txn: Txn, principal: Principal, where: str, params: tuple, after:
     (todos.grouped_page): a page costs the same however many todos the groups hold."""
     return grouped_page(txn, todo_groups(txn, principal, f"{_OPEN} AND ({where})", params),
                         "id, endpoint_id, queue, state, title, source, kind, state_reason, trace, created_at,"
-                        " updated_at, attempt, max_attempts, last_error, lease_expires_at, event_id,"
+                        " updated_at, attempt, max_attempts, last_error, lease_expires_at, event_id, subject_key,"
                         " (SELECT webhook_id FROM events WHERE events.id = todos.event_id) AS webhook_id",
                         limit, newest_first=newest_first, after=after)
 
@@ -227,7 +229,7 @@ def _inbox_item(row: sqlite3.Row) -> dict:
             "title": row["title"], "source": row["source"], "kind": row["kind"], "state_reason": row["state_reason"],
             "created_at": row["created_at"], "updated_at": row["updated_at"], "attempt": row["attempt"],
             "max_attempts": row["max_attempts"], "last_error": row["last_error"], "event_id": row["event_id"],
-            "webhook_id": row["webhook_id"], "trace": trace,
+            "webhook_id": row["webhook_id"], "trace": trace, "subject_key": row["subject_key"],
             "stage": trace.get("stage"), "rule": trace.get("rule_name") or trace.get("rule_id"),
             "cause": trace.get("cause"), "hold": trace.get("hold"), "detail": trace.get("payload_detail")}
 
@@ -268,7 +270,8 @@ def _trust_names(txn: Txn, todo: dict) -> list[str]:
                            stored_json(webhook["trusted_actors"]))
 
 
-def _with_choices(txn: Txn, principal: Principal, todo: dict, cache: dict) -> dict:
+def with_choices(txn: Txn, principal: Principal, todo: dict, cache: dict) -> dict:
+    """A todo with what its actions offer: the queues it may go to, and whom trusting would add."""
     return {**todo, "choices": _queue_choices(txn, principal, todo, cache), "trust_names": _trust_names(txn, todo)}
 
 
@@ -280,15 +283,15 @@ def board_inbox(txn: Txn, principal: Principal, group: str | None, after: tuple[
     groups, cache = [], {}
     for name in names:
         rows = _todo_rows(txn, principal, INBOX_GROUPS[name][1], (), after if group else None, limit + 1)
-        items = [_with_choices(txn, principal, _inbox_item(r), cache) for r in rows[:limit]]
+        items = [with_choices(txn, principal, _inbox_item(r), cache) for r in rows[:limit]]
         groups.append({"name": name, "title": INBOX_GROUPS[name][0], "items": items,
                        "more": f"{items[-1]['created_at']}.{items[-1]['id']}" if len(rows) > limit else None})
     return {"groups": groups, **bulk_choices(txn, principal)}
 
 
 def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) -> dict:
-    """Per endpoint and queue: open counts by state and the age of the oldest pending todo; the running work
-    with its claimant, lease and latest heartbeat note."""
+    """Per endpoint and queue: open counts by state, the age of the oldest pending todo, and how many were done in
+    the last hour and day; the running work with its claimant, lease and latest heartbeat note."""
     clause, params = scope_clause(principal)
     endpoints = {e["id"]: {**e, "queues": {q: {"counts": {}, "oldest_pending": None} for q in e["queues"]},
                            "control": queue_views(txn, e["id"], e["queues"])}
@@ -308,13 +311,23 @@ def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) 
     if after is not None:
         page += " AND (created_at, id) > (?, ?)"
         args += list(after)
-    sql = (f"SELECT t.id, t.title, t.queue, t.endpoint_id, t.lease_expires_at, t.created_at, a.claimant, a.claimed_at,"
+    sql = (f"SELECT t.id, t.title, t.queue, t.endpoint_id, t.lease_expires_at, t.created_at, t.subject_key, a.claimant,"
+           f" a.claimed_at,"
            f" a.summary, a.heartbeats, a.seq FROM ({page} ORDER BY created_at, id LIMIT ?) p JOIN todos t ON t.id = p.id"
            f" JOIN attempts a ON a.todo_id = t.id AND a.ended_at IS NULL ORDER BY t.created_at, t.id")
     running = [dict(r) for r in txn.all(sql, (*args, BOARD_PAGE_SIZE + 1))]
     more = running[BOARD_PAGE_SIZE - 1] if len(running) > BOARD_PAGE_SIZE else None
     for endpoint_id, working in _working(txn, clause, params).items():
         endpoints[endpoint_id]["working"] = working
+    # Done in the last hour and day: todo_done_minutes' few rows a queue, not the day's finished todos.
+    minute = txn.now // 60_000
+    for row in txn.all(f"SELECT endpoint_id, queue, sum(CASE WHEN minute > ? THEN n ELSE 0 END) AS hour, sum(n) AS day"
+                       f" FROM todo_done_minutes WHERE {clause} AND minute > ? GROUP BY endpoint_id, queue",
+                       (minute - 60, *params, minute - 1440)):
+        if row["endpoint_id"] in endpoints:
+            queue = endpoints[row["endpoint_id"]]["queues"].setdefault(row["queue"], {"counts": {},
+                                                                                      "oldest_pending": None})
+            queue["done"] = {"hour": row["hour"], "day": row["day"]}
     running_total = sum(q["counts"].get("claimed", 0) for e in endpoints.values() for q in e["queues"].values())
     return {"endpoints": list(endpoints.values()), "running": running[:BOARD_PAGE_SIZE], "running_total": running_total,
             "more": f"{more['created_at']}.{more['id']}" if more else None, **bulk_choices(txn, principal)}
@@ -367,7 +380,7 @@ def board_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
             timeline.append({"at": attempt["ended_at"], "kind": "ended", **attempt})
     timeline.sort(key=lambda entry: (entry["at"] or "", entry["kind"] != "history"))
     event = txn.one("SELECT webhook_id FROM events WHERE id = ?", (todo["event_id"],)) if todo["event_id"] else None
-    todo = _with_choices(txn, principal, {**todo, "webhook_id": event["webhook_id"] if event else None}, {})
+    todo = with_choices(txn, principal, {**todo, "webhook_id": event["webhook_id"] if event else None}, {})
     return {"todo": todo, "timeline": timeline, "facts": attempt_facts(todo)}
 
 
@@ -478,8 +491,10 @@ def board_webhook(txn: Txn, principal: Principal, webhook_id: str) -> dict:
               for r in list_routes(txn, principal, webhook_id)["routes"]]
     routed = {webhook["endpoint_id"], *(r["endpoint_id"] for r in routes)}
     endpoints = list_endpoints(txn, principal)["endpoints"]
+    connected = txn.one("SELECT policy FROM webhook_connections WHERE webhook_id = ?", (webhook_id,))
     return {"webhook": webhook, "rules": get_rules(txn, principal, webhook_id), "routes": routes, "recent": recent,
-            "endpoints": endpoints,
+            "endpoints": endpoints, "policy": json.loads(connected["policy"]) if connected else None,
+            "connections": list_connections(txn, principal)["connections"] if principal.kind != "endpoint" else [],
             "route_choices": [e for e in endpoints if not e["revoked_at"] and e["id"] not in routed]}
 
 

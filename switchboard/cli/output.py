@@ -26,6 +26,10 @@ TABLE_COLUMNS = {
     "attempts": ("seq", "claimant", "claimed_at", "ended_at", "outcome", "summary"),
     "history": ("at", "actor", "from", "to", "evidence"),
     "queues": ("queue", "paused", "in_flight", "claims_in_window", "pending"),
+    "connections": ("id", "kind", "login", "api_url", "repos", "last_used_at", "last_error"),
+    "subjects": ("key", "state", "open_todos", "queues", "last_activity_at", "title"),
+    "outputs": ("id", "type", "state", "target", "error", "sent_at"),
+    "timeline": ("at", "type", "todo_id", "kind", "disposition", "to", "output_type", "state"),
 }
 
 

@@ -54,6 +54,16 @@ from switchboard.cli.commands import (
     cli_webhook_set_secret,
     cli_webhook_trust,
 )
+from switchboard.cli.forge_commands import (
+    cli_connection_add,
+    cli_connection_list,
+    cli_connection_remove,
+    cli_connection_test,
+    cli_subject_list,
+    cli_subject_show,
+    cli_webhook_connect,
+    cli_webhook_disconnect,
+)
 from switchboard.cli.output import print_answer
 from switchboard.configuration import (
     DEFAULT_INGEST_BURST,
@@ -271,7 +281,7 @@ def _add_trust_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     webhook = _group(commands, "webhook", "webhooks: signed ingress URLs",
-                     "{create,rename,trust,list,rotate,delete,set-secret}")
+                     "{create,rename,trust,list,rotate,delete,set-secret,connect,disconnect}")
     create = _subcommand(webhook, "create", cli_webhook_create, "make an ingest URL; prints its secret once",
                          common)
     create.add_argument("--endpoint", required=True, help="owner endpoint id (ep_…)")
@@ -305,6 +315,16 @@ def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.Argumen
                              " issued", common)
     set_secret.add_argument("id", help="webhook id (wh_…)")
     set_secret.add_argument("--secret", required=True, help="the producer's signing secret")
+    connect = _subcommand(webhook, "connect", cli_webhook_connect, "write outputs through a forge connection (and"
+                          " with --mirror keep a status comment on each issue)", common)
+    connect.add_argument("webhook", help="webhook id (wh_…)")
+    connect.add_argument("connection", help="connection id (fc_…) of the webhook's human")
+    connect.add_argument("--mirror", action="store_true", help="keep one status comment per issue, edited in place")
+    connect.add_argument("--policy", help="output policy JSON file: {add_labels?: {allow, max}, remove_labels?:"
+                                          " {allow, max}, comment?: {max, max_bytes}} (default: size/* labels, 3"
+                                          " comments)")
+    _subcommand(webhook, "disconnect", cli_webhook_disconnect, "stop writing through a forge connection",
+                common).add_argument("webhook", help="webhook id (wh_…)")
 
     route = _group(commands, "route", "webhook routes to more endpoints", "{add,list,remove}")
     for name, handler, help_text in (("add", cli_route_add, "route a webhook's deliveries to an endpoint too"),
@@ -370,6 +390,34 @@ def _add_notify(commands: argparse._SubParsersAction, common: argparse.ArgumentP
         "id", help="channel id (nc_…)")
 
 
+def _add_forge(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    connection = _group(commands, "connection", "forge connections: where outputs are written", "{add,list,test,remove}")
+    add = _subcommand(connection, "add", cli_connection_add, "add a GitHub or Gitea connection for a human (the forge"
+                      " is asked who the token is)", common)
+    add.add_argument("--human", required=True, help="the owning human's name or id")
+    add.add_argument("--kind", required=True, choices=["github", "gitea"], help="which forge")
+    add.add_argument("--api", required=True, help="the forge's API: https://api.github.com, https://HOST/api/v1")
+    add.add_argument("--token-file", dest="token_file", required=True,
+                     help="a file (mode 0600) holding the token: issues read and write, nothing else")
+    add.add_argument("--repos", required=True, help="comma-separated owners (acme/) or repositories (acme/site) it"
+                                                    " may write to")
+    _subcommand(connection, "list", cli_connection_list, "every connection (no tokens)", common)
+    _subcommand(connection, "test", cli_connection_test, "ask the forge again who the token is (exit 1 when it"
+                " does not answer as before)", common).add_argument("id", help="connection id (fc_…)")
+    _subcommand(connection, "remove", cli_connection_remove, "remove a connection (its unsent outputs fail)",
+                common).add_argument("id", help="connection id (fc_…)")
+
+    subject = _group(commands, "subject", "subjects: one work item (an issue) across every queue", "{list,show}")
+    listing = _subcommand(subject, "list", cli_subject_list, "subjects, most recently active first", common)
+    listing.add_argument("--q", help="only those whose title or key holds this text")
+    listing.add_argument("--state", choices=["open", "waiting", "done"], help="open, waiting (on a human) or done")
+    listing.add_argument("--provider", choices=PROVIDERS, help="only this producer's")
+    listing.add_argument("--limit", type=int, help="at most this many (1..200, default 50)")
+    listing.add_argument("--cursor", help="the next page: the previous page's next_cursor")
+    _subcommand(subject, "show", cli_subject_show, "one subject: its todos and its timeline", common).add_argument(
+        "key", help="the subject key, e.g. github:acme/site#12")
+
+
 def _add_operations(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     _subcommand(commands, "init", cli_init, "create the database (or migrate it) and stop", common)
     backup = _subcommand(commands, "backup", cli_backup, "online backup to a new file (safe while serving)",
@@ -411,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_webhooks(commands, common)
     _add_events(commands, common)
     _add_notify(commands, common)
+    _add_forge(commands, common)
     commands.add_parser("worker", help="work an endpoint's queues over REST: `worker --help` lists its flags",
                         add_help=False)
     return parser

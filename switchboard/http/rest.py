@@ -38,6 +38,10 @@ from switchboard.models import (
     BulkAnswer,
     ClaimAnswer,
     ClaimNext,
+    ConnectionAnswer,
+    ConnectionCreate,
+    ConnectionListAnswer,
+    ConnectionTestAnswer,
     DeliveryAnswer,
     DoorbellQuery,
     EndpointCreate,
@@ -46,6 +50,7 @@ from switchboard.models import (
     FriendRequest,
     HumanNote,
     NotifyCreate,
+    OutputsAnswer,
     QueueAnswer,
     QueueLimits,
     QueueListAnswer,
@@ -57,15 +62,27 @@ from switchboard.models import (
     RouteAdd,
     RuleSet,
     RulesTest,
+    SubjectAnswer,
+    SubjectListAnswer,
+    SubjectListQuery,
     TodoAnswer,
     TodoListAnswer,
     TodoListQuery,
     TodoPush,
     TrustedActors,
+    WebhookConnect,
+    WebhookConnectionAnswer,
     WebhookCreate,
     WebhookSecret,
     WebhookUpdate,
     parse_model,
+)
+from switchboard.store.connections import (
+    connect_webhook,
+    disconnect_webhook,
+    get_webhook_connection,
+    list_connections,
+    remove_connection,
 )
 from switchboard.store.deliveries import get_event, list_events
 from switchboard.store.human_actions import push_todo
@@ -83,6 +100,7 @@ from switchboard.store.principals import (
 )
 from switchboard.store.queues import list_queues, pause_queue, resume_queue, set_queue_limits
 from switchboard.store.rules import get_rules
+from switchboard.store.subjects import get_subject, list_subjects
 from switchboard.store.todos import get_todo, list_todos
 from switchboard.store.transitions import claim_queues, revoke_endpoint
 from switchboard.store.upkeep import AGENT_ACTIONS, HUMAN_ACTIONS
@@ -121,10 +139,13 @@ class ApiRoute:
 
 
 def _action_routes() -> list[ApiRoute]:
-    routes = [ApiRoute("POST", f"/api/v1/todos/{{todo_id}}/{name}", "", f"{name} (agent, with the lease token)"
-                       if name != "claim" else "claim this todo by id", body=model,
-                       answer=ClaimAnswer if name == "claim" else None if name == "absorb" else TodoAnswer,
-                       auth="endpoint", store=fn, writes=True) for name, (model, fn) in AGENT_ACTIONS.items()]
+    answers = {"claim": ClaimAnswer, "absorb": None, "outputs": OutputsAnswer}
+    summaries = {"claim": "claim this todo by id", "outputs": "ask for forge outputs on the work order's issue while"
+                 " working (agent, with the lease token; fenced like heartbeat)"}
+    routes = [ApiRoute("POST", f"/api/v1/todos/{{todo_id}}/{name}", "",
+                       summaries.get(name, f"{name} (agent, with the lease token)"), body=model,
+                       answer=answers.get(name, TodoAnswer), auth="endpoint", store=fn, writes=True)
+              for name, (model, fn) in AGENT_ACTIONS.items()]
     routes += [ApiRoute("POST", f"/api/v1/todos/{{todo_id}}/{name}", "", f"{name} (human)", body=model,
                         answer=TodoAnswer, auth="human", store=fn, writes=True)
                for name, (model, fn) in HUMAN_ACTIONS.items()]
@@ -152,8 +173,13 @@ REST_ROUTES: list[ApiRoute] = [
              " wait_seconds for one", body=ClaimNext, answer=ClaimAnswer, auth="endpoint"),
     ApiRoute("GET", "/api/v1/doorbell", "doorbell_stream", "Server-Sent Events: `todo.ready` when this session is"
              " rung", query=DoorbellQuery, auth="endpoint", media="text/event-stream"),
-    ApiRoute("GET", "/api/v1/todos/{todo_id}", "", "a todo with attempts, history and receipt",
+    ApiRoute("GET", "/api/v1/todos/{todo_id}", "", "a todo with attempts, history, receipt and outputs",
              answer=TodoAnswer, store=get_todo),
+    ApiRoute("GET", "/api/v1/subjects", "", "the human's subjects (what work is about), most recently active first",
+             query=SubjectListQuery, answer=SubjectListAnswer, auth="human", store=list_subjects),
+    ApiRoute("GET", "/api/v1/subjects/{key:path}", "", "one subject (its key URL-encoded): its todos in every queue"
+             " and one timeline of deliveries, transitions, outputs and receipts, as the caller may see them",
+             answer=SubjectAnswer, store=get_subject),
     *_action_routes(),
     ApiRoute("POST", "/api/v1/todos/{todo_id}/release-quarantine", "", "release a held delivery: re-evaluate"
              " the rules, or send it to a queue", body=ReleaseQuarantine, answer=TodoAnswer, auth="human",
@@ -189,6 +215,13 @@ REST_ROUTES: list[ApiRoute] = [
              body=WebhookSecret),
     ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/trusted-actors", "", "set the trust gate's list (github,"
              " gitea, cairn)", body=TrustedActors, store=set_trusted_actors, writes=True),
+    ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/connection", "", "the forge connection a webhook writes through,"
+             " its mirror switch and output policy", answer=WebhookConnectionAnswer, store=get_webhook_connection),
+    ApiRoute("PUT", "/api/v1/webhooks/{webhook_id}/connection", "", "write through a forge connection (the policy"
+             " omitted: the default)", body=WebhookConnect, answer=WebhookConnectionAnswer, auth="human",
+             store=connect_webhook, writes=True),
+    ApiRoute("DELETE", "/api/v1/webhooks/{webhook_id}/connection", "", "stop writing through a forge connection",
+             auth="human", store=disconnect_webhook, writes=True),
     ApiRoute("GET", "/api/v1/webhooks/{webhook_id}/routes", "", "a webhook's routes", store=list_routes),
     ApiRoute("POST", "/api/v1/webhooks/{webhook_id}/routes", "", "route deliveries to an endpoint",
              body=RouteAdd, status=201, store=add_route, writes=True),
@@ -216,6 +249,15 @@ REST_ROUTES: list[ApiRoute] = [
              store=remove_channel, writes=True),
     ApiRoute("POST", "/api/v1/notify/{channel_id}/test", "", "send one test message now", auth="human",
              flow="test_channel"),
+    ApiRoute("GET", "/api/v1/connections", "", "the human's forge connections (no tokens)",
+             answer=ConnectionListAnswer, auth="human", store=list_connections),
+    ApiRoute("POST", "/api/v1/connections", "", "add a forge connection: the forge is asked who the token is (the"
+             " token is write-only)", body=ConnectionCreate, answer=ConnectionAnswer, status=201, auth="human",
+             flow="add_connection"),
+    ApiRoute("DELETE", "/api/v1/connections/{connection_id}", "", "remove a forge connection (its unsent outputs"
+             " fail)", answer=ConnectionAnswer, auth="human", store=remove_connection, writes=True),
+    ApiRoute("POST", "/api/v1/connections/{connection_id}/test", "", "ask the forge again who the token is",
+             answer=ConnectionTestAnswer, auth="human", flow="test_connection"),
     ApiRoute("GET", "/api/v1/friends", "", "the human's friend edges", auth="human", store=list_friends),
     ApiRoute("POST", "/api/v1/friends", "", "ask another human for a friend edge", body=FriendRequest,
              status=201, auth="human", store=friend_request, writes=True),
@@ -242,9 +284,14 @@ AUTH_NOTES = {"token": "an endpoint token (sbk_…) or a human token (sbh_…)",
               " signed providers also send their signature header", "metrics": "the metrics token, when set"}
 
 
+def documented_path(path: str) -> str:
+    """A route's path as OpenAPI writes it: `{key:path}` (a parameter that may hold `/`) is `{key}`."""
+    return re.sub(r"{(\w+):\w+}", r"{\1}", path)
+
+
 def _operation(route: ApiRoute, schemas: dict) -> dict:
     parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-                  for name in re.findall(r"{(\w+)}", route.path)]
+                  for name in re.findall(r"{(\w+)(?::\w+)?}", route.path)]
     if route.query is not None:
         query = route.query.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(query.pop("$defs", {}))
@@ -253,7 +300,8 @@ def _operation(route: ApiRoute, schemas: dict) -> dict:
     answer = ({"schema": _schema_ref(route.answer, schemas)} if route.answer else
               {"schema": {"type": "string"} if route.media != "application/json" else {"type": "object"}})
     operation = {
-        "operationId": f"{route.method.lower()}_{re.sub(r'[^a-z0-9]+', '_', route.path.lower()).strip('_')}",
+        "operationId": f"{route.method.lower()}_"
+                       f"{re.sub(r'[^a-z0-9]+', '_', documented_path(route.path).lower()).strip('_')}",
         "summary": route.summary, "description": f"Credential: {AUTH_NOTES[route.auth]}.",
         "parameters": parameters,
         "responses": {str(route.status): {"description": "success", "content": {route.media: answer}},
@@ -276,7 +324,7 @@ def openapi_document() -> dict:
     schemas: dict = {}
     paths: dict = {}
     for route in REST_ROUTES + MCP_ROUTES:
-        paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, schemas)
+        paths.setdefault(documented_path(route.path), {})[route.method.lower()] = _operation(route, schemas)
     return {"openapi": "3.1.0",
             "info": {"title": "Switchboard", "version": VERSION,
                      "description": "Signed webhooks in, durable leased work for AI agents out. MCP is at /mcp."},

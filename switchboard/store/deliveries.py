@@ -15,6 +15,7 @@ from switchboard.envelope import envelope_title, stored_envelope, untrusted_name
 from switchboard.models import EventListQuery
 from switchboard.payload import parse_payload
 from switchboard.store.principals import Principal
+from switchboard.store.subjects import note_delivery
 from switchboard.store.todos import stored_json
 from switchboard.store.transitions import claim_once, create_todo, record_event
 from switchboard.store.webhooks import visible_webhook, webhook_targets
@@ -87,8 +88,12 @@ class Delivery:
 
 
 def find_webhook(txn: Txn, token: str) -> sqlite3.Row | None:
-    return txn.one("SELECT w.*, e.human_id, e.revoked_at AS owner_revoked_at FROM webhooks w"
-                   " JOIN endpoints e ON e.id = w.endpoint_id WHERE w.token_hash = ?", (token_hash(token),))
+    """The webhook behind an ingest token, with its owner and the login of the forge connection it writes through
+    (a trusted actor of it)."""
+    return txn.one("SELECT w.*, e.human_id, e.revoked_at AS owner_revoked_at, (SELECT c.login FROM webhook_connections"
+                   " wc JOIN forge_connections c ON c.id = wc.connection_id WHERE wc.webhook_id = w.id)"
+                   " AS connection_login FROM webhooks w JOIN endpoints e ON e.id = w.endpoint_id"
+                   " WHERE w.token_hash = ?", (token_hash(token),))
 
 
 # The first outcome of a delivery seen before on webhook `w`: by delivery id, or (signed webhooks) by body, which
@@ -260,7 +265,9 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
                  kind=envelope["kind"], trust_mode=envelope["trust_mode"], verified=envelope["verified"],
                  delivery_key=delivery.delivery_key, body_hash=delivery.body_hash,
                  headers=delivery.headers_json, body=delivery.body, envelope=delivery.envelope_record,
-                 disposition=plan.disposition, trace=json.dumps(plan.trace), outcome=json.dumps(outcome))
+                 disposition=plan.disposition, trace=json.dumps(plan.trace), outcome=json.dumps(outcome),
+                 subject_key=envelope["subject_key"])
+    note_delivery(txn, [webhook["human_id"], *plan.humans.values()], envelope)
     title = envelope_title(envelope)
     for todo_id, target in zip(todo_ids, plan.targets, strict=True):
         create_planned_todo(txn, todo_id, target, envelope, plan, event_id, title)

@@ -12,6 +12,7 @@ from switchboard.database import Database, Txn
 from switchboard.envelope import actors_to_trust, stored_envelope, untrusted_names
 from switchboard.evaluator import Evaluator
 from switchboard.models import ReleaseQuarantine
+from switchboard.store.connections import connection_login
 from switchboard.store.deliveries import EVENT_WITH_BODY, create_planned_todo, plan_delivery
 from switchboard.store.human_actions import human_todo
 from switchboard.store.principals import Principal
@@ -63,7 +64,7 @@ def prepare_quarantine_release(db: Database, evaluator: Evaluator, principal: Pr
     if webhook is None:
         raise ApiError("conflict", "the webhook of this delivery is gone; discard it")
     trusted = _trusting(todo, webhook, envelope)[0] if body.trust_actor else None
-    envelope = with_current_actor(envelope, webhook, trusted)
+    envelope = with_current_actor(envelope, webhook, trusted, db.read_sync(connection_login, webhook["id"]))
     envelope["release"] = {"by": principal.actor, "at": iso(db.clock.now_ms())}
     if body.queue is not None:
         action = {"queue": body.queue, "exclusive": True}

@@ -14,6 +14,7 @@ from switchboard.envelope import envelope_document, envelope_record, envelope_ti
 from switchboard.evaluator import Evaluator
 from switchboard.models import ReplayMany
 from switchboard.payload import payload_text
+from switchboard.store.connections import connection_login
 from switchboard.store.deliveries import EVENT_WITH_BODY, create_planned_todo, plan_delivery
 from switchboard.store.principals import Principal
 from switchboard.store.routing import decide_for_webhook, gate, with_current_actor
@@ -39,7 +40,8 @@ def replay_subject(txn: Txn, principal: Principal, event_id: str) -> tuple[sqlit
                       " WHERE w.id = ?", (event["webhook_id"],))
     if webhook is None or event["envelope"] is None:
         raise ApiError("conflict", f"event {event_id} can no longer be replayed (its webhook or envelope is gone)")
-    return event, webhook, with_current_actor(stored_envelope(event["envelope"], event["headers"], event["body"]), webhook)
+    return event, webhook, with_current_actor(stored_envelope(event["envelope"], event["headers"], event["body"]),
+                                              webhook, connection_login=connection_login(txn, webhook["id"]))
 
 
 def replay_events(txn: Txn, principal: Principal, webhook_id: str, body: ReplayMany) -> list[tuple[str, int]]:

@@ -11,6 +11,7 @@ from switchboard.database import Database, Txn
 from switchboard.envelope import actor_view, build_envelope, stored_envelope
 from switchboard.evaluator import Evaluator, combined_program, fault_detail, forbidden_in_program
 from switchboard.models import Rule, RuleSet, RulesTest, parse_model
+from switchboard.store.connections import connection_login
 from switchboard.store.deliveries import EVENT_WITH_BODY, plan_delivery
 from switchboard.store.principals import Principal
 from switchboard.store.rules import (
@@ -26,12 +27,21 @@ from switchboard.store.webhooks import visible_webhook
 
 # -- routing decisions (the evaluator's side of the store) ------------------------------------------
 
+# Forge events that say someone commented: the server's own comments (outputs, status comments) come back as these.
+COMMENT_KINDS = frozenset({"issue_comment", "pull_request_review_comment", "pull_request_comment", "commit_comment",
+                           "discussion_comment"})
+
+
 def gate(envelope: dict) -> tuple[dict, dict] | None:
     """What is decided before any rule runs. A producer's hello (GitHub's `ping`, sent when a webhook is
-    created) proves the secret and is recorded, but is never work. A delivery whose actor the webhook does not
-    trust is held for its human (the trust gate), so no rule ever sees it."""
+    created) proves the secret and is recorded, but is never work. A comment the webhook's own forge connection
+    wrote (an output, the status comment) is the server's own echo: dropped, reason `own_output`. A delivery
+    whose actor the webhook does not trust is held for its human (the trust gate), so no rule ever sees it."""
     if envelope["source"] == "github" and envelope["kind"] == "ping":
         return {"ping": True}, {"stage": "ping", "action": {"ping": True}}
+    if envelope["actor"].get("via_connection") and envelope["kind"] in COMMENT_KINDS:
+        action = {"drop": True}
+        return action, {"stage": "own_output", "cause": "own_output", "action": action}
     if envelope["actor"]["trusted"] is False:
         action = {"quarantine": True}
         return action, {"stage": "trust_gate", "cause": "untrusted_actor", "action": action}
@@ -127,19 +137,22 @@ def _targets_checked_envelopes(txn: Txn, principal: Principal, webhook_id: str, 
     return latest_envelopes(txn, webhook_id)
 
 
-def _test_subject(txn: Txn, principal: Principal, webhook_id: str, event_id: str | None) -> tuple[sqlite3.Row, dict | None]:
+def _test_subject(txn: Txn, principal: Principal, webhook_id: str,
+                  event_id: str | None) -> tuple[sqlite3.Row, dict | None, str | None]:
     webhook = visible_webhook(txn, principal, webhook_id, "test_webhook_rules")
+    login = connection_login(txn, webhook_id)
     if event_id is None:
-        return webhook, None
+        return webhook, None, login
     row = txn.one(f"{EVENT_WITH_BODY} WHERE id = ? AND webhook_id = ?", (event_id, webhook_id))
     if row is None or row["envelope"] is None:
         raise ApiError("not_found", f"no event {event_id} on this webhook")
-    return webhook, with_current_actor(stored_envelope(row["envelope"], row["headers"], row["body"]), webhook)
+    return webhook, with_current_actor(stored_envelope(row["envelope"], row["headers"], row["body"]), webhook,
+                                       connection_login=login), login
 
 
 def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webhook_id: str, body: RulesTest) -> dict:
     """The dry run: what would happen to this envelope, storing nothing."""
-    webhook, envelope = db.read_sync(_test_subject, principal, webhook_id, body.event_id)
+    webhook, envelope, login = db.read_sync(_test_subject, principal, webhook_id, body.event_id)
     stored = rules_view(webhook)
     if body.rules is not None:
         rules_models, default = body.rules, body.default_action
@@ -156,7 +169,8 @@ def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webh
         verified = body.verified if body.verified is not None else webhook["trust_mode"] == "signed"
         envelope = build_envelope(provider=webhook["provider"], webhook_id=webhook["id"],
                                   trust_mode=webhook["trust_mode"], verified=verified, headers=headers, body=raw,
-                                  payload=body.payload, trusted_actors=stored_json(webhook["trusted_actors"]))
+                                  payload=body.payload, trusted_actors=stored_json(webhook["trusted_actors"]),
+                                  connection_login=login)
     elif body.verified is not None:
         envelope["verified"] = body.verified
     action, trace = gate(envelope) or decide(
@@ -170,7 +184,9 @@ def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webh
             "trace": plan.trace, "once_key": plan.once_key, "work_order": plan.work_order, "envelope": envelope}
 
 
-def with_current_actor(envelope: dict, webhook: sqlite3.Row, trusted_actors: dict | None = None) -> dict:
-    """A stored envelope with `.actor` as the webhook's trusted actors (or `trusted_actors`) say now."""
+def with_current_actor(envelope: dict, webhook: sqlite3.Row, trusted_actors: dict | None = None,
+                       connection_login: str | None = None) -> dict:
+    """A stored envelope with `.actor` as the webhook's trusted actors (or `trusted_actors`) and the login of the
+    connection it writes through say now."""
     trusted = trusted_actors or stored_json(webhook["trusted_actors"])
-    return {**envelope, "actor": actor_view(webhook["provider"], envelope["payload"], trusted)}
+    return {**envelope, "actor": actor_view(webhook["provider"], envelope["payload"], trusted, connection_login)}

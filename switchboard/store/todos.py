@@ -60,6 +60,23 @@ def attempt_view(row: sqlite3.Row) -> dict:
             "artifact": row["artifact"]}
 
 
+def output_view(row: sqlite3.Row) -> dict:
+    """A forge output as its todo, its subject and the answers show it."""
+    view = {"id": row["id"], "todo_id": row["todo_id"], "type": row["type"],
+            "target": f"{row['repo']}#{row['number']}", "state": row["state"], "error": row["error"],
+            "attempts": row["attempts"], "created_at": iso(row["created_at"]), "sent_at": iso(row["sent_at"])}
+    if row["type"] == "comment":
+        view["body"] = row["body"]
+    else:
+        view["labels"] = json.loads(row["labels"])
+    return view
+
+
+def outputs_of(txn: Txn, todo_id: str) -> list[dict]:
+    return [output_view(r) for r in txn.all("SELECT * FROM forge_outputs WHERE todo_id = ? ORDER BY created_at, id",
+                                            (todo_id,))]
+
+
 def scope_clause(principal: Principal) -> tuple[str, tuple]:
     """The WHERE fragment that confines a query on `todos` to what the principal may see."""
     if principal.kind == "endpoint":
@@ -246,6 +263,7 @@ def get_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
     receipt = txn.one("SELECT id FROM receipts WHERE todo_id = ? ORDER BY written_at DESC, id DESC LIMIT 1",
                       (todo_id,)) or txn.one("SELECT receipt_id AS id FROM receipt_items WHERE todo_id = ?", (todo_id,))
     view["receipt"] = receipt_view(txn, receipt["id"]) if receipt else None
+    view["outputs"] = outputs_of(txn, todo_id)
     return view
 
 

@@ -22,9 +22,21 @@ from switchboard.configuration import (
 )
 from switchboard.crypto import hashes_match, new_id, token_hash
 from switchboard.database import Txn
-from switchboard.models import Block, ClaimById, ClaimNext, Complete, Fail, Heartbeat, Leased, NeedsInput, Release
+from switchboard.models import (
+    Block,
+    ClaimById,
+    ClaimNext,
+    Complete,
+    Fail,
+    Heartbeat,
+    Leased,
+    NeedsInput,
+    PostOutputs,
+    Release,
+)
 from switchboard.store.admission import admit, ring_room
 from switchboard.store.outbox import notify_todo
+from switchboard.store.outputs import accept_outputs, mark_status
 from switchboard.store.principals import Principal, endpoint_view, own_endpoint
 from switchboard.store.todos import attempt_view, dump_json, load_todo, reload_todo, todo_view
 
@@ -88,6 +100,7 @@ def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: 
                                                    json.dumps({"event_id": event_id})))
     txn.logs.append(f"todo {todo_id} created on {endpoint_id} by {actor}")
     txn.counts["created"] += 1
+    mark_status(txn, todo_id, values["subject_key"], event_id)
     if values["state"] == "quarantined" or queue == HOLD_QUEUE:
         notify_todo(txn, todo_id, "held")
     if rung:
@@ -101,13 +114,13 @@ def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: 
 def record_event(txn: Txn, event_id: str, *, human_id: str, source: str, kind: str | None, trust_mode: str,
                  verified: bool, body: bytes | str | None, disposition: str, trace: str, webhook_id: str | None = None,
                  delivery_key: str | None = None, body_hash: str | None = None, headers: str = "{}",
-                 envelope: str | None = None, outcome: str | None = None) -> None:
+                 envelope: str | None = None, outcome: str | None = None, subject_key: str | None = None) -> None:
     """The one place an event (a delivery, or an operator-authored todo's provenance) is written."""
     txn.execute("INSERT INTO events (id, webhook_id, human_id, source, kind, trust_mode, verified, delivery_key,"
-                " body_hash, headers, envelope, disposition, trace, outcome, received_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " body_hash, headers, envelope, disposition, trace, outcome, received_at, subject_key)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (event_id, webhook_id, human_id, source, kind, trust_mode, int(verified), delivery_key, body_hash,
-                 headers, envelope, disposition, trace, outcome, txn.now))
+                 headers, envelope, disposition, trace, outcome, txn.now, subject_key))
     if body is not None:
         txn.execute("INSERT INTO event_bodies (event_id, body) VALUES (?, ?)", (event_id, body))
 
@@ -134,6 +147,7 @@ def transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence:
                 (todo["id"], txn.now, actor, todo["state"], to_state,
                  json.dumps(evidence) if evidence is not None else None))
     txn.logs.append(f"todo {todo['id']} {todo['state']} -> {to_state} by {actor}")
+    mark_status(txn, todo["id"], todo["subject_key"], todo["event_id"])
     if to_state == "claimed":
         txn.counts["claimed"] += 1
     elif to_state == "done":
@@ -433,8 +447,14 @@ def _truncate_utf8(text: str | None, limit: int) -> str | None:
     return text.encode()[:limit].decode("utf-8", "ignore")
 
 
+def _with_outputs(view: dict, made: list[dict], asked: list | None) -> dict:
+    """A report's answer: the todo, and the outputs it made when it asked for any."""
+    return {**view, "outputs": made} if asked else view
+
+
 def complete(txn: Txn, principal: Principal, todo_id: str, body: Complete) -> dict:
     todo = _fenced(txn, principal, "complete", todo_id, body.lease_token, "todo_rows")
+    made = accept_outputs(txn, todo, body.outputs or [])
     result = dump_json(body.result, "result")
     if result is not None and len(result.encode()) > MAX_RESULT_BYTES:
         raise ApiError("too_large", f"result is over {MAX_RESULT_BYTES} bytes")
@@ -449,7 +469,7 @@ def complete(txn: Txn, principal: Principal, todo_id: str, body: Complete) -> di
         end_attempt(txn, todo, "completed", summary, body.artifact)
         written = transition(txn, todo, "done", principal.actor, evidence, result=result, outcome="completed")
         write_receipt(txn, todo, principal.actor)
-    return todo_view(_as_written(todo, written))
+    return _with_outputs(todo_view(_as_written(todo, written)), made, body.outputs)
 
 
 def backoff_ms(attempt: int) -> int:
@@ -458,6 +478,7 @@ def backoff_ms(attempt: int) -> int:
 
 def fail(txn: Txn, principal: Principal, todo_id: str, body: Fail) -> dict:
     todo = _fenced(txn, principal, "fail", todo_id, body.lease_token)
+    made = accept_outputs(txn, todo, body.outputs or [])
     end_attempt(txn, todo, "failed", _truncate_utf8(body.error, MAX_SUMMARY_BYTES))
     evidence = {"attempt": todo["attempt"], "error": body.error, "retry": body.retry}
     if body.retry and todo["attempt"] < todo["max_attempts"]:
@@ -466,7 +487,7 @@ def fail(txn: Txn, principal: Principal, todo_id: str, body: Fail) -> dict:
                     available_at=txn.now + delay)
     else:
         transition(txn, todo, "failed", principal.actor, evidence, last_error=body.error, dead_letter=1)
-    return todo_view(reload_todo(txn, todo_id))
+    return _with_outputs(todo_view(reload_todo(txn, todo_id)), made, body.outputs)
 
 
 def release(txn: Txn, principal: Principal, todo_id: str, body: Release) -> dict:
@@ -489,14 +510,22 @@ def _hand_back(txn: Txn, principal: Principal, todo: sqlite3.Row, note: str | No
 
 def needs_input(txn: Txn, principal: Principal, todo_id: str, body: NeedsInput) -> dict:
     todo = _fenced(txn, principal, "needs_input", todo_id, body.lease_token)
+    made = accept_outputs(txn, todo, body.outputs or [])
     end_attempt(txn, todo, "needs_input", body.question)
     transition(txn, todo, "needs_input", principal.actor, {"question": body.question},
                 state_reason=body.question)
-    return todo_view(reload_todo(txn, todo_id))
+    return _with_outputs(todo_view(reload_todo(txn, todo_id)), made, body.outputs)
 
 
 def block(txn: Txn, principal: Principal, todo_id: str, body: Block) -> dict:
     todo = _fenced(txn, principal, "block", todo_id, body.lease_token)
+    made = accept_outputs(txn, todo, body.outputs or [])
     end_attempt(txn, todo, "blocked", body.reason)
     transition(txn, todo, "blocked", principal.actor, {"reason": body.reason}, state_reason=body.reason)
-    return todo_view(reload_todo(txn, todo_id))
+    return _with_outputs(todo_view(reload_todo(txn, todo_id)), made, body.outputs)
+
+
+def post_outputs(txn: Txn, principal: Principal, todo_id: str, body: PostOutputs) -> dict:
+    """Outputs while the work goes on, fenced like a heartbeat (the same verb, the same lease)."""
+    todo = _fenced(txn, principal, "heartbeat", todo_id, body.lease_token)
+    return {"outputs": accept_outputs(txn, todo, body.outputs)}

@@ -29,6 +29,7 @@ from switchboard.models import (
     HumanNote,
     Leased,
     NeedsInput,
+    PostOutputs,
     Release,
     RequestChanges,
     Reroute,
@@ -58,6 +59,7 @@ from switchboard.store.transitions import (
     heartbeat,
     mark_rung,
     needs_input,
+    post_outputs,
     release,
     transition,
 )
@@ -251,7 +253,7 @@ def check_database(txn: Txn) -> dict:
 AGENT_ACTIONS: dict[str, tuple[type[Body], Callable]] = {
     "claim": (ClaimById, claim_todo), "heartbeat": (Heartbeat, heartbeat), "complete": (Complete, complete),
     "fail": (Fail, fail), "release": (Release, release), "needs-input": (NeedsInput, needs_input),
-    "block": (Block, block), "absorb": (Leased, absorb),
+    "block": (Block, block), "absorb": (Leased, absorb), "outputs": (PostOutputs, post_outputs),
 }
 HUMAN_ACTIONS: dict[str, tuple[type[Body], Callable]] = {
     "approve": (HumanNote, approve), "request-changes": (RequestChanges, request_changes),

@@ -162,6 +162,16 @@ def add_trusted_actors(txn: Txn, principal: Principal, webhook_id: str, names: l
             known.add(fold(name))
     document = {**trusted, kind: listed, **({"match": match} if match is not None else {})}
     return set_trusted_actors(txn, principal, webhook_id, parse_model(TrustedActors, document))
+def _with_connections(txn: Txn, views: list[dict]) -> list[dict]:
+    """Each webhook with the forge connection it writes through (its login is one of its trusted actors), or
+    None."""
+    ids = [view["id"] for view in views]
+    found = {r["webhook_id"]: {"id": r["connection_id"], "kind": r["kind"], "login": r["login"],
+                               "mirror": bool(r["mirror"])}
+             for r in txn.all(f"SELECT wc.webhook_id, wc.connection_id, wc.mirror, c.kind, c.login"
+                              f" FROM webhook_connections wc JOIN forge_connections c ON c.id = wc.connection_id"
+                              f" WHERE wc.webhook_id IN ({', '.join('?' * len(ids))})", ids)} if ids else {}
+    return [{**view, "connection": found.get(view["id"])} for view in views]
 
 
 def list_webhooks(txn: Txn, principal: Principal) -> dict:
@@ -173,11 +183,11 @@ def list_webhooks(txn: Txn, principal: Principal) -> dict:
                        " ORDER BY w.created_at, w.id", (principal.human_id,))
     else:
         rows = txn.all("SELECT * FROM webhooks ORDER BY created_at, rowid")
-    return {"webhooks": [webhook_view(r) for r in rows]}
+    return {"webhooks": _with_connections(txn, [webhook_view(r) for r in rows])}
 
 
 def get_webhook(txn: Txn, principal: Principal, webhook_id: str) -> dict:
-    return webhook_view(visible_webhook(txn, principal, webhook_id, "list_webhooks"))
+    return _with_connections(txn, [webhook_view(visible_webhook(txn, principal, webhook_id, "list_webhooks"))])[0]
 
 
 def rotate_webhook(txn: Txn, principal: Principal, box: SecretBox, webhook_id: str, base_url: str) -> dict:

@@ -36,10 +36,11 @@ weighs on every size alike; each figure below is the median of the rounds), a fr
  5. server start: `serve` spawned to its first `/healthz` 200
  6. claim + complete over REST, 8 workers, 1,000 cycles: rate, claim p50/p99
  7. ingest without rules over HTTP, 16 senders, 1,500 signed deliveries: rate, ack p50/p99
- 8. Board pages (inbox, queues, deliveries, a todo, the todo list of done work) and the human's `GET
-    /api/v1/todos`: of a queue, of finished work (`state=done,failed,cancelled`), of one subject, and searched
-    by title (`q`, matched by one todo in the whole database): server time p50/p95 over 30 requests each,
-    in-process through Starlette's test client (bench_board's Timed)
+ 8. Board pages (inbox, queues, deliveries, a todo, the todo list of done work, the subjects and a subject's
+    page) and the human's `GET /api/v1/todos`: of a queue, of finished work (`state=done,failed,cancelled`), of
+    one subject, and searched by title (`q`, matched by one todo in the whole database), and `GET
+    /api/v1/subjects` (all, and `state=waiting`) and `GET /api/v1/subjects/{key}`: server time p50/p95 over 30
+    requests each, in-process through Starlette's test client (bench_board's Timed)
  9. a re-ring tick: every pending todo made due (in a transaction rolled back after), then scheduler ticks of
     500 rings each, timed in-process
 
@@ -53,10 +54,13 @@ Last (it changes the database), on each:
 Before each round and the prune, the run waits (up to `--gate` seconds) for other processes to leave the CPUs
 idle, and the report says how much CPU they took anyway.
 
-Goals (issue 30; issue 36 for the filtered lists): every latency at the largest size within 1.5x of its 10k
-figure; ingest and claim rates at the largest size at least 0.8x of 10k; start under 2 s and backup at least
-100 MB/s at the largest size; bytes per todo flat (within 10%); Board pages and the human's lists under 50 ms (p95)
-at the largest size; the ingest p99 while a prune runs under 100 ms at every size. Writes
+`--pages-only` builds the sizes and measures only part 8 (the rounds' pages), three times each, for a quick look at
+the pages at 1M todos without the hour of the whole run.
+
+Goals (issue 30; issue 36 for the filtered lists and the subjects): every latency at the largest size within 1.5x
+of its 10k figure; ingest and claim rates at the largest size at least 0.8x of 10k; start under 2 s and backup at
+least 100 MB/s at the largest size; bytes per todo flat (within 10%); Board pages and the human's lists under 50 ms
+(p95) at the largest size; the ingest p99 while a prune runs under 100 ms at every size. Writes
 tests/bench/results-scale.json.
 """
 
@@ -74,6 +78,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -452,13 +457,17 @@ def board_pages(path: str, made: dict) -> dict:
     with TestClient(timed, base_url="http://bench") as client:
         todo_id = signed_in(client, app, made["human"]["token"])
         auth = {"Authorization": f"Bearer {made['human']['token']}"}
+        key = urllib.parse.quote(client.get(f"/api/v1/todos/{todo_id}", headers=auth).json()["subject_key"], safe="")
         pages = [("inbox", "/board", {}), ("queues", "/board/queues", {}),
                  ("deliveries", f"/board/webhooks/{hook_id}/deliveries", {}), ("a todo", f"/board/todos/{todo_id}", {}),
                  ("Board todo list, done", "/board/todos?state=done", {}),
                  ("human's list", f"/api/v1/todos?queue={QUEUE}", auth),
                  ("finished work", "/api/v1/todos?state=done,failed,cancelled", auth),
                  ("a subject's todos", "/api/v1/todos?subject=github%3ACodertocat%2FHello-World%237", auth),
-                 ("a title search", "/api/v1/todos?q=Hello-World%2342%3A", auth)]
+                 ("a title search", "/api/v1/todos?q=Hello-World%2342%3A", auth),
+                 ("subjects", "/api/v1/subjects", auth), ("subjects waiting", "/api/v1/subjects?state=waiting", auth),
+                 ("a subject", f"/api/v1/subjects/{key}", auth), ("subjects page", "/board/subjects", {}),
+                 ("a subject's page", f"/board/subjects/{key}", {})]
         for name, page, headers in pages:
             times = []
             for run in range(RUNS + 3):
@@ -588,7 +597,8 @@ def summarize(out: dict) -> dict:
 # ----------------------------------------------------------------------------------------------------
 
 PAGES = ("inbox", "queues", "deliveries", "a todo", "Board todo list, done", "human's list", "finished work",
-         "a subject's todos", "a title search")
+         "a subject's todos", "a title search", "subjects", "subjects waiting", "a subject", "subjects page",
+         "a subject's page")
 # Latencies (ms or s) whose figure at the largest size must stay within 1.5x of 10k's: (label, path in a result).
 LATENCIES = [("claim p50 (ms)", ("claim", "claim_p50_ms")), ("claim p99 (ms)", ("claim", "claim_p99_ms")),
              ("ingest ack p50 (ms)", ("ingest", "p50_ms")), ("ingest ack p99 (ms)", ("ingest", "p99_ms")),
@@ -677,6 +687,42 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def pages_only(sizes: list[int], args: argparse.Namespace) -> int:
+    """Part 8 alone: each size built, then its pages measured in ROUNDS rounds (medians of the rounds' p50 and p95).
+    Writes the report beside --out (`-pages` before the suffix) and prints its table."""
+    folder = tempfile.mkdtemp(prefix="sb-scale-pages-", dir=args.dir)
+    report: dict = {"machine": machine_facts(), "loadavg": os.getloadavg(), "sizes": {}}
+    started = time.perf_counter()
+    try:
+        for n in sizes:
+            path = os.path.join(folder, f"scale-{n}.db")
+            log(f"{n:,} todos: building")
+            made = build(path, n)
+            rounds = []
+            for round_ in range(ROUNDS):
+                report.setdefault("gates", []).append(load_gate(f"{n} pages {round_ + 1}", GATE_MAX_S))
+                rounds.append(board_pages(path, made))
+            report["sizes"][n] = {"build_s": made["build_s"], "pages": {
+                page: {k: statistics.median(r[page][k] for r in rounds) for k in ("p50_ms", "p95_ms")}
+                for page in PAGES}}
+            os.remove(path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    report["elapsed_s"] = time.perf_counter() - started
+    out = Path(args.out)
+    out.with_name(out.stem + "-pages" + out.suffix).write_text(json.dumps(report, indent=2) + "\n")
+    head = " | ".join(f"{n:,}" for n in report["sizes"])
+    lines = [f"| page: server time p50 / p95 (ms) | {head} |", "|---|" + "---:|" * len(report["sizes"])]
+    for page in PAGES:
+        lines.append(f"| {page} | " + " | ".join(f"{r['pages'][page]['p50_ms']:.1f} / {r['pages'][page]['p95_ms']:.1f}"
+                                                  for r in report["sizes"].values()) + " |")
+    print("\n".join(lines))
+    largest = report["sizes"][sizes[-1]]["pages"]
+    met = sum(largest[page]["p95_ms"] < TARGET_PAGE_MS for page in PAGES)
+    print(f"\npages: {met} of {len(PAGES)} under {TARGET_PAGE_MS:g} ms (p95) at {sizes[-1]:,} todos")
+    return 0 if met == len(PAGES) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     global GATE_MAX_S
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -688,12 +734,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="first wait up to SECONDS for other processes to leave the CPUs idle")
     parser.add_argument("--gate", type=float, default=GATE_MAX_S, metavar="SECONDS",
                         help=f"before each timed part, wait up to SECONDS for them (default {GATE_MAX_S:g})")
+    parser.add_argument("--pages-only", dest="pages_only", action="store_true",
+                        help="build the sizes, then measure only the pages and the API's lists (three rounds)")
     args = parser.parse_args(argv)
     GATE_MAX_S = args.gate
     if args.wait_quiet > 0:
         load_gate("start", args.wait_quiet)
     sizes = ([int(x) for x in args.sizes.split(",")] if args.sizes
              else list(SIZES_QUICK if args.quick else SIZES_FULL))
+    if args.pages_only:
+        return pages_only(sizes, args)
     report: dict = {"machine": machine_facts(), "quick": args.quick, "loadavg": os.getloadavg(), "results": []}
     started = time.perf_counter()
     folder = tempfile.mkdtemp(prefix="sb-scale-", dir=args.dir)

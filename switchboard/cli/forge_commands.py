@@ -1,0 +1,97 @@
+"""The operator's commands for forge connections, webhooks' connections and subjects."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from switchboard.cli.output import read_json_file
+from switchboard.configuration import ApiError
+from switchboard.crypto import SecretBox, sealed_sample
+from switchboard.database import Database
+from switchboard.models import ConnectionCreate, SubjectListQuery, WebhookConnect, parse_model
+from switchboard.store.connections import add_connection, connect_webhook, disconnect_webhook, list_connections
+from switchboard.store.connections import remove_connection as remove_connection_body
+from switchboard.store.principals import OPERATOR, find_human
+from switchboard.store.subjects import get_subject, list_subjects
+
+if TYPE_CHECKING:
+    from switchboard.forge import ForgeSender
+
+
+def _sender(args: argparse.Namespace, db: Database) -> ForgeSender:
+    """The forge module's sender, for one question to a forge from here (it loads with the command that asks)."""
+    from switchboard.forge import ForgeSender
+    from switchboard.notifier import Addresses
+
+    return ForgeSender(db, SecretBox.for_database(args.db, db.read_sync(sealed_sample)), Addresses.configured())
+
+
+def read_token_file(path: str) -> str:
+    """A credential from a file only its owner may read (the token never goes on a command line)."""
+    try:
+        mode = os.stat(path).st_mode
+        text = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ApiError("invalid_argument", f"--token-file {path}: cannot be read ({exc.strerror})") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ApiError("invalid_argument", f"--token-file {path}: others may read it; chmod 600 it first")
+    if not text:
+        raise ApiError("invalid_argument", f"--token-file {path}: is empty")
+    return text
+
+
+def cli_connection_add(args: argparse.Namespace, db: Database) -> dict:
+    """Ask the forge who the token is (from here, under the serve flags' allowance of internal addresses:
+    SWITCHBOARD_NOTIFY_ALLOW_PRIVATE, SWITCHBOARD_NOTIFY_ALLOW), then store the connection with its sealed token."""
+    from switchboard.forge import token_login
+
+    human = db.read_sync(find_human, args.human)
+    body = parse_model(ConnectionCreate, {"kind": args.kind, "api_url": args.api, "token": read_token_file(
+        args.token_file), "repos": [r.strip() for r in args.repos.split(",") if r.strip()]})
+    sender = _sender(args, db)
+    login = asyncio.run(token_login(sender, body.kind, body.api_url, body.token))
+    return db.write_sync(add_connection, OPERATOR, sender.box, body, login, human["id"])
+
+
+def cli_connection_list(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(list_connections, OPERATOR)
+
+
+def cli_connection_test(args: argparse.Namespace, db: Database) -> dict:
+    from switchboard.forge import test_connection
+
+    answer = asyncio.run(test_connection(_sender(args, db), OPERATOR, args.id))
+    if not answer["ok"]:
+        raise ApiError("unavailable", f"connection {args.id} does not work: {answer['error']}")
+    return answer
+
+
+def cli_connection_remove(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(remove_connection_body, OPERATOR, args.id)
+
+
+def cli_webhook_connect(args: argparse.Namespace, db: Database) -> dict:
+    fields = {"connection_id": args.connection, "mirror": args.mirror}
+    if args.policy is not None:
+        fields["policy"] = read_json_file(args.policy)
+    return db.write_sync(connect_webhook, OPERATOR, args.webhook, parse_model(WebhookConnect, fields))
+
+
+def cli_webhook_disconnect(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(disconnect_webhook, OPERATOR, args.webhook)
+
+
+def cli_subject_show(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(get_subject, OPERATOR, args.key)
+
+
+def cli_subject_list(args: argparse.Namespace, db: Database) -> dict:
+    query = parse_model(SubjectListQuery, {k: v for k, v in (("q", args.q), ("state", args.state),
+                                                             ("provider", args.provider), ("limit", args.limit),
+                                                             ("cursor", args.cursor)) if v is not None})
+    return db.read_sync(list_subjects, OPERATOR, query)

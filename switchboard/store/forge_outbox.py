@@ -1,0 +1,224 @@
+"""The forge sender's side of the store: which outputs and status comments are due (in order per subject), what a
+status comment says, and how each send went."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from dataclasses import dataclass
+
+from switchboard.configuration import UNSAFE_TEXT, iso
+from switchboard.database import Txn
+from switchboard.store.outputs import STATUS_EDIT_MS, neutralize_mentions
+
+STATUS_MARKER = "<!-- switchboard:status -->"
+# A transient failure is tried again after 5 s, doubling to at most 15 min; after this many tries it fails.
+OUTPUT_BACKOFF_MS = 5_000
+OUTPUT_BACKOFF_CAP_MS = 15 * 60_000
+OUTPUT_MAX_ATTEMPTS = 12
+# Worker and producer text a status comment quotes: at most this many characters each.
+STATUS_QUOTE_CHARS = 600
+_ASCII_PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")
+
+
+def output_marker(output_id: str) -> str:
+    return f"<!-- switchboard:{output_id} -->"
+
+
+@dataclass
+class ForgeJob:
+    """One send the forge sender makes: an output, or a status comment (its text rendered when it was picked)."""
+    what: str  # "output" or "status"
+    key: str  # what it is busy with while in flight: the subject (outputs), the status comment (statuses)
+    connection: dict  # id, kind, api_url, token_sealed, login
+    repo: str
+    number: int
+    output: dict | None = None  # id, type, labels, body, attempts, created_at
+    status: dict | None = None  # subject_key, version, comment_id, attempts, text
+
+
+@dataclass
+class SendOutcome:
+    """How one send went: done (with the forge's id of what it made), retry at `retry_at`, or failed for good."""
+    ok: bool
+    error: str | None = None
+    retry_at: int | None = None  # ms; None with an error: failed for good
+    forge_id: str | None = None
+
+
+def backoff_ms(attempt: int) -> int:
+    return min(OUTPUT_BACKOFF_MS * 2 ** max(attempt - 1, 0), OUTPUT_BACKOFF_CAP_MS)
+
+
+def _connection(row: sqlite3.Row) -> dict:
+    return {"id": row["connection_id"], "kind": row["kind"], "api_url": row["api_url"],
+            "token_sealed": row["token_sealed"], "login": row["login"]}
+
+
+def due_forge_work(txn: Txn, busy: frozenset[str], room: int) -> tuple[list[ForgeJob], int | None]:
+    """What to send now, at most `room` jobs: for each subject, its oldest pending output once due (the later ones
+    wait for it: outputs reach an issue in the order they were accepted), and each status comment that is due;
+    and when the next one falls due. Pending work is few rows, read through partial indexes."""
+    jobs: list[ForgeJob] = []
+    next_due: int | None = None
+    heads = txn.all("SELECT o.*, c.kind, c.api_url, c.token_sealed, c.login FROM forge_outputs o"
+                    " JOIN forge_connections c ON c.id = o.connection_id WHERE o.state = 'pending'"
+                    " AND NOT EXISTS (SELECT 1 FROM forge_outputs p WHERE p.state = 'pending'"
+                    " AND p.subject_key = o.subject_key AND (p.created_at < o.created_at"
+                    " OR (p.created_at = o.created_at AND p.id < o.id))) ORDER BY o.next_at, o.id")
+    for row in heads:
+        key = f"output:{row['subject_key']}"
+        if key in busy:
+            continue
+        if row["next_at"] > txn.now:
+            next_due = row["next_at"] if next_due is None else min(next_due, row["next_at"])
+            continue
+        if len(jobs) < room:
+            jobs.append(ForgeJob("output", key, _connection(row), row["repo"], row["number"], output={
+                "id": row["id"], "type": row["type"], "labels": row["labels"], "body": row["body"],
+                "attempts": row["attempts"], "created_at": row["created_at"]}))
+    statuses = txn.all("SELECT s.*, c.kind, c.api_url, c.token_sealed, c.login FROM forge_status s"
+                       " JOIN forge_connections c ON c.id = s.connection_id WHERE s.due_at IS NOT NULL ORDER BY s.due_at")
+    for row in statuses:
+        key = f"status:{row['connection_id']}:{row['subject_key']}"
+        if key in busy:
+            continue
+        if row["due_at"] > txn.now:
+            next_due = row["due_at"] if next_due is None else min(next_due, row["due_at"])
+            continue
+        if len(jobs) < room:
+            jobs.append(ForgeJob("status", key, _connection(row), row["repo"], row["number"], status={
+                "subject_key": row["subject_key"], "version": row["version"], "comment_id": row["comment_id"],
+                "attempts": row["attempts"],
+                "text": status_text(txn, row["connection_id"], row["subject_key"])}))
+    return jobs, next_due
+
+
+def record_output(txn: Txn, output_id: str, outcome: SendOutcome) -> str:
+    """After a send: the output is sent, waits to be tried again, or failed (with the forge's word). Returns its
+    state."""
+    txn.lock("forge_outputs", "id = ?", (output_id,))
+    row = txn.one("SELECT * FROM forge_outputs WHERE id = ?", (output_id,))
+    if row is None or row["state"] != "pending":
+        return row["state"] if row is not None else "failed"
+    if outcome.ok:
+        txn.execute("UPDATE forge_outputs SET state = 'sent', sent_at = ?, forge_id = ?, error = NULL,"
+                    " attempts = attempts + 1 WHERE id = ?", (txn.now, outcome.forge_id, output_id))
+        txn.execute("UPDATE forge_connections SET last_used_at = ? WHERE id = ?", (txn.now, row["connection_id"]))
+        txn.logs.append(f"forge output {output_id} ({row['type']}) sent to {row['repo']}#{row['number']}")
+        return "sent"
+    attempts = row["attempts"] + 1
+    error = (outcome.error or "failed")[:500]
+    if outcome.retry_at is not None and attempts < OUTPUT_MAX_ATTEMPTS:
+        txn.execute("UPDATE forge_outputs SET attempts = ?, next_at = ?, error = ? WHERE id = ?",
+                    (attempts, max(outcome.retry_at, txn.now), error, output_id))
+        return "pending"
+    if outcome.retry_at is not None:
+        error = f"gave up after {attempts} attempts: {error}"[:500]
+    txn.execute("UPDATE forge_outputs SET state = 'failed', attempts = ?, error = ? WHERE id = ?",
+                (attempts, error, output_id))
+    txn.execute("UPDATE forge_connections SET last_error = ?, last_error_at = ? WHERE id = ?",
+                (error[:300], txn.now, row["connection_id"]))
+    txn.logs.append(f"forge output {output_id} ({row['type']}) to {row['repo']}#{row['number']} failed: {error}")
+    return "failed"
+
+
+def record_status(txn: Txn, connection_id: str, subject_key: str, shown: int, outcome: SendOutcome) -> None:
+    """After a status comment's send: the version it showed (and its comment's id), and whether it is due again
+    (changed meanwhile: at least STATUS_EDIT_MS after this edit), or tried again, or left until the next change."""
+    txn.lock("forge_status", "connection_id = ? AND subject_key = ?", (connection_id, subject_key))
+    row = txn.one("SELECT * FROM forge_status WHERE connection_id = ? AND subject_key = ?", (connection_id, subject_key))
+    if row is None:
+        return
+    if outcome.ok:
+        due = None if row["version"] == shown else txn.now + STATUS_EDIT_MS
+        txn.execute("UPDATE forge_status SET comment_id = ?, shown_version = ?, edited_at = ?, edits = edits + 1,"
+                    " attempts = 0, error = NULL, due_at = ? WHERE connection_id = ? AND subject_key = ?",
+                    (outcome.forge_id or row["comment_id"], shown, txn.now, due, connection_id, subject_key))
+        txn.execute("UPDATE forge_connections SET last_used_at = ? WHERE id = ?", (txn.now, connection_id))
+        return
+    attempts = row["attempts"] + 1
+    retry = outcome.retry_at is not None and attempts < OUTPUT_MAX_ATTEMPTS
+    txn.execute("UPDATE forge_status SET attempts = ?, error = ?, due_at = ? WHERE connection_id = ? AND subject_key = ?",
+                (0 if not retry else attempts, (outcome.error or "failed")[:500],
+                 max(outcome.retry_at, txn.now) if retry else None, connection_id, subject_key))
+    if not retry:
+        txn.logs.append(f"status comment of {subject_key} not written: {outcome.error}")
+
+
+# -- what a status comment says -------------------------------------------------------------------------------
+
+def quoted_markdown(text: str | None, limit: int = STATUS_QUOTE_CHARS) -> str:
+    """Worker or producer text as a comment quotes it: no control or bidirectional characters, every ASCII
+    punctuation character backslash-escaped (so it makes no link, image, HTML, heading or marker), @mentions that
+    ping nobody, cut to `limit`, as a block quote."""
+    clean = str(text or "")
+    clean = clean if len(clean) <= limit else clean[:limit - 1] + "…"
+    lines = [neutralize_mentions(_ASCII_PUNCTUATION.sub(r"\\\1", re.sub(f"[{UNSAFE_TEXT}]", " ", line)))
+             for line in clean.replace("\r\n", "\n").split("\n")]
+    return "\n".join(f"  > {line}" if line.strip() else "  >" for line in lines)
+
+
+def inline_markdown(text: str | None) -> str:
+    """A short worker-chosen name (a claimant) inline: one line, escaped like quoted_markdown, at most 80."""
+    clean = " ".join(re.sub(f"[{UNSAFE_TEXT}]", " ", str(text or "")).split())[:80]
+    return neutralize_mentions(_ASCII_PUNCTUATION.sub(r"\\\1", clean))
+
+
+def _when(ms: int | None) -> str:
+    return (iso(ms) or "").replace("T", " ")[:16] + " UTC" if ms else ""
+
+
+def status_text(txn: Txn, connection_id: str, subject_key: str) -> str:
+    """The status comment for one issue: the server's words about each todo the mirroring webhooks of this
+    connection made about it (lane, state, claimant and lease, the question, the summary, a dead letter), with
+    any worker or producer text quoted and escaped."""
+    todos = txn.all(
+        "SELECT t.id, t.queue, t.state, t.outcome, t.state_reason, t.last_error, t.dead_letter, t.lease_expires_at,"
+        " t.attempt, t.max_attempts, t.updated_at,"
+        " (SELECT claimant FROM attempts a WHERE a.todo_id = t.id ORDER BY a.seq DESC LIMIT 1) AS claimant,"
+        " (SELECT summary FROM attempts a WHERE a.todo_id = t.id ORDER BY a.seq DESC LIMIT 1) AS summary"
+        " FROM todos t JOIN events e ON e.id = t.event_id JOIN webhook_connections wc ON wc.webhook_id = e.webhook_id"
+        " WHERE t.subject_key = ? AND wc.connection_id = ? AND wc.mirror = 1 AND e.verified = 1"
+        " ORDER BY t.created_at, t.id", (subject_key, connection_id))
+    lines = [STATUS_MARKER, "**Switchboard** · the work on this issue", ""]
+    for todo in todos:
+        lane = f"**{inline_markdown(todo['queue'])}**"
+        state = todo["state"]
+        if state == "claimed":
+            lines.append(f"- {lane}: working, claimed by {inline_markdown(todo['claimant'])}, lease until"
+                         f" {_when(todo['lease_expires_at'])}")
+        elif state == "needs_input":
+            lines += [f"- {lane}: waiting for an answer to its question:", quoted_markdown(todo["state_reason"])]
+        elif state == "review":
+            lines += [f"- {lane}: done, waiting for review:", quoted_markdown(todo["state_reason"])]
+        elif state == "done":
+            summary = f"done ({todo['outcome']})" if todo["outcome"] != "completed" else "done"
+            lines.append(f"- {lane}: {summary}" + (":" if todo["summary"] else ""))
+            if todo["summary"]:
+                lines.append(quoted_markdown(todo["summary"]))
+        elif state == "failed":
+            what = "failed for good (a dead letter: a human decides)" if todo["dead_letter"] else "failed"
+            lines += [f"- {lane}: {what}, after {todo['attempt']} of {todo['max_attempts']} attempts:",
+                      quoted_markdown(todo["last_error"])]
+        elif state == "blocked":
+            lines += [f"- {lane}: blocked:", quoted_markdown(todo["state_reason"])]
+        elif state == "pending" and todo["queue"] == "hold":
+            lines.append(f"- {lane}: held for a human to decide")
+        elif state == "pending":
+            again = f" (attempt {todo['attempt'] + 1})" if todo["attempt"] else ""
+            lines.append(f"- {lane}: waiting for a worker{again}")
+        else:
+            lines.append(f"- {lane}: {state.replace('_', ' ')}")
+    if not todos:
+        lines.append("- nothing is open for this issue")
+    lines += ["", f"<sub>Written by Switchboard; updated {_when(txn.now)}.</sub>"]
+    return "\n".join(lines)
+
+
+def pending_outputs(txn: Txn) -> dict[str, int]:
+    """Outputs not yet sent, by type (for /metrics): few rows, through forge_outputs_pending."""
+    counts = {"add_labels": 0, "remove_labels": 0, "comment": 0}
+    counts.update({r["type"]: r["n"] for r in txn.all("SELECT type, count(*) AS n FROM forge_outputs"
+                                                       " WHERE state = 'pending' GROUP BY type")})
+    return counts
