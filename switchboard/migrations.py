@@ -171,10 +171,6 @@ def _migrate(conn: sqlite3.Connection, migration: Migration, statements: list[st
         conn.execute(f"DROP VIEW {view}")
     for statement in migration.before:
         conn.execute(statement)
-    for table, columns in migration.add.items():
-        present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-        for column in (c for c in columns if c not in present):
-            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
     for table in migration.rebuild:
         old_columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
         conn.execute(tables[table].replace(f"CREATE TABLE IF NOT EXISTS {table} ", f"CREATE TABLE {table}__new ", 1))
@@ -189,6 +185,12 @@ def _migrate(conn: sqlite3.Connection, migration: Migration, statements: list[st
         conn.execute(f"INSERT INTO {table}__new ({', '.join(columns)}) SELECT {', '.join(values)} FROM {table}")
         conn.execute(f"DROP TABLE {table}")
         conn.execute(f"ALTER TABLE {table}__new RENAME TO {table}")
+    # Every step runs today's schema.sql, whose indexes may name a column a later step adds in place: such columns
+    # are added first, whichever step this is (the later step's `after` still fills them).
+    for table, columns in (item for later in MIGRATIONS.values() for item in later.add.items()):
+        present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        for column in (c for c in columns if present and c not in present):
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
     for statement in statements:
         conn.execute(statement)
     for statement in migration.after:
