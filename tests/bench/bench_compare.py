@@ -157,6 +157,11 @@ def _tree(root: int, table: dict[int, tuple[int, float]]) -> set[int]:
     return found
 
 
+def tree_pids(root: int) -> set[int]:
+    """root and every live process under it."""
+    return _tree(root, _proc_table())
+
+
 def tree_cpu(root: int) -> float:
     table = _proc_table()
     return sum(table[p][1] for p in _tree(root, table))

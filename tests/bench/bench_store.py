@@ -179,6 +179,18 @@ def report_notes(results: dict, whose: str = "this run") -> list[str]:
     return lines
 
 
+def stop_process(proc: subprocess.Popen, grace: float = 20.0) -> int:
+    """SIGTERM to a child of this benchmark (by its pid), SIGKILL if it is still there after `grace` s; its exit
+    status."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            return proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+    return proc.wait()
+
+
 class ChildServer:
     """A server as a child process on a free 127.0.0.1 port, logging to a file beside its database, answering
     `/healthz` before this returns, and stopped by its own pid. `command` says what to run."""

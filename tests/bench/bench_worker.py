@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import sqlite3
 import statistics
 import subprocess
@@ -44,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import producers  # noqa: E402
-from bench_store import ROOT, Server, cli, percentile  # noqa: E402
+from bench_store import ROOT, Server, cli, percentile, stop_process  # noqa: E402
 
 QUEUE = "build"
 SETTLE_SECONDS = 0.1
@@ -79,13 +78,7 @@ class Worker:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-        return self.proc.wait()
+        return stop_process(self.proc)
 
 
 class ChildStarts:

@@ -251,14 +251,14 @@ def markdown(results: dict) -> str:
     return "\n".join(lines + bench_store.report_notes(results))
 
 
-def rewrite_readme(block: str, path: Path = README) -> None:
+def rewrite_readme(block: str, path: Path = README, start: str = START, end: str = END) -> None:
     """Replace what lies strictly between the marker lines, and nothing else."""
     text = path.read_text()
     lines = text.split("\n")
-    starts = [i for i, line in enumerate(lines) if line.strip() == START]
-    ends = [i for i, line in enumerate(lines) if line.strip() == END]
+    starts = [i for i, line in enumerate(lines) if line.strip() == start]
+    ends = [i for i, line in enumerate(lines) if line.strip() == end]
     if len(starts) != 1 or len(ends) != 1 or starts[0] >= ends[0]:
-        raise RuntimeError(f"README.md must hold exactly one {START} line before exactly one {END} line")
+        raise RuntimeError(f"README.md must hold exactly one {start} line before exactly one {end} line")
     new = lines[:starts[0] + 1] + block.split("\n") + lines[ends[0]:]
     path.write_text("\n".join(new))
 
@@ -274,13 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     quiet = wait_until_quiet(args.wait_quiet) if args.wait_quiet > 0 else None
     results = run_all(args.quick)
     results["wait_quiet"] = quiet
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    block = markdown(results)
+    return report(results, markdown(results), args.out, not args.no_readme)
+
+
+def report(results: dict, block: str, out: str, readme: bool, start: str = START, end: str = END) -> int:
+    """Save the results, print the Markdown block (and put it in README.md between its markers), name the
+    failures; the exit status: 1 when there were any."""
+    Path(out).write_text(json.dumps(results, indent=2) + "\n")
     print(block)
-    if not args.no_readme:
-        rewrite_readme(block)
-    print(f"\n(wrote {args.out}{'' if args.no_readme else ' and README.md'}; {results['elapsed_s']:.0f} s)",
-          file=sys.stderr)
+    if readme:
+        rewrite_readme(block, start=start, end=end)
+    print(f"\n(wrote {out}{' and README.md' if readme else ''}; {results['elapsed_s']:.0f} s)", file=sys.stderr)
     for problem in results["failures"]:
         print(f"FAILURE: {problem}", file=sys.stderr)
     if results.get("warning"):
