@@ -1,4 +1,5 @@
-"""Switchboard: signed webhooks in, durable leased work for AI agents out. One process, one SQLite file.
+"""Switchboard: signed webhooks in, durable leased work for AI agents out. One process and one SQLite file by default;
+several processes on one Postgres database past one box.
 
 The modules, in layers: each imports only from the layers above it in this list (tests/test_layering.py
 checks it from the import graph).
@@ -7,6 +8,8 @@ checks it from the import graph).
   migrations         schema.sql and the numbered migrations
   database           connections, the single writer, readers
   crypto             tokens, ids, sealed webhook secrets
+  postgres           the same transaction bodies on Postgres: pool, dialect, locks, retries, leader, rings
+  engines            which engine a --db names (a SQLite file or a postgresql:// URL)
   payload            producer JSON read safely: strict parsing, depth, fields along a path, producer strings
   providers          per-producer signature, freshness, delivery id, event kind
   models             request bodies, rule documents, work items, answers (pydantic, extra="forbid")

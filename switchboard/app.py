@@ -22,8 +22,8 @@ from switchboard.configuration import (
     Vitals,
 )
 from switchboard.crypto import SecretBox, sealed_sample
-from switchboard.database import Database
 from switchboard.doorbell import Doorbell
+from switchboard.engines import open_database
 from switchboard.evaluator import Evaluator
 from switchboard.flows import Flows
 from switchboard.forge import ForgeSender
@@ -32,6 +32,8 @@ from switchboard.http.rest import MCP_ROUTES, Api
 from switchboard.limits import RateLimiter, TrustedProxies
 from switchboard.metrics import Metrics
 from switchboard.notifier import Addresses, Notifier
+
+LEADER_POLL_SECONDS = 1.0
 
 # -- the app: every part put together ----------------------------------------------------------------
 
@@ -48,12 +50,31 @@ def auth_header_name(name: str | None, proxies: TrustedProxies) -> str | None:
     return name.lower()
 
 
+async def leader_only(db, run) -> None:
+    """`run()` while this process is the leader (always, on SQLite): started when it becomes the leader, cancelled
+    when it stops being one (its database connection lost), started again when it is again."""
+    while True:
+        while not db.is_leader:
+            await asyncio.sleep(LEADER_POLL_SECONDS)
+        task = asyncio.ensure_future(run())
+        try:
+            while db.is_leader and not task.done():
+                await asyncio.wait({task}, timeout=LEADER_POLL_SECONDS)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+
 def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None = None, background: bool = True,
                ingest_rate: float = DEFAULT_INGEST_RATE, ingest_burst: int = DEFAULT_INGEST_BURST,
                verified_rate: float = DEFAULT_VERIFIED_RATE, verified_burst: int = DEFAULT_VERIFIED_BURST,
                base_url: str | None = None, allowed_origins: str | None = None,
                trust_proxy: TrustedProxies | bool | str = False, auth_header: str | None = None,
-               notify_allow_private: bool | None = None, notify_allow: str | None = None) -> Starlette:
+               notify_allow_private: bool | None = None, notify_allow: str | None = None,
+               key_file: str | None = None, db_pool_size: int = 10) -> Starlette:
     """The ASGI app. `background=False` leaves the scheduler to the caller (tests drive it by hand).
     `ingest_rate`/`ingest_burst`: per source address, for unauthenticated deliveries and failed signature checks;
     `verified_rate`/`verified_burst`: per webhook, for deliveries whose signature verified; an ingest rate of 0
@@ -61,19 +82,20 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     X-Forwarded-Proto from anyone; addresses also have X-Forwarded-For believed, and `auth_header`, the header
     such a proxy signs a Board visitor in with). `notify_allow_private` / `notify_allow`: notification channels
     and forge connections may reach loopback, link-local and unspecified addresses (all, or those listed); not given,
-    SWITCHBOARD_NOTIFY_ALLOW_PRIVATE / SWITCHBOARD_NOTIFY_ALLOW say."""
+    SWITCHBOARD_NOTIFY_ALLOW_PRIVATE / SWITCHBOARD_NOTIFY_ALLOW say. `db_path` is a SQLite file or a
+    postgresql:// URL (then `key_file` names the secrets' key, and `db_pool_size` its connections)."""
     proxies = trust_proxy if isinstance(trust_proxy, TrustedProxies) else TrustedProxies.parse(trust_proxy)
     auth_header = auth_header_name(auth_header, proxies)
     addresses = Addresses.configured(notify_allow_private, notify_allow)
-    db = Database(db_path, synchronous=synchronous, clock=clock)
+    db = open_database(db_path, synchronous=synchronous, clock=clock, pool_size=db_pool_size, listen=background)
     try:
-        box = SecretBox.for_database(db_path, db.read_sync(sealed_sample))
+        box = SecretBox.for_database(db_path, db.read_sync(sealed_sample), key_file)
     except ApiError:
         db.close()
         raise
     vitals = Vitals()
     db.on_fatal = vitals.died
-    doorbell = Doorbell()
+    doorbell = Doorbell(getattr(db, "listening", None))
     db.on_rings = doorbell.ring
     evaluator = Evaluator()
     evaluator.on_death = vitals.died
@@ -101,8 +123,11 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         db.loop = asyncio.get_running_loop()
-        loops = ({"scheduler": flows.background(), "retention": flows.retention(), "notifier": notifier.run(),
-                  "forge sender": forge.run()} if background else {})
+        # Several processes on one Postgres database: the scheduler's ticks, retention and the senders run on the
+        # leader alone (the scheduler still tells this process's Board streams of changes).
+        loops = ({"scheduler": flows.background(), "retention": leader_only(db, flows.retention),
+                  "notifier": leader_only(db, notifier.run), "forge sender": leader_only(db, forge.run)}
+                 if background else {})
         tasks = [asyncio.create_task(coroutine) for coroutine in loops.values()]
         for task, what in zip(tasks, loops, strict=True):
             watch(task, what)

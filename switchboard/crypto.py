@@ -59,9 +59,9 @@ def sealed_sample(txn: Txn) -> tuple[str, bytes] | None:
     """One sealed credential the database holds (a webhook secret, else a notification channel's URL, else a forge
     connection's token), to prove a key against."""
     row = txn.one("SELECT id, secret_sealed FROM webhooks WHERE secret_sealed IS NOT NULL LIMIT 1")
-    if row is None and txn.one("SELECT 1 FROM sqlite_master WHERE name = 'notify_channels'"):
+    if row is None and txn.has_table("notify_channels"):
         row = txn.one("SELECT id, url_sealed AS secret_sealed FROM notify_channels LIMIT 1")
-    if row is None and txn.one("SELECT 1 FROM sqlite_master WHERE name = 'forge_connections'"):
+    if row is None and txn.has_table("forge_connections"):
         row = txn.one("SELECT id, token_sealed AS secret_sealed FROM forge_connections LIMIT 1")
     return (row["id"], row["secret_sealed"]) if row else None
 
@@ -76,12 +76,21 @@ class SecretBox:
         self._aead = AESGCM(key)
 
     @classmethod
-    def for_database(cls, db_path: str, sealed: tuple[str, bytes] | None = None) -> SecretBox:
+    def for_database(cls, db_path: str, sealed: tuple[str, bytes] | None = None,
+                     key_file: str | None = None) -> SecretBox:
         """The key for this database. `sealed` is one (webhook id, sealed secret) the database holds, if any:
         then a missing key file is not made anew and a key that cannot open it is refused, because either way
-        every signed webhook would answer 503 with nothing to say why."""
+        every signed webhook would answer 503 with nothing to say why. `key_file` (--key-file,
+        $SWITCHBOARD_KEY_FILE) names the file; without it the file is the one beside a SQLite database, and a
+        Postgres URL, which has no beside, must name one (every process of it must use the same key)."""
         configured = os.environ.get("SWITCHBOARD_SECRET_KEY")
-        path = key_file_path(db_path)
+        key_file = key_file or os.environ.get("SWITCHBOARD_KEY_FILE") or None
+        if not configured and key_file is None and db_path.startswith(("postgresql://", "postgres://")):
+            raise ApiError("invalid_argument", "a Postgres database needs its key named: --key-file PATH (or"
+                                               " SWITCHBOARD_KEY_FILE, or the key itself in SWITCHBOARD_SECRET_KEY),"
+                                               " the same file on every process")
+        path = Path(key_file).resolve() if key_file else key_file_path(db_path)
+        db_path = shown(db_path)
         if configured:
             box, where = cls(parse_key(configured)), "$SWITCHBOARD_SECRET_KEY"
         elif sealed is not None and not path.exists():
@@ -126,6 +135,11 @@ def parse_key(text: str) -> bytes:
         if len(key) == 32:
             return key
     raise ApiError("invalid_argument", "SWITCHBOARD_SECRET_KEY must be 32 bytes in base64 or hex")
+
+
+def shown(db_path: str) -> str:
+    """A database as a message may name it: a URL's password is left out."""
+    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", db_path)
 
 
 def key_file_path(db_path: str) -> Path:

@@ -57,6 +57,8 @@ class Txn:
     alone (BEGIN IMMEDIATE), so there they cost nothing."""
 
     skip_locked = ""  # appended to the subquery that picks one of many rows (a claim): skip rows others hold
+    for_update = ""  # appended to the read of the one row a verb is about to change: hold it until commit
+    engine = "sqlite"
 
     def __init__(self, conn: sqlite3.Connection, now: int, inline_rings: bool):
         self.conn = conn
@@ -76,11 +78,21 @@ class Txn:
     def execute(self, sql: str, params: Iterable = ()) -> sqlite3.Cursor:
         return self.conn.execute(sql, tuple(params))
 
+    def executemany(self, sql: str, rows: Iterable[Iterable]) -> None:
+        self.conn.executemany(sql, rows)
+
     def one(self, sql: str, params: Iterable = ()) -> sqlite3.Row | None:
         return self.conn.execute(sql, tuple(params)).fetchone()
 
     def all(self, sql: str, params: Iterable = ()) -> list[sqlite3.Row]:
         return self.conn.execute(sql, tuple(params)).fetchall()
+
+    def has_table(self, name: str) -> bool:
+        """Whether the table exists (a body that also reads databases older migrations have not reached yet)."""
+        return self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (name,)).fetchone() is not None
+
+    def schema_version(self) -> int:
+        return self.conn.execute("PRAGMA user_version").fetchone()[0]
 
 
 class Database:
@@ -89,7 +101,12 @@ class Database:
     Writes are transaction bodies `fn(txn, *args)`. The writer runs whatever is queued as one
     `BEGIN IMMEDIATE` transaction with a savepoint per body (group commit: one fsync for many
     callers, each body still all-or-nothing), and answers every caller only after COMMIT returned.
+    One process serves a SQLite file, so it is always the leader (switchboard.postgres has several).
     """
+
+    engine = "sqlite"
+    is_leader = True
+    poll_seconds = None  # a waiting claim needs no poll: every ring is this process's own
 
     def __init__(self, path: str, *, synchronous: str = "FULL", clock: Clock | None = None,
                  inline_rings: bool = True, migrate: bool = True):
@@ -125,6 +142,7 @@ class Database:
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
+        self._probe: sqlite3.Connection | None = None
         self._thread = threading.Thread(target=self._write_loop, name="switchboard-writer", daemon=True)
         self._thread.start()
         self._committed = threading.Event()
@@ -344,6 +362,13 @@ class Database:
 
         return await anyio.to_thread.run_sync(self.read_sync, fn, *args)
 
+    def change_marker(self) -> int:
+        """PRAGMA data_version on a connection of its own: it moves on any commit by another connection (this
+        server's writer, the CLI, another process). For the background loop only (one thread)."""
+        if self._probe is None:
+            self._probe = connect(self.path, self.synchronous)
+        return self._probe.execute("PRAGMA data_version").fetchone()[0]
+
     def alive(self) -> bool:
         return self.failure is None and self._thread.is_alive() and self._checkpointer.is_alive()
 
@@ -358,6 +383,8 @@ class Database:
                 with contextlib.suppress(sqlite3.Error):
                     conn.close()
             self._readers.clear()
+        if self._probe is not None:
+            self._probe.close()
 
     def backup(self, out_path: str) -> None:
         """A consistent single-file copy through SQLite's online backup, safe while serving."""

@@ -29,7 +29,11 @@ class Session:
 
 
 class Doorbell:
-    def __init__(self) -> None:
+    """This process's sessions. `on_listen(endpoint_id, queues, waiting, delta)`, when given (Postgres), is told
+    of each session that comes and goes, so that a committing transaction in any process can choose this one."""
+
+    def __init__(self, on_listen: Callable[[str, frozenset[str] | None, bool, int], None] | None = None) -> None:
+        self.on_listen = on_listen
         self._sessions: dict[str, list[Session]] = {}
         self._turn: dict[str, int] = {}
         self.rung = 0
@@ -51,12 +55,18 @@ class Doorbell:
 
     def attach(self, session: Session) -> Session:
         self._sessions.setdefault(session.endpoint_id, []).append(session)
+        self._told(session, 1)
         return session
 
     def detach(self, session: Session) -> None:
         sessions = self._sessions.get(session.endpoint_id, [])
         if session in sessions:
             sessions.remove(session)
+            self._told(session, -1)
+
+    def _told(self, session: Session, delta: int) -> None:
+        if self.on_listen is not None and session.queues != frozenset():  # the Board's stream hears no rings
+            self.on_listen(session.endpoint_id, session.queues, session.kind == "wait", delta)
 
     def ring(self, rings: list[dict]) -> None:
         for ring in rings:
@@ -92,5 +102,6 @@ class Doorbell:
         session = Session(endpoint_id, frozenset(queues), "wait", notify, lambda: notify(None), via="claim")
         if first:
             self._sessions.setdefault(endpoint_id, []).insert(0, session)
+            self._told(session, 1)
             return session, future
         return self.attach(session), future

@@ -28,7 +28,7 @@ from switchboard.configuration import (
     log,
 )
 from switchboard.crypto import SecretBox
-from switchboard.database import Database, connect
+from switchboard.database import Database
 from switchboard.doorbell import RING_FIELDS, Doorbell, Session
 from switchboard.envelope import build_envelope, envelope_document, envelope_record
 from switchboard.evaluator import (
@@ -128,10 +128,10 @@ class WaitingClaim:
                     result = await self._attempt()
                     if result is not None or session is None or self.gone.done():
                         return result or self.empty
-                    rung_now = await self._wait(rung, deadline - loop.time())
+                    heard = await self._wait(rung, deadline - loop.time())
                     if self.gone.done():
                         return self.EMPTY
-                    last_try = not rung_now
+                    last_try = heard == "deadline"
                 finally:
                     self._settle(session, rung)
         finally:
@@ -150,15 +150,19 @@ class WaitingClaim:
         self.claimed = result["todo"]["id"]
         return result
 
-    async def _wait(self, rung: asyncio.Future, remaining: float) -> bool:
-        """Wait for the ring, the asker leaving, or the deadline; True when rung (the ring is now owed)."""
+    async def _wait(self, rung: asyncio.Future, remaining: float) -> str:
+        """Wait for the ring ("rung": the ring is now owed), the asker leaving, or the deadline ("deadline"). With
+        several processes (db.poll_seconds) the wait also ends to look again ("poll"): a ring can be lost on its way
+        from another process (a lost connection, a session that left as it came), and the queue is the ledger."""
         if remaining <= 0:
-            return False
-        done, _ = await asyncio.wait({rung, self.gone}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            return "deadline"
+        poll = self.flows.db.poll_seconds
+        timeout = remaining if poll is None else min(remaining, poll)
+        done, _ = await asyncio.wait({rung, self.gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if rung in done:
             self.owed = rung.result()
-            return True
-        return False
+            return "rung"
+        return "poll" if timeout < remaining else "deadline"
 
     def _settle(self, session: Session | None, rung: asyncio.Future | None) -> None:
         """Leave the doorbell; pass on any ring not used once this claim is over (or a ring came late)."""
@@ -637,23 +641,22 @@ class Flows:
         the WAL file keeps its size, because a commit that grows the file costs about twice one that reuses it.)"""
         last_tick = -math.inf
         seen, due_ms = None, None
-        probe = connect(self.db.path, self.db.synchronous)
-        try:
-            while True:
-                try:
-                    now = time.monotonic()
-                    version = probe.execute("PRAGMA data_version").fetchone()[0]
-                    if seen is not None and version != seen:
-                        self.changes.moved()
-                    if (version != seen or now - last_tick >= SCHEDULER_IDLE_SECONDS
-                            or (due_ms is not None and self.db.clock.now_ms() >= due_ms)):
-                        seen, last_tick = version, now
-                        due_ms = (await self.db.write(scheduler_tick))["next_due"]
-                except Exception:  # noqa: BLE001 - the loop must outlive one bad round; the cause is logged
-                    log.exception("scheduler tick failed")
-                await asyncio.sleep(SCHEDULER_TICK_SECONDS)
-        finally:
-            probe.close()
+        while True:
+            try:
+                now = time.monotonic()
+                # SQLite's pragma is answered from memory; Postgres's is a round trip, kept off the loop.
+                version = (self.db.change_marker() if self.db.engine == "sqlite"
+                           else await asyncio.to_thread(self.db.change_marker))
+                if seen is not None and version != seen:
+                    self.changes.moved()
+                if self.db.is_leader and (version != seen or now - last_tick >= SCHEDULER_IDLE_SECONDS
+                                          or (due_ms is not None and self.db.clock.now_ms() >= due_ms)):
+                    seen, last_tick = version, now
+                    due_ms = (await self.db.write(scheduler_tick))["next_due"]
+                seen = version
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad round; the cause is logged
+                log.exception("scheduler tick failed")
+            await asyncio.sleep(SCHEDULER_TICK_SECONDS)
 
     async def retention(self) -> None:
         """At start and hourly, retention (`prune`), in a loop of its own: a big box's first pass past the row cap

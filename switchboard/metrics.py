@@ -96,8 +96,9 @@ class _StoreCollector(Collector):
         rings.add_metric(["true"], self.doorbell.rung)
         rings.add_metric(["false"], self.doorbell.unheard)
         yield rings
-        wal = Path(self.db.path + "-wal")
-        yield GaugeMetricFamily("switchboard_wal_bytes", "Size of the write-ahead log file",
-                                value=wal.stat().st_size if wal.exists() else 0)
-        yield GaugeMetricFamily("switchboard_wal_limit_bytes", "The WAL size a checkpoint truncates back to",
-                                value=WAL_LIMIT_BYTES)
+        if self.db.engine == "sqlite":  # Postgres's WAL is the server's to watch (pg_stat_wal)
+            wal = Path(self.db.path + "-wal")
+            yield GaugeMetricFamily("switchboard_wal_bytes", "Size of the write-ahead log file",
+                                    value=wal.stat().st_size if wal.exists() else 0)
+            yield GaugeMetricFamily("switchboard_wal_limit_bytes", "The WAL size a checkpoint truncates back to",
+                                    value=WAL_LIMIT_BYTES)

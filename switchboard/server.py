@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -34,6 +33,7 @@ from switchboard.configuration import (
     log,
     switch_value,
 )
+from switchboard.engines import shown_database
 from switchboard.limits import TrustedProxies
 
 # -- serve -----------------------------------------------------------------------------------------
@@ -286,7 +286,13 @@ def _serve(args: argparse.Namespace) -> int:
                      verified_burst=args.verified_burst, base_url=args.base_url,
                      allowed_origins=args.allowed_origins, trust_proxy=proxies, auth_header=args.auth_header,
                      notify_allow_private=switch_value("notify-allow-private", args.notify_allow_private),
-                     notify_allow=args.notify_allow or "")
+                     notify_allow=args.notify_allow or "", key_file=args.key_file,
+                     db_pool_size=args.db_pool_size)
+    if app.state.db.engine == "postgres" and app.state.db.synchronous == "off":
+        app.state.db.close()
+        raise ApiError("invalid_argument", "the database runs with synchronous_commit off: a 202 would not survive a"
+                                           " power cut. Set it on (ALTER DATABASE … SET synchronous_commit = on, or"
+                                           " in postgresql.conf) and start again")
     # The access log is off because ingest URLs carry credentials; Switchboard logs its own lines. uvicorn's
     # own lines go through the handler above (log_config=None), so they share its format. uvicorn's own proxy
     # headers are off: it would believe X-Forwarded-For and -Proto from any local process (FORWARDED_ALLOW_IPS),
@@ -297,7 +303,7 @@ def _serve(args: argparse.Namespace) -> int:
                             limit_concurrency=cap, backlog=backlog, http=_HeaderDeadline)
     shown_host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("switchboard %s: database %s, listening on http://%s:%d, board at %s/board/", VERSION,
-             Path(args.db).resolve(), shown_host, args.port, (args.base_url or f"http://{shown_host}:{args.port}").rstrip("/"))
+             shown_database(args.db), shown_host, args.port, (args.base_url or f"http://{shown_host}:{args.port}").rstrip("/"))
     server = _Server(config, app)
     server.run()
     if server.fatal:

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from switchboard.cli.output import read_json_file, with_out
-from switchboard.configuration import PACKS_DIR, SCHEMA_VERSION, ApiError
+from switchboard.configuration import MAX_CLOCK_SKEW_MS, PACKS_DIR, SCHEMA_VERSION, ApiError
 from switchboard.crypto import SecretBox, key_file_path, parse_key, sealed_sample
 from switchboard.database import Database
+from switchboard.engines import is_postgres, migrate_postgres, shown_database
 from switchboard.evaluator import Evaluator, EvaluatorUnavailable
 from switchboard.migrations import pending_migrations
 from switchboard.models import (
@@ -91,7 +92,7 @@ from switchboard.store.webhooks import (
 # -- handlers ----------------------------------------------------------------------------------------
 
 def cli_init(args: argparse.Namespace, db: Database) -> dict:
-    return {"path": str(Path(args.db).resolve()), "schema_version": SCHEMA_VERSION}
+    return {"path": shown_database(args.db), "schema_version": SCHEMA_VERSION}
 
 
 def cli_human_add(args: argparse.Namespace, db: Database) -> dict:
@@ -255,7 +256,7 @@ def cli_todo_action(args: argparse.Namespace, db: Database) -> dict:
 
 
 def _secret_box(args: argparse.Namespace, db: Database) -> SecretBox:
-    return SecretBox.for_database(args.db, db.read_sync(sealed_sample))
+    return SecretBox.for_database(args.db, db.read_sync(sealed_sample), args.key_file)
 
 
 def _base_url(args: argparse.Namespace) -> str:
@@ -509,12 +510,14 @@ def cli_prune(args: argparse.Namespace, db: Database) -> dict:
     return {"pruned": pruned, "checkpoint": list(db.checkpoint())}
 
 
-def _key_health(db_path: str, sealed: tuple[str, bytes] | None) -> str:
+def _key_health(db_path: str, sealed: tuple[str, bytes] | None, key_file: str | None) -> str:
     """Where the secret key comes from: environment or file; else missing, invalid, or `wrong key` when it
     cannot open the secrets this database holds (the key is never printed)."""
     if os.environ.get("SWITCHBOARD_SECRET_KEY"):
         source, text = "environment", os.environ["SWITCHBOARD_SECRET_KEY"]
-    elif key_file_path(db_path).exists():
+    elif key_file and Path(key_file).exists():
+        source, text = "file", Path(key_file).read_text()
+    elif not key_file and not is_postgres(db_path) and key_file_path(db_path).exists():
         source, text = "file", key_file_path(db_path).read_text()
     else:
         return "missing"
@@ -535,7 +538,8 @@ def _sandbox_health() -> str:
 
 def cli_check(args: argparse.Namespace, db: Database) -> dict:
     sealed = db.read_sync(sealed_sample)
-    report = {**db.read_sync(check_database), "key": _key_health(args.db, sealed), "sandbox": _sandbox_health()}
+    report = {**db.read_sync(check_database), "key": _key_health(args.db, sealed, args.key_file),
+              "sandbox": _sandbox_health()}
     problems = []
     if report["integrity"] != "ok" or report["foreign_keys"] != "ok":
         problems.append("the database is damaged: restore the latest backup")
@@ -546,6 +550,11 @@ def cli_check(args: argparse.Namespace, db: Database) -> dict:
     if sealed is not None and report["key"] not in ("environment", "file"):
         problems.append(f"the secret key is {report['key']}: webhook secrets cannot be opened; restore switchboard.key"
                         " (beside the database) from the backup, or set SWITCHBOARD_SECRET_KEY")
+    if report.get("synchronous_commit") == "off":
+        problems.append("synchronous_commit is off: a 202 would not survive a power cut; set it on (`serve` refuses)")
+    if report.get("clock_skew_ms", 0) > MAX_CLOCK_SKEW_MS:
+        problems.append(f"the processes' clocks are {report['clock_skew_ms']} ms apart (at most {MAX_CLOCK_SKEW_MS}):"
+                        " leases and deferrals follow each process's clock; run NTP (chrony, systemd-timesyncd)")
     if problems:
         raise ApiError("internal", "check failed: " + "; ".join(problems) + f" ({json.dumps(report)})")
     return report
@@ -553,6 +562,8 @@ def cli_check(args: argparse.Namespace, db: Database) -> dict:
 
 def cli_migrate(args: argparse.Namespace) -> dict:
     """What the schema change is; with --dry-run only that, without touching the file."""
+    if is_postgres(args.db):
+        return migrate_postgres(args.db, args.dry_run)
     conn = sqlite3.connect(f"file:{Path(args.db).resolve()}?mode=ro", uri=True)
     try:
         steps = pending_migrations(conn)
@@ -564,5 +575,5 @@ def cli_migrate(args: argparse.Namespace) -> dict:
                                    " run the newer program, or restore a backup made before the upgrade")
     if not args.dry_run and steps:
         Database(args.db).close()
-    return {"path": str(Path(args.db).resolve()), "from": before, "to": SCHEMA_VERSION, "steps": steps,
+    return {"path": shown_database(args.db), "from": before, "to": SCHEMA_VERSION, "steps": steps,
             "applied": bool(steps) and not args.dry_run}

@@ -28,7 +28,7 @@ def _sender(args: argparse.Namespace, db: Database) -> ForgeSender:
     from switchboard.forge import ForgeSender
     from switchboard.notifier import Addresses
 
-    return ForgeSender(db, SecretBox.for_database(args.db, db.read_sync(sealed_sample)), Addresses.configured())
+    return ForgeSender(db, SecretBox.for_database(args.db, db.read_sync(sealed_sample), args.key_file), Addresses.configured())
 
 
 def read_token_file(path: str) -> str:

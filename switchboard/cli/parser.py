@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -76,7 +75,7 @@ from switchboard.configuration import (
     default_db_path,
     env_default,
 )
-from switchboard.database import Database
+from switchboard.engines import database_errors, is_postgres, open_database
 from switchboard.models import BULK_ACTIONS
 from switchboard.providers import PROVIDERS
 
@@ -110,6 +109,8 @@ def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
     serve.add_argument("--port", type=int, default=env_default("port", "8080"), help="port (default 8080)")
     serve.add_argument("--synchronous", choices=["full", "normal"], default=env_default("synchronous", "full"),
                        help="full: a 202 survives power loss (default); normal: faster, survives a crash")
+    serve.add_argument("--db-pool-size", dest="db_pool_size", type=int, default=env_default("db-pool-size", "10"),
+                       help="Postgres only: the connections this process keeps to the database (default 10)")
     serve.add_argument("--ingest-rate", dest="ingest_rate", type=float,
                        default=env_default("ingest-rate", str(DEFAULT_INGEST_RATE)),
                        help="unauthenticated deliveries and failed signature checks per second per source address"
@@ -443,7 +444,11 @@ def program_name() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--db", default=argparse.SUPPRESS, help="database file (default $SWITCHBOARD_DB or ./switchboard.db)")
+    common.add_argument("--db", default=argparse.SUPPRESS,
+                        help="a SQLite file or a postgresql:// URL (default $SWITCHBOARD_DB or ./switchboard.db)")
+    common.add_argument("--key-file", dest="key_file", default=argparse.SUPPRESS,
+                        help="the secrets' key file (default $SWITCHBOARD_KEY_FILE, else switchboard.key beside a"
+                             " SQLite file; a Postgres URL needs one, the same on every process)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON object")
     program = program_name()
     parser = argparse.ArgumentParser(prog=program, parents=[common],
@@ -489,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.db = getattr(args, "db", None) or default_db_path()
     args.json = getattr(args, "json", False)
-    if args.handler not in CREATES_DATABASE and not Path(args.db).exists():
+    args.key_file = getattr(args, "key_file", None) or os.environ.get("SWITCHBOARD_KEY_FILE") or None
+    if args.handler not in CREATES_DATABASE and not is_postgres(args.db) and not Path(args.db).exists():
         return _fail(args, {"error": "not_found", "message": f"no database at {Path(args.db).resolve()}: run"
                             f" `{program_name()} init` there first, or point --db or $SWITCHBOARD_DB at it"})
     try:
@@ -499,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             print_answer(args, cli_migrate(args))
             return 0
         # `check` reports the schema as it is and `backup` copies the file as it is: neither migrates it.
-        db = Database(args.db, inline_rings=False, migrate=args.handler not in (cli_check, cli_backup))
+        db = open_database(args.db, inline_rings=False, migrate=args.handler not in (cli_check, cli_backup))
         try:
             print_answer(args, args.handler(args, db))
         finally:
@@ -507,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ApiError as exc:
         return _fail(args, exc.body())
-    except sqlite3.Error as exc:
+    except database_errors() as exc:
         return _fail(args, {"error": "unavailable", "message": f"database: {exc}"})
     except Exception as exc:  # noqa: BLE001 - the contract is one error body and exit 1, never a traceback
         return _fail(args, {"error": "internal",

@@ -6,7 +6,6 @@ import functools
 import hmac
 import os
 import re
-import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,6 +20,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from switchboard.configuration import INGEST_BUFFER_BYTES, MAX_DELIVERY_BYTES, MAX_REQUEST_BYTES, VERSION, ApiError
+from switchboard.engines import database_errors
 from switchboard.envelope import lower_headers
 from switchboard.flows import EvaluationShed, Flows
 from switchboard.http.common import (
@@ -366,7 +366,7 @@ class Api:
             return PlainTextResponse(f"unavailable: {dead[0]}", status_code=503)
         try:
             await self.db.read(lambda txn: txn.one("SELECT 1"))
-        except sqlite3.Error:
+        except (ApiError, *database_errors()):
             return PlainTextResponse("unavailable: the database cannot be read", status_code=503)
         return PlainTextResponse(f"ok {VERSION}")
 

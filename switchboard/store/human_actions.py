@@ -34,7 +34,7 @@ ACTION_STATES: dict[str, tuple[str, ...]] = {
 
 def human_todo(txn: Txn, principal: Principal, action: str, todo_id: str, allowed: tuple[str, ...]) -> sqlite3.Row:
     principal.require_human(action)
-    todo = load_todo(txn, principal, todo_id)
+    todo = load_todo(txn, principal, todo_id, for_update=True)
     if todo["state"] not in allowed:
         raise ApiError("conflict", f"cannot {action} a todo that is {todo['state']}")
     return todo

@@ -159,9 +159,10 @@ def mark_status(txn: Txn, todo_id: str, subject_key: str | None, event_id: str |
             json.loads(row["repos"]), repo):
         return
     txn.execute("INSERT INTO forge_status (connection_id, subject_key, repo, number, due_at) VALUES (?, ?, ?, ?, ?)"
-                " ON CONFLICT (connection_id, subject_key) DO UPDATE SET version = version + 1,"
-                " due_at = CASE WHEN due_at IS NOT NULL THEN due_at"
-                " WHEN edited_at IS NOT NULL AND edited_at + ? > excluded.due_at THEN edited_at + ?"
+                " ON CONFLICT (connection_id, subject_key) DO UPDATE SET version = forge_status.version + 1,"
+                " due_at = CASE WHEN forge_status.due_at IS NOT NULL THEN forge_status.due_at"
+                " WHEN forge_status.edited_at IS NOT NULL AND forge_status.edited_at + ? > excluded.due_at"
+                " THEN forge_status.edited_at + ?"
                 " ELSE excluded.due_at END",
                 (row["id"], subject_key, repo, int(number), txn.now, STATUS_EDIT_MS, STATUS_EDIT_MS))
     txn.outbox = True

@@ -82,10 +82,10 @@ def note_delivery(txn: Txn, human_ids: Iterable[str], envelope: dict) -> None:
     for human_id in dict.fromkeys(human_ids):
         txn.execute("INSERT INTO subjects (human_id, key, title, url, labels, first_seen_at, last_activity_at)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (human_id, key) DO UPDATE SET"
-                    " title = coalesce(excluded.title, title), url = coalesce(excluded.url, url),"
-                    " labels = CASE WHEN ? = 1 THEN excluded.labels ELSE labels END,"
-                    " last_activity_at = CASE WHEN excluded.last_activity_at > last_activity_at"
-                    " THEN excluded.last_activity_at ELSE last_activity_at END",
+                    " title = coalesce(excluded.title, subjects.title), url = coalesce(excluded.url, subjects.url),"
+                    " labels = CASE WHEN ? = 1 THEN excluded.labels ELSE subjects.labels END,"
+                    " last_activity_at = CASE WHEN excluded.last_activity_at > subjects.last_activity_at"
+                    " THEN excluded.last_activity_at ELSE subjects.last_activity_at END",
                     (human_id, key, facts["title"], facts["url"], labels or "[]", txn.now, txn.now,
                      int(labels is not None)))
 

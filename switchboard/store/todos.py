@@ -86,10 +86,13 @@ def scope_clause(principal: Principal) -> tuple[str, tuple]:
     return "1 = 1", ()
 
 
-def load_todo(txn: Txn, principal: Principal, todo_id: str, source: str = "todos") -> sqlite3.Row:
-    """A todo the principal may see; from `todo_rows` when it is to be shown (todo_view), else the bare row."""
+def load_todo(txn: Txn, principal: Principal, todo_id: str, source: str = "todos",
+              for_update: bool = False) -> sqlite3.Row:
+    """A todo the principal may see; from `todo_rows` when it is to be shown (todo_view), else the bare row.
+    `for_update`: a verb about to change it holds it until commit (where writers run side by side)."""
     clause, params = scope_clause(principal)
-    row = txn.one(f"SELECT * FROM {source} WHERE id = ? AND {clause}", (todo_id, *params))
+    row = txn.one(f"SELECT * FROM {source} WHERE id = ? AND {clause}{txn.for_update if for_update else ''}",
+                  (todo_id, *params))
     if row is None:
         raise ApiError("not_found", f"no todo {todo_id}")
     return row

@@ -22,6 +22,7 @@ from switchboard.configuration import (
 )
 from switchboard.crypto import hashes_match, new_id, token_hash
 from switchboard.database import Txn
+from switchboard.engines import database_errors
 from switchboard.models import (
     Block,
     ClaimById,
@@ -272,7 +273,7 @@ def write_receipt(txn: Txn, holder: sqlite3.Row, actor: str) -> None:
                         result=json.dumps({"absorbed_by": holder["id"], "receipt": receipt_id}))
         txn.execute("DELETE FROM absorptions WHERE holder_id = ?", (holder["id"],))
         txn.execute("RELEASE receipt")
-    except sqlite3.Error as exc:
+    except database_errors() as exc:
         txn.execute("ROLLBACK TO receipt")
         txn.execute("RELEASE receipt")
         log.error("receipt for %s not written (%s); its absorbed todos run as usual", holder["id"], exc)
@@ -291,8 +292,10 @@ def absorb(txn: Txn, principal: Principal, todo_id: str, body: Leased) -> dict:
             f" AND id <> ? AND created_at <= ? AND {CLAIMABLE}",
             (holder["endpoint_id"], holder["queue"], holder["subject_key"], todo_id, txn.now, txn.now))
         for row in fresh:
-            txn.execute("INSERT OR REPLACE INTO absorptions (absorbed_id, holder_id, holder_seq, absorbed_at)"
-                        " VALUES (?, ?, ?, ?)", (row["id"], todo_id, seq, txn.now))
+            txn.execute("INSERT INTO absorptions (absorbed_id, holder_id, holder_seq, absorbed_at) VALUES (?, ?, ?, ?)"
+                        " ON CONFLICT (absorbed_id) DO UPDATE SET holder_id = excluded.holder_id,"
+                        " holder_seq = excluded.holder_seq, absorbed_at = excluded.absorbed_at",
+                        (row["id"], todo_id, seq, txn.now))
         if fresh:
             txn.logs.append(f"todo {todo_id} absorbed {len(fresh)} todos")
     rows = txn.all("SELECT t.* FROM absorptions a JOIN todo_rows t ON t.id = a.absorbed_id WHERE a.holder_id = ?"
@@ -325,12 +328,12 @@ def _reap_endpoint(txn: Txn, endpoint_id: str) -> int:
 _PRIOR_ATTEMPTS = ("SELECT json_group_array(json_object('seq', seq, 'claimant', claimant, 'claimed_at', claimed_at,"
                    " 'lease_expires_at', lease_expires_at, 'heartbeats', heartbeats, 'ended_at', ended_at,"
                    " 'outcome', outcome, 'summary', summary, 'artifact', artifact)) FROM (SELECT * FROM attempts"
-                   " WHERE todo_id = t.id ORDER BY seq DESC LIMIT 5)")
+                   " WHERE todo_id = t.id ORDER BY seq DESC LIMIT 5) AS recent")
 
 
-def _prior_attempts(text: str) -> list[dict]:
-    """_PRIOR_ATTEMPTS's array, oldest first."""
-    return sorted(json.loads(text), key=lambda attempt: attempt["seq"])
+def _prior_attempts(text: str | None) -> list[dict]:
+    """_PRIOR_ATTEMPTS's array, oldest first (Postgres's aggregate of no rows is NULL)."""
+    return sorted(json.loads(text or "[]"), key=lambda attempt: attempt["seq"])
 
 
 def _claim_row(txn: Txn, principal: Principal, todo: sqlite3.Row, prior: list[dict], lease_seconds: int | None,
@@ -380,7 +383,7 @@ def claim_next(txn: Txn, principal: Principal, body: ClaimNext) -> dict:
     best = (f"SELECT t.*, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at <= ?"
             f" LIMIT 1) AS lapsed, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id = (SELECT id"
             f" FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks}) AND available_at <= ?"
-            f" AND {CLAIMABLE} ORDER BY priority DESC, created_at, rowid LIMIT 1)")
+            f" AND {CLAIMABLE} ORDER BY priority DESC, created_at, rowid LIMIT 1{txn.skip_locked})")
     params = (principal.id, txn.now, principal.id, *gate.open, txn.now, txn.now)
     row = txn.one(best, params)
     if (row is None or row["lapsed"]) and _reap_endpoint(txn, principal.id):
@@ -394,7 +397,7 @@ def claim_next(txn: Txn, principal: Principal, body: ClaimNext) -> dict:
 
 def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) -> dict:
     principal.require_verb("claim")
-    todo = load_todo(txn, principal, todo_id, "todo_rows")
+    todo = load_todo(txn, principal, todo_id, "todo_rows", for_update=True)
     if todo["queue"] not in principal.queues:
         raise ApiError("forbidden", f"queue {todo['queue']} is outside this endpoint's scope")
     if todo["state"] == "claimed" and todo["lease_expires_at"] <= txn.now:
@@ -420,7 +423,7 @@ def _fenced(txn: Txn, principal: Principal, verb: str, todo_id: str, lease_token
             source: str = "todos") -> sqlite3.Row:
     """Fencing: the todo must be claimed under this exact, unexpired lease token. Read from `source`."""
     principal.require_verb(verb)
-    todo = load_todo(txn, principal, todo_id, source)
+    todo = load_todo(txn, principal, todo_id, source, for_update=True)
     if todo["state"] != "claimed" or not hashes_match(todo["lease_token_hash"], lease_token):
         raise ApiError("conflict", "lease token is stale or wrong for this todo")
     if todo["lease_expires_at"] <= txn.now:

@@ -201,7 +201,7 @@ def _prune_walk(txn: Txn, place: dict, rows_of: str, eligible: str, stamp: str, 
                 break
     else:
         place["done"] = len(rows) < PRUNE_WALK
-    txn.conn.executemany(f"DELETE FROM {table} WHERE rowid = ?", doomed)
+    txn.executemany(f"DELETE FROM {table} WHERE rowid = ?", doomed)
     return len(doomed)
 
 
@@ -242,10 +242,21 @@ def _oldest_available(txn: Txn) -> int | None:
 
 
 def check_database(txn: Txn) -> dict:
+    """The engine's own health checks. SQLite checks every page and key; Postgres keeps its pages and keys whole
+    itself, so its report says what a Postgres operator must know instead: whether a commit waits for the disk,
+    and which processes serve the database and how far their clocks are from the database's."""
+    if txn.engine == "postgres":
+        processes = [dict(r) for r in txn.all(
+            "SELECT id, host, pid, seen_at, clock_ms - db_ms AS clock_skew_ms FROM processes ORDER BY started_at")]
+        return {"engine": "postgres", "integrity": "ok", "foreign_keys": "ok",
+                "schema_version": txn.schema_version(), "program_schema_version": SCHEMA_VERSION,
+                "synchronous_commit": txn.one("SHOW synchronous_commit")[0], "processes": processes,
+                "clock_skew_ms": max((abs(p["clock_skew_ms"]) for p in processes), default=0)}
     integrity = [r[0] for r in txn.all("PRAGMA integrity_check")]
     foreign = txn.all("PRAGMA foreign_key_check")
-    return {"integrity": "ok" if integrity == ["ok"] else integrity, "foreign_keys": "ok" if not foreign else len(foreign),
-            "schema_version": txn.one("PRAGMA user_version")[0], "program_schema_version": SCHEMA_VERSION,
+    return {"engine": "sqlite", "integrity": "ok" if integrity == ["ok"] else integrity,
+            "foreign_keys": "ok" if not foreign else len(foreign),
+            "schema_version": txn.schema_version(), "program_schema_version": SCHEMA_VERSION,
             "journal_mode": txn.one("PRAGMA journal_mode")[0]}
 
 

@@ -1,0 +1,445 @@
+"""Postgres: the same transaction bodies as SQLite mode, each run on a pooled connection of its own, for several
+processes (on several machines) sharing one database.
+
+What differs from SQLite lives here, and nowhere in the store: the statements' placeholders and the few spellings
+SQLite alone knows (`dialect_sql`), the lock vocabulary (`PgTxn.lock`, `lock_key`, `skip_locked`, `for_update`),
+bodies run again after a serialization failure, a deadlock or the unique violation a constraint arbitrates, the
+schema applied once under an advisory lock, and what several processes share: the leader (an advisory lock held by
+one process's connection), the rings (each sent by NOTIFY to the one process whose session is chosen in the
+committing transaction) and the processes' heartbeats (for `check`'s clock skew)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import json
+import os
+import random
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+import psycopg.adapt
+import psycopg.errors
+import psycopg_pool
+from psycopg.pq import Format
+
+from switchboard.configuration import SCHEMA_VERSION, ApiError, Clock, log, shipped_path
+from switchboard.crypto import new_id
+from switchboard.database import Txn
+
+if TYPE_CHECKING:
+    from asyncio import AbstractEventLoop
+
+# A body meeting one of these ran against others' writes: it runs again, from the start, in a new transaction.
+RETRIED = (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected, psycopg.errors.UniqueViolation,
+           psycopg.errors.LockNotAvailable)
+MAX_ATTEMPTS = 8
+LEADER_LOCK = 0x5357_4c45_4144  # "SWLEAD": pg_try_advisory_lock's key for the leader
+MIGRATE_LOCK = 0x5357_4d49_4752  # "SWMIGR": one process migrates, the others wait for it
+HEARTBEAT_SECONDS = 2.0
+PROCESS_STALE_MS = 15_000  # a process not heard of for this long is gone: its ring listeners are dropped
+RING_CHANNEL = "switchboard_ring_"  # + the process id: NOTIFY payloads are the rings chosen for that process
+
+
+class Row(tuple):
+    """A result row read by name or by position, as sqlite3.Row is."""
+
+    __slots__ = ()
+    names: dict[str, int] = {}
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return tuple.__getitem__(self, self.names[key])
+        return tuple.__getitem__(self, key)
+
+    def keys(self) -> list[str]:
+        return list(self.names)
+
+
+def _row_factory(cursor: psycopg.Cursor) -> Callable[[Any], Row]:
+    """One Row class per result shape, so a row costs a tuple and the names are shared."""
+    if cursor.description is None:
+        return tuple
+    names = tuple(column.name for column in cursor.description)
+    return _row_class(names)
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_class(names: tuple[str, ...]) -> Callable[[Any], Row]:
+    shaped = type("Row", (Row,), {"__slots__": (), "names": {name: i for i, name in enumerate(names)}})
+    return shaped
+
+
+class _BoolAsInteger(psycopg.adapt.Dumper):
+    """Flags are 0/1 integers in both schemas, and the store passes Python booleans for them."""
+
+    oid = 20  # int8
+    format = Format.TEXT
+
+    def dump(self, obj: bool) -> bytes:
+        return b"1" if obj else b"0"
+
+
+# SQLite-only spellings the store uses, and their Postgres forms. Each is a whole phrase the store writes one way.
+_REWRITES = (
+    (re.compile(r"\bINDEXED BY \w+"), ""),
+    (re.compile(r"\bINSERT OR IGNORE INTO\b(.*)$", re.S), r"INSERT INTO\1 ON CONFLICT DO NOTHING"),
+    (re.compile(r"\bCAST\((\w+(?:\.\w+)?) AS TEXT\)"), r"bytes_as_text(\1)"),
+    (re.compile(r"\bAS INTEGER\)"), "AS BIGINT)"),
+    (re.compile(r"\bjson_group_array\(json_object\("), "json_agg(json_build_object("),
+    (re.compile(r"\bjson_each\((\w+)\)"), r"json_array_elements_text(\1::json) AS elements(value)"),
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def dialect_sql(sql: str) -> str:
+    """A store statement as Postgres takes it: `?` placeholders become `%s` (a literal `%` doubles), and the
+    few SQLite-only phrases are rewritten."""
+    for pattern, replacement in _REWRITES:
+        sql = pattern.sub(replacement, sql)
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
+class PgTxn(Txn):
+    """A body's view on Postgres: the same calls, on one pooled connection inside one READ COMMITTED transaction;
+    the lock vocabulary takes real locks."""
+
+    skip_locked = " FOR UPDATE SKIP LOCKED"
+    for_update = " FOR UPDATE"
+    engine = "postgres"
+
+    def lock(self, table: str, where: str, params: Iterable = ()) -> None:
+        self.conn.execute(dialect_sql(f"SELECT 1 FROM {table} WHERE {where} FOR UPDATE"), tuple(params))
+
+    def lock_key(self, *parts: str) -> None:
+        self.conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("\x1f".join(parts),))
+
+    def execute(self, sql: str, params: Iterable = ()) -> psycopg.Cursor:
+        return self.conn.execute(dialect_sql(sql), tuple(params))
+
+    def executemany(self, sql: str, rows: Iterable[Iterable]) -> None:
+        with self.conn.cursor() as cursor:
+            cursor.executemany(dialect_sql(sql), [tuple(r) for r in rows])
+
+    def one(self, sql: str, params: Iterable = ()) -> Row | None:
+        return self.conn.execute(dialect_sql(sql), tuple(params)).fetchone()
+
+    def all(self, sql: str, params: Iterable = ()) -> list[Row]:
+        return self.conn.execute(dialect_sql(sql), tuple(params)).fetchall()
+
+    def has_table(self, name: str) -> bool:
+        return self.conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()[0]
+
+    def schema_version(self) -> int:
+        row = self.conn.execute("SELECT version FROM switchboard_schema").fetchone()
+        return row[0] if row else 0
+
+
+def _configure(conn: psycopg.Connection) -> None:
+    conn.row_factory = _row_factory
+    conn.adapters.register_dumper(bool, _BoolAsInteger)
+    conn.adapters.register_dumper(str, psycopg.types.string.StrDumper)
+    for json_type in ("json", "jsonb"):  # JSON reaches the store as text, as SQLite's json functions give it
+        conn.adapters.register_loader(json_type, psycopg.types.string.TextLoader)
+    conn.prepare_threshold = 0  # the store's statements are few and repeat: prepare each on its first use
+
+
+def schema_statements() -> list[str]:
+    """schema.postgres.sql, split at the statements' ends (dollar-quoted bodies kept whole)."""
+    text = shipped_path("schema.postgres.sql").read_text()
+    statements, current, quoted = [], [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("--") and not quoted:
+            continue
+        current.append(line)
+        quoted ^= line.count("$$") % 2 == 1
+        if not quoted and line.rstrip().endswith(";"):
+            statements.append("\n".join(current))
+            current = []
+    if "".join(current).strip():
+        statements.append("\n".join(current))
+    return statements
+
+
+def current_version(conn: psycopg.Connection) -> int:
+    """The schema version a database holds (0: none yet)."""
+    if not conn.execute("SELECT to_regclass('switchboard_schema') IS NOT NULL").fetchone()[0]:
+        return 0
+    row = conn.execute("SELECT version FROM switchboard_schema").fetchone()
+    return row[0] if row else 0
+
+
+def apply_postgres_schema(conn: psycopg.Connection) -> int:
+    """Bring the database to SCHEMA_VERSION, once: processes starting together wait on MIGRATE_LOCK, and the
+    first applies the schema while the others then find it current. A database newer than this program is refused."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_LOCK,))
+        conn.execute("CREATE TABLE IF NOT EXISTS switchboard_schema (version INTEGER NOT NULL)")
+        row = conn.execute("SELECT version FROM switchboard_schema").fetchone()
+        version = row[0] if row else 0
+        if version > SCHEMA_VERSION:
+            raise ApiError("conflict", f"the database is schema {version}, newer than this program"
+                                       f" ({SCHEMA_VERSION}): run the newer release")
+        if version < SCHEMA_VERSION:
+            for statement in schema_statements():
+                conn.execute(statement)
+            conn.execute("DELETE FROM switchboard_schema")
+            conn.execute("INSERT INTO switchboard_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
+        return version
+
+
+class Postgres:
+    """The Database interface on Postgres. Writes are bodies `fn(txn, *args)`, each one transaction on a pooled
+    connection (Postgres runs writers side by side; the lock vocabulary orders the ones that meet), committed with
+    synchronous_commit on before the caller hears. `listen` turns on what serving needs: the ring listener, the
+    leader election and the process heartbeat."""
+
+    engine = "postgres"
+    poll_seconds = 2.0  # how long a waiting claim trusts the rings before it looks at the queue again
+
+    def __init__(self, url: str, *, clock: Clock | None = None, inline_rings: bool = True, migrate: bool = True,
+                 pool_size: int = 10, listen: bool = False):
+        self.path = url
+        self.url = url
+        self.clock = clock or Clock()
+        self.inline_rings = inline_rings
+        self.on_rings: Callable[[list[dict]], None] | None = None
+        self.on_outbox: Callable[[], None] | None = None
+        self.on_fatal: Callable[[str], None] | None = None
+        self.loop: AbstractEventLoop | None = None
+        self.counts: collections.Counter = collections.Counter()
+        self.counts_lock = threading.Lock()
+        self.failure: str | None = None
+        self.process_id = new_id("pr")
+        self.is_leader = not listen
+        self.listeners: dict[tuple[str, tuple[str, ...] | None], int] = {}  # this process's sessions, by filter
+        self._listeners_lock = threading.Lock()
+        self._listeners_dirty = threading.Event()
+        self._closing = threading.Event()
+        self._threads: list[threading.Thread] = []
+        with psycopg.connect(url, autocommit=True) as conn:
+            _configure(conn)
+            if migrate:
+                apply_postgres_schema(conn)
+            self.synchronous = conn.execute("SHOW synchronous_commit").fetchone()[0]
+        self._pool = psycopg_pool.ConnectionPool(url, min_size=1, max_size=pool_size, configure=self._on_connect,
+                                                 open=True, timeout=30, name="switchboard")
+        if listen:
+            for target, name in ((self._listen_loop, "switchboard-rings"), (self._leader_loop, "switchboard-leader")):
+                thread = threading.Thread(target=self._guarded, args=(target, name), name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    @staticmethod
+    def _on_connect(conn: psycopg.Connection) -> None:
+        _configure(conn)
+        conn.autocommit = True  # transactions are opened explicitly: a one-statement read needs none
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _run(self, fn: Callable, args: tuple, *, read_only: bool = False) -> tuple[Any, list[dict]]:
+        """The body as one transaction, run again (a new `now` and all) when it met another writer's transaction
+        in a way Postgres resolves by aborting one of them."""
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                with self._pool.connection() as conn:
+                    with conn.transaction():
+                        if read_only:
+                            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                        txn = PgTxn(conn, self.clock.now_ms(), self.inline_rings and not read_only)
+                        result = fn(txn, *args)
+                        local = self._route_rings(txn) if txn.rings else []
+                break
+            except RETRIED as exc:
+                if attempt == MAX_ATTEMPTS:
+                    raise ApiError("unavailable", f"the write met others {MAX_ATTEMPTS} times: {exc}") from None
+                time.sleep(random.uniform(0, 0.002 * attempt))
+            except psycopg.OperationalError as exc:
+                raise ApiError("unavailable", f"the database is unreachable: {exc}") from None
+        if read_only:
+            return result, []
+        for line in txn.logs:
+            log.info(line)
+        if txn.counts:
+            with self.counts_lock:
+                self.counts.update(txn.counts)
+        if txn.outbox and self.on_outbox:
+            self.on_outbox()
+        return result, local
+
+    def _route_rings(self, txn: PgTxn) -> list[dict]:
+        """Choose, inside the committing transaction, the process each ring goes to: one whose sessions listen on the
+        todo's endpoint and queue, waiting claims before streams. Rings for this process come back (the doorbell
+        rings them after commit); a ring for another goes by NOTIFY, which Postgres delivers only if this commits.
+        A ring nobody listens for is not sent: the todo waits for the next claim, as in SQLite mode."""
+        local = []
+        for ring in txn.rings:
+            row = txn.conn.execute(
+                "SELECT process_id FROM ring_listeners WHERE endpoint_id = %s AND (queues IS NULL OR %s = ANY(queues))"
+                " ORDER BY waiting DESC, random() LIMIT 1", (ring["endpoint_id"], ring["queue"])).fetchone()
+            if row is None or row[0] == self.process_id:
+                local.append(ring)
+            else:
+                txn.conn.execute("SELECT pg_notify(%s, %s)", (RING_CHANNEL + row[0], json.dumps(ring)))
+        return local
+
+    def write_sync(self, fn: Callable, *args) -> Any:
+        result, rings = self._run(fn, args)
+        if rings and self.on_rings and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.on_rings, rings)
+        return result
+
+    async def write(self, fn: Callable, *args) -> Any:
+        import anyio.to_thread
+
+        result, rings = await anyio.to_thread.run_sync(self._run, fn, args)
+        if rings and self.on_rings:
+            self.on_rings(rings)
+        return result
+
+    def checkpoint(self) -> tuple:
+        """SQLite's WAL checkpoint has no Postgres counterpart that Switchboard should run (autovacuum and the
+        checkpointer are the server's): nothing to do, nothing waiting."""
+        return (0, 0, 0)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def read_sync(self, fn: Callable, *args) -> Any:
+        return self._run(fn, args, read_only=True)[0]
+
+    def read_statement(self, fn: Callable, *args) -> Any:
+        """A one-statement body, outside a transaction (autocommit): a round trip instead of three."""
+        try:
+            with self._pool.connection() as conn:
+                return fn(PgTxn(conn, self.clock.now_ms(), False), *args)
+        except psycopg.OperationalError as exc:
+            raise ApiError("unavailable", f"the database is unreachable: {exc}") from None
+
+    async def read(self, fn: Callable, *args) -> Any:
+        import anyio.to_thread
+
+        return await anyio.to_thread.run_sync(self.read_sync, fn, *args)
+
+    def change_marker(self) -> Any:
+        """What moves whenever a todo enters or leaves a group, in any process: the counters' change total."""
+        with self._pool.connection() as conn:
+            return conn.execute("SELECT coalesce(sum(changes), 0) FROM todo_counts").fetchone()[0]
+
+    # -- what several processes share ------------------------------------------------------------------
+    def listening(self, endpoint_id: str, queues: frozenset[str] | None, waiting: bool, delta: int) -> None:
+        """The doorbell's sessions of this process, by endpoint and filter, counted; the table ring_listeners,
+        which committing transactions read to choose a process, is brought up to date by the ring thread."""
+        key = (endpoint_id, tuple(sorted(queues)) if queues is not None else None, waiting)
+        with self._listeners_lock:
+            self.listeners[key] = self.listeners.get(key, 0) + delta
+            if self.listeners[key] <= 0:
+                del self.listeners[key]
+        self._listeners_dirty.set()
+
+    def _guarded(self, target: Callable[[], None], name: str) -> None:
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 - a dead part must be reported, never silent
+            if not self._closing.is_set():
+                self.failure = f"the {name} thread stopped: {type(exc).__name__}: {exc}"
+                log.critical(self.failure)
+                if self.on_fatal:
+                    self.on_fatal(self.failure)
+
+    def _listen_loop(self) -> None:
+        """LISTEN for this process's rings, publish its listeners and its heartbeat. A lost connection is
+        reconnected; rings sent meanwhile are lost, and the waiting claims' poll finds their todos."""
+        published: dict | None = None
+        while not self._closing.is_set():
+            try:
+                with psycopg.connect(self.url, autocommit=True) as conn:
+                    _configure(conn)
+                    conn.execute(f"LISTEN {RING_CHANNEL}{self.process_id}")
+                    published = None
+                    next_beat = 0.0
+                    while not self._closing.is_set():
+                        if time.monotonic() >= next_beat:
+                            self._beat(conn)
+                            next_beat = time.monotonic() + HEARTBEAT_SECONDS
+                        if self._listeners_dirty.is_set() or published is None:
+                            self._listeners_dirty.clear()
+                            published = self._publish(conn, published)
+                        for notice in conn.notifies(timeout=0.2, stop_after=64):
+                            self._deliver(json.loads(notice.payload))
+            except psycopg.OperationalError as exc:
+                log.warning("ring listener lost its connection (%s); reconnecting", exc)
+                self._closing.wait(1.0)
+
+    def _beat(self, conn: psycopg.Connection) -> None:
+        now = self.clock.now_ms()
+        conn.execute("INSERT INTO processes (id, host, pid, started_at, seen_at, clock_ms, db_ms) VALUES (%s, %s, %s,"
+                     " %s, %s, %s, (extract(epoch FROM clock_timestamp()) * 1000)::bigint) ON CONFLICT (id) DO UPDATE"
+                     " SET seen_at = excluded.seen_at, clock_ms = excluded.clock_ms, db_ms = excluded.db_ms",
+                     (self.process_id, socket.gethostname(), os.getpid(), now, now, now))
+
+    def _publish(self, conn: psycopg.Connection, published: dict | None) -> dict:
+        wanted: dict = {}
+        with self._listeners_lock:
+            for (endpoint, queues, waiting), n in self.listeners.items():
+                if n > 0:
+                    wanted[(endpoint, queues)] = wanted.get((endpoint, queues), False) or waiting
+        if wanted != published:
+            with conn.transaction():
+                conn.execute("DELETE FROM ring_listeners WHERE process_id = %s", (self.process_id,))
+                for (endpoint, queues), waiting in wanted.items():
+                    conn.execute("INSERT INTO ring_listeners (process_id, endpoint_id, queues, waiting)"
+                                 " VALUES (%s, %s, %s, %s)",
+                                 (self.process_id, endpoint, list(queues) if queues is not None else None, waiting))
+        return wanted
+
+    def _deliver(self, ring: dict) -> None:
+        if self.on_rings and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.on_rings, [ring])
+
+    def _leader_loop(self) -> None:
+        """Hold the leader's advisory lock on a connection of its own, or try for it every second. The lock is the
+        connection's: if this process dies or its connection is lost, Postgres lets go of it, and another process
+        takes over. The leader also drops the listeners of processes no longer heard of."""
+        while not self._closing.is_set():
+            try:
+                with psycopg.connect(self.url, autocommit=True) as conn:
+                    while not self._closing.is_set():
+                        if not self.is_leader:
+                            self.is_leader = conn.execute("SELECT pg_try_advisory_lock(%s)",
+                                                          (LEADER_LOCK,)).fetchone()[0]
+                            if self.is_leader:
+                                log.info("this process (%s) is the leader", self.process_id)
+                        if self.is_leader:
+                            stale = self.clock.now_ms() - PROCESS_STALE_MS
+                            conn.execute("DELETE FROM ring_listeners WHERE process_id IN (SELECT id FROM processes"
+                                         " WHERE seen_at < %s)", (stale,))
+                            conn.execute("DELETE FROM processes WHERE seen_at < %s", (stale,))
+                        self._closing.wait(1.0)
+            except psycopg.OperationalError as exc:
+                if self.is_leader:
+                    log.warning("the leader lost its database connection (%s): no longer the leader", exc)
+                self.is_leader = False
+                self._closing.wait(1.0)
+        self.is_leader = False
+
+    def alive(self) -> bool:
+        return self.failure is None and all(thread.is_alive() for thread in self._threads)
+
+    def close(self) -> None:
+        self._closing.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        with contextlib.suppress(psycopg.Error):
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                conn.execute("DELETE FROM ring_listeners WHERE process_id = %s", (self.process_id,))
+                conn.execute("DELETE FROM processes WHERE id = %s", (self.process_id,))
+        self._pool.close()
+
+    def backup(self, out_path: str) -> None:
+        raise ApiError("invalid_argument", "backup copies a SQLite file; a Postgres database is backed up by Postgres:"
+                                           " `pg_dump --format=custom` for a copy, or WAL archiving with"
+                                           " pg_basebackup for point-in-time recovery (docs/postgres.md)")
