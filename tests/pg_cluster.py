@@ -1,0 +1,172 @@
+"""A throw-away PostgreSQL cluster for tests: initdb into a temporary directory, a server on a free loopback port
+(its unix socket in that directory too), trust authentication, and settings that only trade durability for speed
+(fsync and full-page writes off: a crash loses the cluster, which a test throws away anyway). The tests that need
+it ask `available()` first; `start()` gives a Cluster, `stop()` ends it and removes its directory."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+# Debian's layout: the server's programs live per major version, and only some are linked onto PATH.
+DEBIAN_BINARIES = "/usr/lib/postgresql/*/bin"
+# Settings for a cluster nobody keeps: none changes what a query returns or which transaction wins.
+SETTINGS = {
+    "fsync": "off",
+    "full_page_writes": "off",
+    "max_connections": "200",
+    "shared_buffers": "64MB",
+    "listen_addresses": "'127.0.0.1'",
+    "log_min_messages": "warning",
+}
+START_ATTEMPTS = 3  # a free port found by binding can be taken by someone else before the server binds it
+TIMEOUT_S = 60
+
+
+def _binaries() -> dict[str, str] | None:
+    """initdb and pg_ctl from one directory: PATH first, then Debian's per-version directories (newest first)."""
+    found = {name: shutil.which(name) for name in ("initdb", "pg_ctl")}
+    if all(found.values()):
+        return found
+    for directory in sorted(glob.glob(DEBIAN_BINARIES), key=lambda d: int(Path(d).parent.name)
+                            if Path(d).parent.name.isdigit() else 0, reverse=True):
+        found = {name: os.path.join(directory, name) for name in ("initdb", "pg_ctl")}
+        if all(os.access(path, os.X_OK) for path in found.values()):
+            return found
+    return None
+
+
+def _as_root() -> bool:
+    return os.geteuid() == 0
+
+
+def available() -> str | None:
+    """None when a cluster can be started here, else why not."""
+    if _binaries() is None:
+        return "needs the Debian package postgresql (initdb and pg_ctl not found)"
+    if _as_root():
+        try:
+            import pwd
+            pwd.getpwnam("postgres")
+        except KeyError:
+            return "running as root needs the user postgres (the Debian package postgresql makes it)"
+    return None
+
+
+def _run(*command: str) -> subprocess.CompletedProcess:
+    """A server program, as the postgres user when we are root (the server refuses to run as root)."""
+    prefix = ("runuser", "-u", "postgres", "--") if _as_root() else ()
+    return subprocess.run((*prefix, *command), capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """A running cluster: its directory (data, socket, log) and its port. The superuser is `postgres`."""
+
+    def __init__(self, root: Path, port: int, pg_ctl: str) -> None:
+        self.root = root
+        self.port = port
+        self._pg_ctl = pg_ctl
+        self._stopped = False
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "server.log"
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
+
+    def create_database(self, name: str, template: str | None = None) -> str:
+        """A new database (a copy of `template` when named, which then must have no other connection); its URL."""
+        import psycopg
+        from psycopg import sql
+
+        statement = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+        if template is not None:
+            statement += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
+        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+            conn.execute(statement)
+        return self.url(name)
+
+    def stop(self) -> None:
+        """Stop the server (fast: open sessions are ended) and remove the cluster's directory. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        atexit.unregister(self.stop)
+        _run(self._pg_ctl, "stop", "-D", str(self.data), "-m", "fast", "-w", "-t", str(TIMEOUT_S))
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start() -> Cluster:
+    """initdb and start a new cluster. Raises RuntimeError (with the server's log) if it does not come up."""
+    reason = available()
+    if reason is not None:
+        raise RuntimeError(reason)
+    binaries = _binaries()
+    # Not under pytest's tmp_path: that is private to the user running the tests, and the server runs as postgres.
+    root = Path(tempfile.mkdtemp(prefix="switchboard-pg-"))
+    if _as_root():
+        shutil.chown(root, "postgres", "postgres")
+    try:
+        # C collation and UTF-8: text sorts by bytes, as SQLite's BINARY collation does.
+        made = _run(binaries["initdb"], "-D", str(root / "data"), "-U", "postgres", "--auth=trust",
+                    "--encoding=UTF8", "--locale=C", "--no-sync")
+        if made.returncode != 0:
+            raise RuntimeError(f"initdb failed: {made.stdout}{made.stderr}")
+        settings = {**SETTINGS, "unix_socket_directories": f"'{root}'"}
+        with open(root / "data" / "postgresql.conf", "a") as conf:
+            conf.writelines(f"{name} = {value}\n" for name, value in settings.items())
+        for _ in range(START_ATTEMPTS):
+            port = _free_port()
+            started = _run(binaries["pg_ctl"], "start", "-D", str(root / "data"), "-l", str(root / "server.log"),
+                           "-w", "-t", str(TIMEOUT_S), "-o", f"-p {port}")
+            if started.returncode == 0:
+                cluster = Cluster(root, port, binaries["pg_ctl"])
+                atexit.register(cluster.stop)
+                _wait_for_tcp(port)
+                return cluster
+            time.sleep(0.2)
+        log = (root / "server.log").read_text() if (root / "server.log").exists() else ""
+        raise RuntimeError(f"pg_ctl start failed: {started.stdout}{started.stderr}\n{log[-4000:]}")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            _run(binaries["pg_ctl"], "stop", "-D", str(root / "data"), "-m", "immediate", "-w")
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
+def _wait_for_tcp(port: int) -> None:
+    """pg_ctl -w waits on the socket file; a test connects over TCP, so make sure the server accepts there too."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
