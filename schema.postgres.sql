@@ -23,6 +23,29 @@ EXCEPTION WHEN data_exception OR program_limit_exceeded THEN
     RETURN false;
 END $$;
 
+-- The SQLite functions the store's statements call, under their SQLite names (the dialect passes them through):
+-- json_valid; json_extract for the paths the store reads ('$.a.b': a scalar as text, an object or array as JSON
+-- text); bytes_as_text for a body read as text (`CAST(body AS TEXT)`). A document that is not JSON, or bytes that
+-- are not UTF-8, read as NULL, where SQLite would raise or read bytes: both only ever ask for what a producer sent.
+CREATE OR REPLACE FUNCTION json_valid(document text) RETURNS boolean
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE RETURN switchboard_json_valid(document);
+
+CREATE OR REPLACE FUNCTION json_extract(document text, path text) RETURNS text
+    LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
+BEGIN
+    RETURN document::json #>> string_to_array(substr(path, 3), '.');
+EXCEPTION WHEN data_exception OR program_limit_exceeded THEN
+    RETURN NULL;
+END $$;
+
+CREATE OR REPLACE FUNCTION bytes_as_text(body bytea) RETURNS text
+    LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
+BEGIN
+    RETURN convert_from(body, 'UTF8');
+EXCEPTION WHEN data_exception THEN
+    RETURN NULL;
+END $$;
+
 -- SQLite's json_type for what schema.sql asks of it ('object', 'array'); NULL for a text that is not JSON, where
 -- SQLite raises instead (every CHECK asks switchboard_json_valid first, so both refuse the row).
 CREATE OR REPLACE FUNCTION switchboard_json_type(document text) RETURNS text
@@ -249,10 +272,13 @@ CREATE TABLE IF NOT EXISTS todos (
 -- Todos as they are shown: each with the body and content type of its event, from which its payload is read.
 -- t.* includes the rowid column here; todo_rowid names it again, as the store reads it from this view. The envelope
 -- is read as json, not jsonb: jsonb refuses a \u0000 escape that json (and SQLite's json_valid) accepts.
+-- The event's columns are scalar subqueries, not LEFT JOINs (the same rows): a verb reads the todo it is about to
+-- change from this view FOR UPDATE, which Postgres refuses on the nullable side of an outer join.
 CREATE OR REPLACE VIEW todo_rows AS
-    SELECT t.*, t.rowid AS todo_rowid, b.body AS event_body,
-           (e.envelope::json ->> 'content_type') AS event_content_type
-    FROM todos t LEFT JOIN events e ON e.id = t.event_id LEFT JOIN event_bodies b ON b.event_id = t.event_id;
+    SELECT t.*, t.rowid AS todo_rowid,
+           (SELECT b.body FROM event_bodies b WHERE b.event_id = t.event_id) AS event_body,
+           (SELECT e.envelope::json ->> 'content_type' FROM events e WHERE e.id = t.event_id) AS event_content_type
+    FROM todos t;
 CREATE INDEX IF NOT EXISTS todos_claimable ON todos(endpoint_id, queue, priority DESC, created_at, rowid)
     WHERE state = 'pending';
 -- Leases, by endpoint (a claim reaps its own endpoint's lapsed leases first). It also serves the reaper and the
@@ -686,3 +712,26 @@ CREATE TABLE IF NOT EXISTS forge_status (
     PRIMARY KEY (connection_id, subject_key)
 );
 CREATE INDEX IF NOT EXISTS forge_status_due ON forge_status(due_at) WHERE due_at IS NOT NULL;
+
+-- Postgres only: what several processes on one database share.
+-- The processes serving the database, each heard of every few seconds (`check` reports them and their clocks'
+-- distance from the database's: clock_ms is the process's clock, db_ms the database's, at the same moment).
+CREATE UNLOGGED TABLE IF NOT EXISTS processes (
+    id          TEXT PRIMARY KEY,
+    host        TEXT NOT NULL,
+    pid         BIGINT NOT NULL,
+    started_at  BIGINT NOT NULL,
+    seen_at     BIGINT NOT NULL,
+    clock_ms    BIGINT NOT NULL,
+    db_ms       BIGINT NOT NULL
+);
+-- Which process has doorbell sessions for which endpoint and queues (NULL: every queue), and whether one of them
+-- is a waiting claim: a committing transaction reads this to send each ring to exactly one process. Unlogged: it
+-- is rebuilt by the processes themselves after a crash of the database server.
+CREATE UNLOGGED TABLE IF NOT EXISTS ring_listeners (
+    process_id   TEXT NOT NULL,
+    endpoint_id  TEXT NOT NULL,
+    queues       TEXT[],
+    waiting      BIGINT NOT NULL CHECK (waiting IN (0, 1))
+);
+CREATE INDEX IF NOT EXISTS ring_listeners_by_endpoint ON ring_listeners(endpoint_id);

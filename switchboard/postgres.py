@@ -150,23 +150,6 @@ def _configure(conn: psycopg.Connection) -> None:
     conn.prepare_threshold = 0  # the store's statements are few and repeat: prepare each on its first use
 
 
-def schema_statements() -> list[str]:
-    """schema.postgres.sql, split at the statements' ends (dollar-quoted bodies kept whole)."""
-    text = shipped_path("schema.postgres.sql").read_text()
-    statements, current, quoted = [], [], False
-    for line in text.splitlines():
-        if line.lstrip().startswith("--") and not quoted:
-            continue
-        current.append(line)
-        quoted ^= line.count("$$") % 2 == 1
-        if not quoted and line.rstrip().endswith(";"):
-            statements.append("\n".join(current))
-            current = []
-    if "".join(current).strip():
-        statements.append("\n".join(current))
-    return statements
-
-
 def current_version(conn: psycopg.Connection) -> int:
     """The schema version a database holds (0: none yet)."""
     if not conn.execute("SELECT to_regclass('switchboard_schema') IS NOT NULL").fetchone()[0]:
@@ -187,8 +170,7 @@ def apply_postgres_schema(conn: psycopg.Connection) -> int:
             raise ApiError("conflict", f"the database is schema {version}, newer than this program"
                                        f" ({SCHEMA_VERSION}): run the newer release")
         if version < SCHEMA_VERSION:
-            for statement in schema_statements():
-                conn.execute(statement)
+            conn.execute(shipped_path("schema.postgres.sql").read_text(), prepare=False)
             conn.execute("DELETE FROM switchboard_schema")
             conn.execute("INSERT INTO switchboard_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
         return version

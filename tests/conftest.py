@@ -33,6 +33,78 @@ from switchboard.store.upkeep import scheduler_tick
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Which engine the suite runs on: `SWITCHBOARD_TEST_ENGINE=postgres python3 -m pytest` runs every test that
+# opens a database on a Postgres cluster the tests start themselves (tests/pg_cluster.py), a fresh database per
+# test; tests that open none run in the SQLite run only, and so do those about SQLite itself (sqlite_only).
+ENGINE = os.environ.get("SWITCHBOARD_TEST_ENGINE", "sqlite")
+DATABASE_FIXTURES = {"db_path", "template"}
+# A database URL's working directory (logs, key file), as a SQLite file's is the directory it lies in.
+WORKDIRS: dict[str, Path] = {}
+
+
+def workdir(db_path: str) -> Path:
+    return WORKDIRS[db_path] if db_path in WORKDIRS else Path(db_path).parent
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "sqlite_only(reason): about SQLite itself; the Postgres run leaves it out")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if ENGINE != "postgres":
+        return
+    for item in items:
+        marker = item.get_closest_marker("sqlite_only")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(reason=f"SQLite only: {marker.args[0] if marker.args else ''}"))
+        elif not DATABASE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.skip(reason="opens no database: it runs in the SQLite run"))
+
+
+class PostgresDatabases:
+    """A cluster for this test process, with the schema applied once to a template database that every test's
+    database is copied from (CREATE DATABASE … TEMPLATE: milliseconds, where applying the schema takes longer)."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.made = 0
+        base = cluster.create_database("switchboard_template")
+        from switchboard.postgres import Postgres
+
+        Postgres(base, migrate=True).close()
+
+    def fresh(self, directory: Path, template: str = "switchboard_template") -> str:
+        self.made += 1
+        url = self.cluster.create_database(f"t{os.getpid()}_{self.made}", template)
+        WORKDIRS[url] = directory
+        return url
+
+
+@pytest.fixture(scope="session")
+def postgres_databases():
+    if ENGINE != "postgres":
+        yield None
+        return
+    import pg_cluster
+
+    reason = pg_cluster.available()
+    if reason is not None:
+        pytest.fail(f"SWITCHBOARD_TEST_ENGINE=postgres {reason}")
+    cluster = pg_cluster.start()
+    try:
+        yield PostgresDatabases(cluster)
+    finally:
+        cluster.stop()
+
+
+def fresh_database(directory: Path, databases: PostgresDatabases | None, template: str | None = None) -> str:
+    """A new, empty database for a test, on the suite's engine: a SQLite file in `directory`, or a Postgres
+    database (its key file in `directory`, named by SWITCHBOARD_KEY_FILE for the app and every child process)."""
+    if databases is None:
+        return str(directory / "switchboard.db")
+    os.environ["SWITCHBOARD_KEY_FILE"] = str(directory / "switchboard.key")
+    return databases.fresh(directory, template or "switchboard_template")
+
 # Where Python writes no bytecode cache (PYTHONDONTWRITEBYTECODE), each server and CLI process the tests start
 # would compile the package's 10,000 lines again: compile them once here instead.
 compileall.compile_dir(str(ROOT / "switchboard"), quiet=1)
@@ -136,19 +208,26 @@ class Template:
     clock_ms: int
     made: object
 
+    database: str = ""
+    databases: PostgresDatabases | None = None
+
     @classmethod
-    def build(cls, directory: Path, build) -> Template:
+    def build(cls, directory: Path, build, databases: PostgresDatabases | None = None) -> Template:
         clock = ManualClock()
-        app = create_app(str(directory / "switchboard.db"), clock=clock, background=False)
+        database = fresh_database(directory, databases)
+        app = create_app(database, clock=clock, background=False)
         with TestClient(app, raise_server_exceptions=False) as client:
             made = build(World(client, app.state.db), clock)
-        return cls(directory, clock.ms, made)
+        return cls(directory, clock.ms, made, database, databases)
 
     def copy_into(self, directory: Path) -> str:
         """The database and its key file, copied; the app that made them is closed, so they are at rest."""
         for path in self.directory.iterdir():
-            shutil.copy2(path, directory / path.name)
-        return str(directory / "switchboard.db")
+            if path.is_file():
+                shutil.copy2(path, directory / path.name)
+        if self.databases is None:
+            return str(directory / "switchboard.db")
+        return fresh_database(directory, self.databases, self.database.rsplit("/", 1)[1])
 
     def clock(self) -> ManualClock:
         return ManualClock(self.clock_ms)
@@ -163,8 +242,8 @@ def template_fixtures(build):
     own. At module level: `template, db_path, clock = template_fixtures(build)`."""
 
     @pytest.fixture(scope="module")
-    def template(tmp_path_factory) -> Template:
-        return Template.build(tmp_path_factory.mktemp("template"), build)
+    def template(tmp_path_factory, postgres_databases) -> Template:
+        return Template.build(tmp_path_factory.mktemp("template"), build, postgres_databases)
 
     @pytest.fixture
     def db_path(template, tmp_path) -> str:
@@ -178,8 +257,8 @@ def template_fixtures(build):
 
 
 @pytest.fixture
-def db_path(tmp_path) -> str:
-    return str(tmp_path / "switchboard.db")
+def db_path(tmp_path, postgres_databases) -> str:
+    return fresh_database(tmp_path, postgres_databases)
 
 
 @pytest.fixture
@@ -224,12 +303,13 @@ class LiveServer:
         self.db_path = db_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(db_path).with_suffix(".log")
+        self.log_path = (WORKDIRS[db_path] / "switchboard.log" if db_path in WORKDIRS
+                         else Path(db_path).with_suffix(".log"))
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, *(program or (str(ROOT / "switchboard.py"),)), "serve", "--db", db_path,
              "--port", str(self.port), *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=str(Path(db_path).parent),
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=str(workdir(db_path)),
             env={**os.environ, **(env or {})})
         if wait:
             self.wait_healthy()
@@ -301,7 +381,7 @@ def cli_inproc(db_path: str, *args: str) -> tuple[int, dict]:
 def _init_first(db_path: str, args: tuple) -> None:
     """Like the README, the operator runs `init` once before any other command (only init and serve create a
     database)."""
-    if not Path(db_path).exists() and args[:1] not in (("init",), ("serve",)):
+    if db_path not in WORKDIRS and not Path(db_path).exists() and args[:1] not in (("init",), ("serve",)):
         with contextlib.redirect_stdout(io.StringIO()):
             main(["init", "--db", db_path, "--json"])
 
@@ -309,6 +389,8 @@ def _init_first(db_path: str, args: tuple) -> None:
 def snapshot(db_path: str) -> dict:
     """Every row of every table (ordered by primary key, else rowid), plus the schema version: what a refused
     request must leave exactly as it found it."""
+    if db_path in WORKDIRS:
+        return _postgres_snapshot(db_path)
     conn = sqlite3.connect(db_path)
     try:
         out: dict = {"user_version": conn.execute("PRAGMA user_version").fetchone()[0]}
@@ -322,3 +404,23 @@ def snapshot(db_path: str) -> dict:
         return out
     finally:
         conn.close()
+
+
+def _postgres_snapshot(url: str) -> dict:
+    """snapshot() on Postgres: every table of the schema (the processes' heartbeats and ring listeners, which move
+    by themselves, left out), each ordered by its primary key, else its rowid."""
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        out: dict = {"user_version": conn.execute("SELECT version FROM switchboard_schema").fetchone()[0]}
+        tables = [r[0] for r in conn.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public' AND table_type ="
+            " 'BASE TABLE' AND table_name NOT IN ('processes', 'ring_listeners') ORDER BY table_name")]
+        for table in tables:
+            pk = [r[0] for r in conn.execute(
+                "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid"
+                " AND a.attnum = ANY(i.indkey) WHERE i.indrelid = %s::regclass AND i.indisprimary ORDER BY a.attnum",
+                (table,))]
+            order = ", ".join(f'"{c}"' for c in pk) if pk else "rowid"
+            out[table] = conn.execute(f'SELECT * FROM "{table}" ORDER BY {order}').fetchall()
+        return out

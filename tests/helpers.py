@@ -69,7 +69,15 @@ def post_delivery(client, webhook: dict, raw: bytes, headers: dict):
 
 
 def query(db_path: str, sql: str, params: tuple = ()) -> list[tuple]:
-    """Read the real database file through a read-only connection of our own."""
+    """Read the real database through a read-only connection of our own: the SQLite file, or the Postgres URL
+    (the same statement, through the engine's own dialect)."""
+    if db_path.startswith("postgresql://"):
+        import psycopg
+
+        from switchboard.postgres import dialect_sql
+
+        with psycopg.connect(db_path) as conn:
+            return [tuple(r) for r in conn.execute(dialect_sql(sql), params).fetchall()]
     conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=10)
     try:
         return conn.execute(sql, params).fetchall()

@@ -101,7 +101,7 @@ def find_webhook(txn: Txn, token: str) -> sqlite3.Row | None:
 # delivery key and the body hash.
 _FIRST_OUTCOME = ("SELECT outcome FROM events WHERE webhook_id = w.id AND delivery_key = ? UNION ALL SELECT * FROM"
                   " (SELECT outcome FROM events WHERE w.trust_mode = 'signed' AND webhook_id = w.id AND body_hash = ?"
-                  " LIMIT 1) LIMIT 1")
+                  " LIMIT 1) AS by_body LIMIT 1")
 
 
 def duplicate_of(txn: Txn, webhook: sqlite3.Row, key: str, body_hash: str) -> dict | None:

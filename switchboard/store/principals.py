@@ -181,7 +181,7 @@ def own_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> sqlite3.Ro
 def owned_rows(txn: Txn, principal: Principal, table: str, row_id: str | None = None) -> list[sqlite3.Row]:
     """Rows of a table keyed by human (endpoints, notification channels) that the principal owns: the
     operator owns them all. `table` is always a name from this module, never input."""
-    sql, args = f"SELECT * FROM {table} WHERE (human_id = ? OR ?)", [principal.human_id, principal.kind == "operator"]
+    sql, args = f"SELECT * FROM {table} WHERE (human_id = ? OR ? = 1)", [principal.human_id, principal.kind == "operator"]
     if row_id is not None:
         sql += " AND id = ?"
         args.append(row_id)

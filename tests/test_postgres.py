@@ -1,0 +1,262 @@
+"""Several Switchboard processes on one Postgres database keep SQLite mode's promises: one claim per todo, a
+delivery recorded once, a doorbell that rings one session, one leader that another replaces when it dies, counts
+that equal the rows, and the operations that differ (the key, synchronous_commit, check, migrate, backup).
+Real servers (`switchboard.py serve`) on a cluster the tests start themselves; the Postgres run only."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+import psycopg
+import pytest
+from conftest import ENGINE, ROOT, LiveServer, cli
+from helpers import make_webhook, post_delivery
+from producers import github
+
+from switchboard.postgres import Postgres
+from switchboard.store.principals import add_human
+
+pytestmark = pytest.mark.skipif(ENGINE != "postgres", reason="about Postgres mode: SWITCHBOARD_TEST_ENGINE=postgres")
+
+
+class Principal:
+    def __init__(self, token: str, id_: str):
+        self.id = id_
+        self.auth = {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+def two_servers(db_path):
+    """Two server processes on one database, each with its own pool, leader election and ring listener."""
+    servers = [LiveServer(db_path), LiveServer(db_path)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def setup_endpoint(db_path: str, server: LiveServer, queues=("q",), lease: int | None = None,
+                   human: Principal | None = None):
+    if human is None:
+        db = Postgres(db_path)
+        try:
+            made = db.write_sync(add_human, f"h{uuid.uuid4().hex[:6]}")
+        finally:
+            db.close()
+        human = Principal(made["token"], made["id"])
+    body = {"name": f"ep-{uuid.uuid4().hex[:6]}", "queues": list(queues)}
+    if lease:
+        body["default_lease_seconds"] = lease
+    r = httpx.post(f"{server.url}/api/v1/endpoints", headers=human.auth, json=body)
+    assert r.status_code == 201, r.text
+    return human, Principal(r.json()["token"], r.json()["id"])
+
+
+def query(db_path: str, sql: str, params=()):
+    with psycopg.connect(db_path) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def test_workers_on_two_servers_claim_each_todo_once(db_path, two_servers):
+    human, endpoint = setup_endpoint(db_path, two_servers[0])
+    total = 600
+    with httpx.Client(base_url=two_servers[0].url, headers=human.auth) as c:
+        for i in range(total):
+            assert c.post(f"/api/v1/endpoints/{endpoint.id}/todos", json={"title": f"t{i}", "queue": "q"}
+                          ).status_code == 201
+    claimed: list[str] = []
+    lock = threading.Lock()
+
+    def worker(server: LiveServer) -> None:
+        with httpx.Client(base_url=server.url, headers=endpoint.auth, timeout=30) as c:
+            while True:
+                r = c.post("/api/v1/todos/claim", json={})
+                assert r.status_code == 200, r.text
+                if r.json().get("empty"):
+                    return
+                todo = r.json()["todo"]["id"]
+                with lock:
+                    claimed.append(todo)
+                done = c.post(f"/api/v1/todos/{todo}/complete", json={"lease_token": r.json()["lease_token"]})
+                assert done.status_code == 200, done.text
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(worker, [two_servers[i % 2] for i in range(16)]))
+    assert len(claimed) == total and len(set(claimed)) == total
+    assert query(db_path, "SELECT count(*) FROM attempts")[0][0] == total
+    assert query(db_path, "SELECT state, count(*) FROM todos GROUP BY state") == [("done", total)]
+    counts = dict(query(db_path, "SELECT state, n FROM todo_counts WHERE n > 0"))
+    assert counts == {"done": total}
+
+
+def test_one_delivery_sent_to_both_servers_is_recorded_once(db_path, two_servers):
+    human, endpoint = setup_endpoint(db_path, two_servers[0])
+    with httpx.Client(base_url=two_servers[0].url) as c:
+        hook = make_webhook(c, human, endpoint.id, "github", "q")
+    deliveries = [github("issues.opened", hook["secret"], {"issue": {"number": n}}, delivery=f"d-{n}") for n in range(40)]
+
+    def send(args):
+        (raw, headers), server = args
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            return post_delivery(c, hook, raw, headers).status_code
+
+    jobs = [(d, s) for d in deliveries for s in two_servers for _ in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(send, jobs))
+    assert set(codes) <= {200, 202}, codes
+    assert query(db_path, "SELECT count(*) FROM events WHERE webhook_id = %s", (hook["id"],))[0][0] == 40
+    assert query(db_path, "SELECT count(*) FROM todos WHERE endpoint_id = %s", (endpoint.id,))[0][0] == 40
+
+
+def test_waiting_claims_on_both_servers_get_distinct_todos(db_path, two_servers):
+    human, endpoint = setup_endpoint(db_path, two_servers[0])
+    got: list[str] = []
+    lock = threading.Lock()
+
+    def wait_once(server: LiveServer) -> None:
+        with httpx.Client(base_url=server.url, headers=endpoint.auth, timeout=30) as c:
+            r = c.post("/api/v1/todos/claim", json={"wait_seconds": 15})
+            assert r.status_code == 200, r.text
+            if not r.json().get("empty"):
+                with lock:
+                    got.append(r.json()["todo"]["id"])
+
+    waiters = [threading.Thread(target=wait_once, args=(two_servers[i % 2],)) for i in range(6)]
+    for thread in waiters:
+        thread.start()
+    time.sleep(1.5)  # the waiting claims are parked and their processes published as listeners
+    pushed_at = time.monotonic()
+    with httpx.Client(base_url=two_servers[0].url, headers=human.auth) as c:
+        for i in range(6):
+            assert c.post(f"/api/v1/endpoints/{endpoint.id}/todos", json={"title": f"w{i}", "queue": "q"}
+                          ).status_code == 201
+    for thread in waiters:
+        thread.join()
+    assert len(got) == 6 and len(set(got)) == 6
+    assert time.monotonic() - pushed_at < 10
+
+
+def test_the_leader_dies_and_another_reaps_a_lapsed_lease(db_path, two_servers):
+    human, endpoint = setup_endpoint(db_path, two_servers[0])
+    leader = next(s for s in two_servers if "is the leader" in s.logged())
+    other = next(s for s in two_servers if s is not leader)
+    with httpx.Client(base_url=other.url) as c:
+        assert c.post(f"/api/v1/endpoints/{endpoint.id}/todos", headers=human.auth,
+                      json={"title": "lapses", "queue": "q"}).status_code == 201
+        claim = c.post("/api/v1/todos/claim", headers=endpoint.auth, json={}).json()
+    leader.proc.send_signal(signal.SIGKILL)
+    leader.proc.wait()
+    # The shortest lease is a minute: the claim's lease is moved into the past instead of waiting one out.
+    with psycopg.connect(db_path, autocommit=True) as conn:
+        conn.execute("UPDATE todos SET lease_expires_at = 1 WHERE id = %s", (claim["todo"]["id"],))
+        conn.execute("UPDATE attempts SET lease_expires_at = 1 WHERE todo_id = %s", (claim["todo"]["id"],))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        state = query(db_path, "SELECT state FROM todos WHERE id = %s", (claim["todo"]["id"],))[0][0]
+        if state == "pending":
+            break
+        time.sleep(0.2)
+    assert state == "pending", "no process reaped the lapsed lease within 10 s of the leader's death"
+    assert "is the leader" in other.logged()
+
+
+def test_kill_of_a_server_during_a_fan_out_storm_leaves_whole_events(db_path, two_servers):
+    human, endpoint = setup_endpoint(db_path, two_servers[0], queues=("a",))
+    twins = [setup_endpoint(db_path, two_servers[0], queues=("a",), human=human)[1] for _ in range(2)]
+    with httpx.Client(base_url=two_servers[0].url) as c:
+        hook = make_webhook(c, human, endpoint.id, "github", "a")
+        for twin in twins:
+            assert c.post(f"/api/v1/webhooks/{hook['id']}/routes", headers=human.auth,
+                          json={"endpoint_id": twin.id}).status_code == 201
+    accepted: list[str] = []
+    victim = two_servers[1]
+
+    def send(n: int) -> None:
+        raw, headers = github("issues.opened", hook["secret"], {"issue": {"number": n}}, delivery=f"s-{n}")
+        with httpx.Client(base_url=victim.url, timeout=10) as c:
+            try:
+                if post_delivery(c, hook, raw, headers).status_code == 202:
+                    accepted.append(f"s-{n}")
+            except httpx.HTTPError:
+                pass
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(send, n) for n in range(300)]
+        while len(accepted) < 60:
+            time.sleep(0.01)
+        victim.proc.send_signal(signal.SIGKILL)
+        concurrent.futures.wait(futures)
+    per_event = query(db_path, "SELECT e.delivery_key, count(t.id) FROM events e LEFT JOIN todos t"
+                               " ON t.event_id = e.id WHERE e.webhook_id = %s GROUP BY e.delivery_key", (hook["id"],))
+    assert per_event and {n for _, n in per_event} == {3}, per_event
+    recorded = {key for key, _ in per_event}
+    assert all(any(key.endswith(d) for key in recorded) for d in accepted), "a 202 is missing from the database"
+
+
+def test_counts_equal_the_rows_after_a_storm_of_verbs(db_path, two_servers):
+    human, endpoint = setup_endpoint(db_path, two_servers[0], queues=("x", "y"))
+
+    def storm(i: int) -> None:
+        server = two_servers[i % 2]
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            for n in range(15):
+                c.post(f"/api/v1/endpoints/{endpoint.id}/todos", headers=human.auth,
+                       json={"title": f"{i}-{n}", "queue": "xy"[n % 2]})
+                r = c.post("/api/v1/todos/claim", headers=endpoint.auth, json={})
+                if r.json().get("empty"):
+                    continue
+                todo, token = r.json()["todo"]["id"], r.json()["lease_token"]
+                verb = ("complete", "fail", "release")[n % 3]
+                c.post(f"/api/v1/todos/{todo}/{verb}", headers=endpoint.auth,
+                       json={"lease_token": token, **({"error": "x"} if verb == "fail" else {})})
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(storm, range(8)))
+    counted = {tuple(r[:3]): r[3] for r in query(db_path, "SELECT endpoint_id, queue, state, n FROM todo_counts"
+                                                          " WHERE n > 0")}
+    rows = {tuple(r[:3]): r[3] for r in query(db_path, "SELECT endpoint_id, queue, state, count(*) FROM todos"
+                                                       " GROUP BY endpoint_id, queue, state")}
+    assert counted == rows
+
+
+def test_two_processes_starting_together_migrate_once(postgres_databases, tmp_path):
+    url = postgres_databases.cluster.create_database(f"empty_{uuid.uuid4().hex[:8]}")
+    code = ("import sys; from switchboard.postgres import Postgres; Postgres(sys.argv[1]).close()")
+    procs = [subprocess.Popen([sys.executable, "-c", code, url], cwd=ROOT, stderr=subprocess.PIPE)
+             for _ in range(4)]
+    for proc in procs:
+        assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
+    assert query(url, "SELECT version FROM switchboard_schema") == [(9,)]
+
+
+def test_serve_refuses_synchronous_commit_off(db_path):
+    with psycopg.connect(db_path, autocommit=True) as conn:
+        conn.execute(f"ALTER DATABASE {db_path.rsplit('/', 1)[1]} SET synchronous_commit = off")
+    server = LiveServer(db_path, wait=False)
+    assert server.proc.wait(timeout=30) != 0
+    assert "synchronous_commit off" in server.logged()
+    server.stop()
+
+
+def test_check_reports_the_engine_the_processes_and_their_clocks(db_path, two_servers):
+    time.sleep(2.5)  # both processes have beaten once
+    code, report = cli(db_path, "check")
+    assert code == 0, report
+    assert report["engine"] == "postgres" and report["synchronous_commit"] == "on"
+    assert len(report["processes"]) == 2 and report["clock_skew_ms"] < 2000
+
+
+def test_a_url_needs_a_named_key_and_backup_points_at_pg_dump(db_path, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("SWITCHBOARD_KEY_FILE", "SWITCHBOARD_SECRET_KEY")}
+    done = subprocess.run([sys.executable, str(ROOT / "switchboard.py"), "serve", "--db", db_path, "--port", "1"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode != 0 and "--key-file" in done.stderr
+    code, answer = cli(db_path, "backup", str(tmp_path / "copy.db"))
+    assert code == 1 and "pg_dump" in answer["message"]
