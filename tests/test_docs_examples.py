@@ -144,6 +144,9 @@ SKIPPED = {
     ("docs/operations.md", "promtool check rules"):
         "root, a Prometheus install and systemd; tests/test_deploy.py runs promtool on deploy/alerts.yml",
     ("docs/triage.md", "install -m 0600 /dev/null /etc/switchboard/triage-forge.token"): "root (/etc/switchboard)",
+    ("docs/triage.md", "connection add --human alice --kind gitea"):
+        "a Gitea that answers who the token is, and a webhook id to fill in; the README's lane block runs the same two"
+        " commands against a GitHub of our own (test_readme_top_to_bottom_on_one_server)",
     ("docs/triage.md", "systemctl daemon-reload && systemctl enable --now switchboard-worker@triage"):
         "root and systemd (the worker's unit)",
 }
