@@ -11,18 +11,18 @@ than its context), then the mapped label, unless a label of the map is already o
 and the server adds the label through the webhook's forge connection, once, on the work order's issue. With
 `--forge-token-file` it makes that one forge call itself. Nothing else: the repository and number come from the
 work order Switchboard wrote from the verified delivery, the label from the configured map, and the model's text
-only picks among S/M/L/XL. Instructions live in
-the system message alone (with the work order's authority text); the issue's title and body reach the model only
-as one JSON object in the user message, so what they say can change the model's input and nothing else. Each call
-has one deadline over the whole exchange and a cap on its answer after decompression.
+only picks among S/M/L/XL. Instructions live in the system message alone (with the work order's authority text);
+the issue's title and body reach the model only as one JSON object in the user message, so what they say can
+change the model's input and nothing else. Each call has one deadline over the whole exchange and a cap on its
+answer after decompression.
 
 The model is called with plain httpx, not the `openai` package: the worker already carries httpx, the request is
 one POST whose every field the SPEC fixes, and an SDK would bring its own retries (hiding the 429s this runner must
 park on) and its own environment variables (OPENAI_BASE_URL, OPENAI_API_KEY) that could quietly change where the
 request goes or which key it carries.
 
-The forge token and the model's key are read from files only their owner may read; they are sent only in the
-Authorization header of their own API and are struck out of any text an API answers with before that text
+A forge token (when given) and the model's key are read from files only their owner may read; they are sent only in
+the Authorization header of their own API and are struck out of any text an API answers with before that text
 reaches a log line or a todo's error (before it is cut: a cut could leave part of one unmatched)."""
 
 from __future__ import annotations
