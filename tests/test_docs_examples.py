@@ -10,9 +10,11 @@ What the test prepares is what a reader has at hand, never a stand-in for a tool
 - the variables a block names for the reader to fill in (`$SB`, `$HUMAN`, `$AGENT`, `$EP`, `$HOOK`, `$TODO`,
   `$EVENT`, `$URL`, `$SECRET`, `$CHANNEL`, ...), made on the server first, and the input files it names
   (`issue.json`, `event.json`, `fixed-rules.json`, ...);
-- three rewrites of the text, each a place outside the test's reach: the docs' default address
+- four rewrites of the text, each a place outside the test's reach: the docs' default address
   (`localhost:8080`) is the test server's, the system paths `/var/lib/switchboard` and `/srv/backups` live under
-  the test's directory, and a stream (`curl -N`, which runs until stopped) is stopped after a few seconds.
+  the test's directory, GitHub's API (`https://api.github.com`, which the lane block's forge connection asks who
+  its token is) is a GitHub of our own (tests/forges.py), and a stream (`curl -N`, which runs until stopped) is
+  stopped after a few seconds.
 
 Blocks that need root, systemd, docker, a model or a forge are listed in SKIPPED with the reason, so that leaving
 one out is a decision. A new multi-line block must be run here or listed there: the first test fails otherwise.
@@ -134,8 +136,6 @@ SKIPPED = {
     ("README.md", "vllm serve"):
         "needs vLLM and a model; tests/test_triage.py runs the worker against a model of its own",
     ("README.md", "sudo systemctl daemon-reload"): "root and systemd (installs the service)",
-    ("README.md", "switchboard connection add"):
-        "a forge that answers who the token is; tests/test_cli_forge.py runs these commands against a GitHub of our own",
     ("docs/operations.md", "docker build"): "docker",
     ("docs/operations.md", "apt-get update && apt-get install"): "root and systemd (a fresh Debian box)",
     ("docs/operations.md", "systemd-run --quiet --pipe"): "systemd (the service's dynamic user)",
@@ -144,6 +144,9 @@ SKIPPED = {
     ("docs/operations.md", "promtool check rules"):
         "root, a Prometheus install and systemd; tests/test_deploy.py runs promtool on deploy/alerts.yml",
     ("docs/triage.md", "install -m 0600 /dev/null /etc/switchboard/triage-forge.token"): "root (/etc/switchboard)",
+    ("docs/triage.md", "connection add --human alice --kind gitea"):
+        "a Gitea that answers who the token is, and a webhook id to fill in; the README's lane block runs the same two"
+        " commands against a GitHub of our own (test_readme_top_to_bottom_on_one_server)",
     ("docs/triage.md", "systemctl daemon-reload && systemctl enable --now switchboard-worker@triage"):
         "root and systemd (the worker's unit)",
 }
@@ -156,7 +159,8 @@ SKIPPED = {
 class Shell:
     """A shell like the reader's, inside the test's directory (see the module's docstring)."""
 
-    def __init__(self, tmp: Path, reroot: dict[str, Path] | None = None, address: str | None = None):
+    def __init__(self, tmp: Path, reroot: dict[str, Path] | None = None, address: str | None = None,
+                 apis: dict[str, str] | None = None):
         self.tmp = tmp
         self.home = tmp / "home"
         self.home.mkdir()
@@ -178,6 +182,7 @@ class Shell:
         self.env.update(HOME=str(self.home), TMPDIR=str(tmp / "tmp"), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
         self.reroot = reroot or {}
         self.address = address
+        self.apis = apis or {}  # a service's public API (https://api.github.com) -> a server of ours playing it
         system_tool("curl", "curl")
 
     def private_dir(self) -> Path:
@@ -191,6 +196,8 @@ class Shell:
             text = text.replace("localhost:8080", self.address).replace("127.0.0.1:8080", self.address)
         for system_path, here in sorted(self.reroot.items(), key=lambda item: -len(item[0])):
             text = text.replace(system_path, str(here))
+        for public, ours in self.apis.items():
+            text = text.replace(public, ours)
         return text
 
     def run(self, blocks: list[Block], env: dict | None = None, files: dict | None = None,
@@ -625,22 +632,33 @@ def serve(tmp_path: Path, env: dict | None = None) -> tuple[LiveServer, str]:
 
 def test_readme_top_to_bottom_on_one_server(tmp_path):
     """Walk-through, then the lane block on the same database (alice exists by then: item 8 of issue 25), the
-    rules' dry run, the worker's token file, and the restore block, in one terminal."""
+    rules' dry run, the worker's token file, and the restore block, in one terminal. The lane block's forge
+    connection asks a GitHub of our own (tests/forges.py) who the bot's token is, in the token file the README has
+    the reader make first."""
+    from forges import FakeForge
     server, db = serve(tmp_path)
+    token = "github_pat_" + "T0pT0B0ttom" * 3
+    github = FakeForge("github", token, "alice-triage")
     try:
         shell = Shell(tmp_path, reroot={"/var/lib/switchboard": tmp_path / "state"},
-                      address=f"127.0.0.1:{server.port}")
+                      address=f"127.0.0.1:{server.port}", apis={"https://api.github.com": github.api})
+        forge_token = shell.private_dir() / "forge.token"
+        forge_token.write_text(token + "\n")
+        forge_token.chmod(0o600)
         blocks = [block(*README_TOP_TO_BOTTOM[0]), block(*README_TOP_TO_BOTTOM[1]), block(*README_TOP_TO_BOTTOM[2]),
                   any_block(*README_SINGLE[0]), block(*README_TOP_TO_BOTTOM[3])]
-        done = shell.run(blocks, {"SWITCHBOARD_DB": db})
+        done = shell.run(blocks, {"SWITCHBOARD_DB": db, "SWITCHBOARD_NOTIFY_ALLOW_PRIVATE": "1"})
     finally:
+        github.stop()
         server.stop()
+    assert [(r["method"], r["path"]) for r in github.requests] == [("GET", "/user")]
     assert "error" not in done.stderr.lower(), done.stderr
     assert re.search(r'"state": ?"done"', done.stdout)
     shows_the_dry_run(done.stdout)
     lane_s = json.loads((shell.creds / "lane-s.json").read_text())
     assert (shell.creds / "lane-s.token").read_text().strip() == lane_s["token"]
-    assert {"router.json", "github-hook.json", "params.json"} <= {p.name for p in shell.creds.iterdir()}
+    assert {"router.json", "github-hook.json", "params.json", "github-forge.json"} <= {
+        p.name for p in shell.creds.iterdir()}
     assert (tmp_path / "state-restored" / "switchboard.key").exists()
     assert not list((tmp_path / "tmp").iterdir()), "the walk-through's scratch directory is removed"
 

@@ -62,9 +62,10 @@ def test_readme_worker_loop_completes_pushed_work(live_server, db_path, tmp_path
         worker.wait()
 
 
-def readme_block(heading: str) -> str:
+def readme_block(heading: str, containing: str = "") -> str:
+    """The first sh block after `heading` that contains `containing`."""
     section = (ROOT / "README.md").read_text().split(heading, 1)[1]
-    return re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+    return next(found for found in re.findall(r"```sh\n(.*?)```", section, re.S) if containing in found)
 
 
 def run_block(script: str, env: dict, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -76,31 +77,45 @@ def run_block(script: str, env: dict, cwd: Path = ROOT) -> subprocess.CompletedP
 
 
 def test_readme_lane_block_keeps_credentials_private_and_routes_a_signed_issue(live_server, db_path, tmp_path):
-    """The lane copy-paste block, run as written against a real server: its credentials land 0600 in a 0700
-    directory outside the checkout, and a signed GitHub issue of alice's labelled size/S by the triage bot reaches
-    lane-s: the one pass trusted the bot on the webhook's gate and in the pack's params."""
+    """The lane copy-paste block, run as written against a real server and a GitHub of our own (for the real one's
+    address): its credentials land 0600 in a 0700 directory outside the checkout, the webhook writes through the
+    connection holding the bot's token, and a signed GitHub issue of alice's labelled size/S by the connection's
+    login reaches lane-s, though neither the webhook's trust list nor the pack's params name that login."""
     import hashlib
     import hmac
 
     import httpx
     import producers
+    from forges import FakeForge
     server = live_server()
     home = tmp_path / "home"
-    home.mkdir()
-    run_block(readme_block("### Lane topology, copy-paste"), {"SWITCHBOARD_DB": db_path, "HOME": str(home),
-                                                               "XDG_CONFIG_HOME": ""})
     creds = home / ".config" / "switchboard"
+    creds.mkdir(parents=True, mode=0o700)
+    token = "github_pat_" + "LaneBl0ck" * 4
+    (creds / "forge.token").write_text(token + "\n")  # the reader's step before the block
+    (creds / "forge.token").chmod(0o600)
+    github = FakeForge("github", token, "alice-triage")
+    try:
+        run_block(readme_block("### Lane topology, copy-paste", "sb route add").replace("https://api.github.com", github.api),
+                  {"SWITCHBOARD_DB": db_path, "HOME": str(home), "XDG_CONFIG_HOME": "",
+                   "SWITCHBOARD_NOTIFY_ALLOW_PRIVATE": "1"})
+    finally:
+        github.stop()
+    assert [(r["method"], r["path"]) for r in github.requests] == [("GET", "/user")]
     assert (creds.stat().st_mode & 0o777) == 0o700
     files = sorted(p.name for p in creds.iterdir())
-    assert {"alice.json", "router.json", "lane-s.json", "github-hook.json", "params.json"} <= set(files)
+    assert {"alice.json", "router.json", "lane-s.json", "github-hook.json", "params.json",
+            "github-forge.json"} <= set(files)
     for name in files:
         assert (creds / name).stat().st_mode & 0o777 == 0o600, name
+    assert token not in (creds / "github-forge.json").read_text()
     assert not list(ROOT.glob("lane-*.json")) and not (ROOT / "github-hook.json").exists()
     hook = json.loads((creds / "github-hook.json").read_text())
     alice = json.loads((creds / "alice.json").read_text())
     shown = httpx.get(f"{server.url}/api/v1/webhooks/{hook['id']}", headers={"Authorization": f"Bearer {alice['token']}"})
-    assert shown.json()["trusted_actors"] == {"logins": ["alice", "alice-agent", "alice-triage"], "match": "sender"}
-    assert json.loads((creds / "params.json").read_text())["trusted_agents"] == ["alice-agent", "alice-triage"]
+    assert shown.json()["trusted_actors"] == {"logins": ["alice", "alice-agent"], "match": "sender"}
+    assert shown.json()["connection"]["login"] == "alice-triage"
+    assert json.loads((creds / "params.json").read_text())["trusted_agents"] == ["alice-agent"]
     lane_s = json.loads((creds / "lane-s.json").read_text())
     raw = json.dumps(producers.deep_merge(json.loads((ROOT / "tests/fixtures/github/issues.labeled.json").read_text()), {
         "issue": {"user": {"login": "alice"}, "labels": [{"name": "size/S"}], "state": "open"},

@@ -76,6 +76,34 @@ class Complete(_OutcomeModel):
     summary: str | None = None
 
 
+class AddLabels(_OutcomeModel):
+    """An output asking the server to add labels to the work order's issue (SPEC section 16)."""
+    type: Literal["add_labels"] = "add_labels"
+    labels: tuple[Text, ...]
+
+
+class CompleteWithOutputs(Complete):
+    """A runner's complete that asks the server to write on the work order's issue through the webhook's forge
+    connection (the triage runner's, without a forge token of its own). Not an outcome a child may write: `--exec`'s
+    outcomes are OUTCOMES."""
+    outputs: tuple[AddLabels, ...]
+
+
+def refused_outputs_error(message: str, todo: dict) -> str:
+    """The todo's error when the server refused a report's outputs (`message`, naming `outputs[i]`): the same
+    outputs would be refused again until a human changes the webhook, so the error says what to change, naming
+    the webhook of the todo's work order."""
+    error = f"the server refused the outputs: {message}"
+    if "has no forge connection" in message:
+        order = todo.get("work_order")
+        webhook = order.get("webhook_id") if isinstance(order, dict) else None
+        if not (isinstance(webhook, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,100}", webhook)):
+            webhook = "WEBHOOK"
+        error += (f"; connect the webhook to a forge connection (switchboard connection add …, then switchboard"
+                  f" webhook connect {webhook} CONNECTION) and retry the todo")
+    return error
+
+
 class Fail(_OutcomeModel):
     outcome: Literal["fail"] = "fail"
     error: Text

@@ -18,7 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from switchboard.worker.api import Backoff, OddAnswer, Refused, ServerApi, Unanswered
-from switchboard.worker.job import Fail, Job, JobRunner, Misconfigured, Outcome, Park, scrub
+from switchboard.worker.job import (
+    CompleteWithOutputs,
+    Fail,
+    Job,
+    JobRunner,
+    Misconfigured,
+    Outcome,
+    Park,
+    refused_outputs_error,
+    scrub,
+)
 from switchboard.worker.park import QuotaPark
 
 log = logging.getLogger("switchboard.worker")
@@ -342,6 +352,9 @@ class Worker:
             if fallback:
                 log.error("todo %s: the server refused the %s: %s", lease.todo_id, verb, exc)
                 return "unreported"
+            if exc.status == 400 and isinstance(outcome, CompleteWithOutputs) and exc.message.startswith("outputs["):
+                error = refused_outputs_error(exc.message, running.job.todo)[:MESSAGE_CHARS]
+                return await self._report(running, Fail(error=error, retry=False), fallback=True)
             return await self._report(running, Fail(error=f"the server refused the {outcome.outcome}: "
                                                           f"{exc.message}"[:MESSAGE_CHARS]), fallback=True)
         except Unanswered:

@@ -6,20 +6,23 @@ and editable by a human, never a routing-time guess).
 Per todo whose work order names a GitHub or Gitea issue and says `verified: true` (SPEC section 16; any other is
 refused, since an unsigned webhook's URL is all it takes to make one): one chat completion (temperature 0, a strict
 JSON schema as `response_format`; asked again with the body halved while the model refuses the prompt as longer
-than its context), then at most one forge call, adding the mapped label unless a label of the map is already on
-the issue. Nothing else: the repository and number come from the work order Switchboard wrote from the verified
-delivery, the label from the configured map, and the model's text only picks among S/M/L/XL. Instructions live in
-the system message alone (with the work order's authority text); the issue's title and body reach the model only
-as one JSON object in the user message, so what they say can change the model's input and nothing else. Each call
-has one deadline over the whole exchange and a cap on its answer after decompression.
+than its context), then the mapped label, unless a label of the map is already on the issue. Without a forge token
+(SPEC section 16) the worker holds no forge credential at all: it completes the todo with an `add_labels` output
+and the server adds the label through the webhook's forge connection, once, on the work order's issue. With
+`--forge-token-file` it makes that one forge call itself. Nothing else: the repository and number come from the
+work order Switchboard wrote from the verified delivery, the label from the configured map, and the model's text
+only picks among S/M/L/XL. Instructions live in the system message alone (with the work order's authority text);
+the issue's title and body reach the model only as one JSON object in the user message, so what they say can
+change the model's input and nothing else. Each call has one deadline over the whole exchange and a cap on its
+answer after decompression.
 
 The model is called with plain httpx, not the `openai` package: the worker already carries httpx, the request is
 one POST whose every field the SPEC fixes, and an SDK would bring its own retries (hiding the 429s this runner must
 park on) and its own environment variables (OPENAI_BASE_URL, OPENAI_API_KEY) that could quietly change where the
 request goes or which key it carries.
 
-The forge token and the model's key are read from files only their owner may read; they are sent only in the
-Authorization header of their own API and are struck out of any text an API answers with before that text
+A forge token (when given) and the model's key are read from files only their owner may read; they are sent only in
+the Authorization header of their own API and are struck out of any text an API answers with before that text
 reaches a log line or a todo's error (before it is cut: a cut could leave part of one unmatched)."""
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ from switchboard.worker.api import (
     read_capped,
 )
 from switchboard.worker.job import (
+    AddLabels,
     Complete,
+    CompleteWithOutputs,
     ConfigError,
     Fail,
     Job,
@@ -212,7 +217,7 @@ class ContextTooSmall:
 class TriageRunner:
     """Sizes the issue a triage todo names (the module's docstring says how). A JobRunner (switchboard.worker.job)."""
 
-    def __init__(self, *, llm_url: str, model: str, llm_key: str | None, forge_token: str, github_api: str,
+    def __init__(self, *, llm_url: str, model: str, llm_key: str | None, forge_token: str | None, github_api: str,
                  gitea_api: str | None, labels: dict[str, str], response_format: str,
                  llm_timeout: float = DEFAULT_LLM_TIMEOUT):
         self.llm_url = llm_url
@@ -220,11 +225,12 @@ class TriageRunner:
         self.response_format = response_format
         self.llm_timeout = llm_timeout
         self.llm_key = llm_key
-        self.forge_token = forge_token
+        self.forge_token = forge_token  # None: the server writes the label (the todo's outputs)
         self.apis = {"github": github_api, "gitea": gitea_api}
         self.labels = labels
         self.secrets = [s for s in (forge_token, llm_key) if s]
-        for url in (llm_url, github_api, gitea_api):  # now, not in the event loop: it may need a DNS lookup
+        forges = (github_api, gitea_api) if forge_token else ()
+        for url in (llm_url, *forges):  # now, not in the event loop: it may need a DNS lookup
             if url:
                 is_loopback(url)
         # Workers asking the same model at the same API meet the same quota wall.
@@ -240,29 +246,36 @@ class TriageRunner:
                               " was not checked): triage labels only issues from verified deliveries, since anyone"
                               " holding an unsigned webhook's URL could send one", retry=False)
         api = self.apis[issue.provider]
-        if api is None:
+        if self.forge_token and api is None:
             return Fail(error=f"{issue.repo}#{issue.number} is a gitea issue, and no --gitea-api is set to label it"
                               " through", retry=False)
-        async with http_client(self.llm_url) as model_http, http_client(api) as forge_http:
+        async with http_client(self.llm_url) as model_http:
             job.note = f"asking {self.model}"
             sized = await self.size(model_http, job, order)
-            if not isinstance(sized, tuple):
-                return sized
-            answer, cut = sized
-            label = self.labels[answer.size]
-            result = {"size": answer.size, "reason": answer.reason, "label": label, "model": self.model}
-            mapped = {name.casefold() for name in self.labels.values()}
-            present = next((name for name in issue.labels if name.casefold() in mapped), None)
-            if present is not None:
-                log.info("todo %s: %s#%d sized %s; %s is already on it, nothing written", job.id, issue.repo,
-                         issue.number, answer.size, present)
-                return Complete(result={**result, "labelled": False},
-                                summary=f"sized {answer.size}; {present} is already on {issue.repo}#{issue.number}:"
-                                        f" nothing written{cut}")
+        if not isinstance(sized, tuple):
+            return sized
+        answer, cut = sized
+        label = self.labels[answer.size]
+        result = {"size": answer.size, "reason": answer.reason, "label": label, "model": self.model}
+        mapped = {name.casefold() for name in self.labels.values()}
+        present = next((name for name in issue.labels if name.casefold() in mapped), None)
+        if present is not None:
+            log.info("todo %s: %s#%d sized %s; %s is already on it, nothing written", job.id, issue.repo,
+                     issue.number, answer.size, present)
+            return Complete(result={**result, "labelled": False},
+                            summary=f"sized {answer.size}; {present} is already on {issue.repo}#{issue.number}:"
+                                    f" nothing written{cut}")
+        if not self.forge_token:
+            log.info("todo %s: %s#%d sized %s; asking the server to label it %s%s", job.id, issue.repo,
+                     issue.number, answer.size, label, cut)
+            return CompleteWithOutputs(result={**result, "labelled": True}, outputs=(AddLabels(labels=(label,)),),
+                                       summary=f"sized {answer.size}; asked the server to label"
+                                               f" {issue.repo}#{issue.number} {label}{cut}")
+        async with http_client(api) as forge_http:
             job.note = f"labelling {issue.repo}#{issue.number} {label}"
             refused = await self.add_label(forge_http, job, api, issue, label)
-            if refused is not None:
-                return refused
+        if refused is not None:
+            return refused
         log.info("todo %s: %s#%d sized %s, labelled %s%s", job.id, issue.repo, issue.number, answer.size, label, cut)
         return Complete(result={**result, "labelled": True},
                         summary=f"sized {answer.size}; labelled {issue.repo}#{issue.number} {label}{cut}")
@@ -451,11 +464,13 @@ def add_triage_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a file holding the API's key, readable by its owner only (optional)")
     group.add_argument("--forge-token-file", metavar="PATH", dest="forge_token_file",
                        default=_env("forge-token-file"),
-                       help="a file holding the forge token that adds labels, readable by its owner only (required)")
+                       help="a file holding a forge token that adds labels, readable by its owner only (optional:"
+                            " without it the server adds the label through the webhook's forge connection)")
     group.add_argument("--github-api", metavar="URL", dest="github_api", default=_env("github-api", DEFAULT_GITHUB_API),
-                       help=f"GitHub's REST API (default {DEFAULT_GITHUB_API})")
+                       help=f"GitHub's REST API, with --forge-token-file (default {DEFAULT_GITHUB_API})")
     group.add_argument("--gitea-api", metavar="URL", dest="gitea_api", default=_env("gitea-api"),
-                       help="Gitea's REST API, e.g. https://git.example/api/v1 (needed for gitea issues)")
+                       help="Gitea's REST API, e.g. https://git.example/api/v1 (with --forge-token-file, needed for"
+                            " gitea issues)")
     group.add_argument("--labels", metavar="MAP", default=_env("labels", DEFAULT_LABELS),
                        help=f"the label for each size (default {DEFAULT_LABELS})")
 
@@ -499,12 +514,10 @@ def make_triage_runner(args: argparse.Namespace) -> TriageRunner:
     """The runner `--triage` works with, from the flags of add_triage_arguments; ConfigError when they will not do."""
     if not args.llm_model:
         raise ConfigError("--llm-model (or SWITCHBOARD_LLM_MODEL) is required: the model's name on the API")
-    if not args.forge_token_file:
-        raise ConfigError("--forge-token-file (or SWITCHBOARD_FORGE_TOKEN_FILE) is required: a file holding the"
-                          " token that adds labels")
     return TriageRunner(llm_url=_url(args.llm_url, "--llm-url"), model=args.llm_model,
                         llm_key=read_secret_file(args.llm_key_file, "model API key") if args.llm_key_file else None,
-                        forge_token=read_secret_file(args.forge_token_file, "forge token"),
+                        forge_token=read_secret_file(args.forge_token_file, "forge token")
+                        if args.forge_token_file else None,
                         github_api=_url(args.github_api, "--github-api"),
                         gitea_api=_url(args.gitea_api, "--gitea-api") if args.gitea_api else None,
                         labels=parse_labels(args.labels), response_format=args.llm_response_format,
