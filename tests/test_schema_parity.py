@@ -382,3 +382,23 @@ def test_the_triggers_keep_the_counts_as_sqlites_do_and_equal_to_counting_the_to
     assert rows(postgres, "SELECT count(*) FROM todos") == [(4,)]
     assert rows(postgres, KEPT["todo_done_minutes"]) == [("ep_a1", "work", 2 * DAY_MS // 60_000, 1),
                                                          ("ep_b1", "work", 2 * DAY_MS // 60_000, 1)]
+
+
+def test_todo_rows_reads_the_event_content_type_and_the_rowid_as_sqlite_does(sqlite, postgres):
+    """The view's own columns on both engines, for envelopes with and without a content type, and one with a
+    \\u0000 escape (valid JSON, which jsonb would refuse)."""
+    envelopes = {"ev_json": '{"content_type": "application/json", "kind": "push"}', "ev_none": '{"kind": "ping"}',
+                 "ev_nul": '{"content_type": "text/plain", "title": "a\\u0000b"}'}
+    statements = [*STORY[0][1]]
+    for number, (event, envelope) in enumerate(envelopes.items()):
+        statements.append(("INSERT INTO events (id, human_id, source, trust_mode, verified, envelope, disposition,"
+                           " received_at) VALUES (?, 'hu_a', 'test', 'operator', 1, ?, 'routed', 1)", (event, envelope)))
+        sql, args = todo(f"td_{number}", "ep_a1", "work", "pending", None, 1000 + number)
+        statements.append((sql.replace("subject_key,", "subject_key, event_id,").replace("?, ?, ?, ?)", "?, ?, ?, ?, ?)"),
+                           (*args[:6], event, *args[6:])))
+    view = "SELECT id, todo_rowid, event_content_type, event_body FROM todo_rows ORDER BY created_at"
+    for conn in (sqlite, postgres):
+        for sql, args in statements:
+            run(conn, sql, args)
+    assert rows(postgres, view) == rows(sqlite, view) == [("td_0", 1, "application/json", None),
+                                                          ("td_1", 2, None, None), ("td_2", 3, "text/plain", None)]
