@@ -270,14 +270,16 @@ CREATE TABLE IF NOT EXISTS todos (
     CHECK (queue <> 'quarantine' OR state IN ('quarantined', 'done', 'cancelled'))
 );
 -- Todos as they are shown: each with the body and content type of its event, from which its payload is read.
--- t.* includes the rowid column here; todo_rowid names it again, as the store reads it from this view. The envelope
--- is read as json, not jsonb: jsonb refuses a \u0000 escape that json (and SQLite's json_valid) accepts.
+-- t.* includes the rowid column here; todo_rowid names it again, as the store reads it from this view. A \u0000
+-- escape anywhere in an envelope (valid JSON, a title may carry one) makes ->> fail, as PostgreSQL text holds no
+-- NUL: it is read as U+FFFD, which changes only a content type that itself holds one.
 -- The event's columns are scalar subqueries, not LEFT JOINs (the same rows): a verb reads the todo it is about to
 -- change from this view FOR UPDATE, which Postgres refuses on the nullable side of an outer join.
 CREATE OR REPLACE VIEW todo_rows AS
     SELECT t.*, t.rowid AS todo_rowid,
            (SELECT b.body FROM event_bodies b WHERE b.event_id = t.event_id) AS event_body,
-           (SELECT e.envelope::json ->> 'content_type' FROM events e WHERE e.id = t.event_id) AS event_content_type
+           (SELECT replace(e.envelope, '\u0000', '\ufffd')::json ->> 'content_type' FROM events e
+            WHERE e.id = t.event_id) AS event_content_type
     FROM todos t;
 CREATE INDEX IF NOT EXISTS todos_claimable ON todos(endpoint_id, queue, priority DESC, created_at, rowid)
     WHERE state = 'pending';

@@ -1,6 +1,6 @@
-"""The build's one step beyond pyproject.toml: schema.sql and packs/ live once, at the top of the repository (the
-design card's layout), and the built package carries them inside it, where the installed program reads them
-(switchboard.configuration.shipped_path)."""
+"""The build's one step beyond pyproject.toml: schema.sql, its Postgres port schema.postgres.sql and packs/ live
+once, at the top of the repository (the design card's layout), and the built package carries them inside it, where
+the installed program reads them (switchboard.configuration.shipped_path)."""
 
 import shutil
 from pathlib import Path
@@ -8,11 +8,11 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-TOP_LEVEL_DATA = ("schema.sql", "packs")
+TOP_LEVEL_DATA = ("schema.sql", "schema.postgres.sql", "packs")
 
 
 class BuildWithTopLevelData(build_py):
-    """build_py, then schema.sql and packs/ copied into the package's build directory."""
+    """build_py, then the schemas and packs/ copied into the package's build directory."""
 
     def run(self) -> None:
         super().run()

@@ -111,7 +111,10 @@ class Cluster:
             return
         self._stopped = True
         atexit.unregister(self.stop)
-        _run(self._pg_ctl, "stop", "-D", str(self.data), "-m", "fast", "-w", "-t", str(TIMEOUT_S))
+        stopped = _run(self._pg_ctl, "stop", "-D", str(self.data), "-m", "fast", "-w", "-t", str(TIMEOUT_S))
+        if stopped.returncode != 0:
+            # A server that does not stop in time is stopped without a checkpoint: nothing here is kept anyway.
+            _run(self._pg_ctl, "stop", "-D", str(self.data), "-m", "immediate", "-w", "-t", str(TIMEOUT_S))
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> Cluster:

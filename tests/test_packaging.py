@@ -58,7 +58,7 @@ def run_installed(site: Path, cwd: Path, *args: str, **kwargs) -> subprocess.Pop
 
 def test_the_wheel_carries_the_data_files_and_the_console_script(installed):
     package = installed / "switchboard"
-    for data in ("schema.sql", "packs/fleet.json", "packs/pool-review.json", "packs/README.md",
+    for data in ("schema.sql", "schema.postgres.sql", "packs/fleet.json", "packs/pool-review.json", "packs/README.md",
                  "board/templates/base.html", "board/templates/inbox.html", "board/static/board.css",
                  "board/static/board.js"):
         assert (package / data).is_file(), f"{data} is not in the wheel"
