@@ -10,6 +10,7 @@ checks it from the import graph).
   crypto             tokens, ids, sealed webhook secrets
   postgres           the same transaction bodies on Postgres: pool, dialect, locks, retries, leader, rings
   engines            which engine a --db names (a SQLite file or a postgresql:// URL)
+  engine_copy        migrate-to: a database copied whole into an empty one of the other engine
   payload            producer JSON read safely: strict parsing, depth, fields along a path, producer strings
   providers          per-producer signature, freshness, delivery id, event kind
   models             request bodies, rule documents, work items, answers (pydantic, extra="forbid")

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # opens a database on a Postgres cluster the tests start themselves (tests/pg_cluster.py), a fresh database per
 # test; tests that open none run in the SQLite run only, and so do those about SQLite itself (sqlite_only).
 ENGINE = os.environ.get("SWITCHBOARD_TEST_ENGINE", "sqlite")
-DATABASE_FIXTURES = {"db_path", "template"}
+DATABASE_FIXTURES = {"db_path", "template", "postgres_databases"}
 # A database URL's working directory (logs, key file), as a SQLite file's is the directory it lies in.
 WORKDIRS: dict[str, Path] = {}
 

@@ -17,10 +17,12 @@ import uuid
 import httpx
 import psycopg
 import pytest
-from conftest import ENGINE, ROOT, LiveServer, cli
+from conftest import ENGINE, ROOT, LiveServer, ManualClock, World, cli
 from helpers import make_webhook, post_delivery
 from producers import github
+from starlette.testclient import TestClient
 
+from switchboard.app import create_app
 from switchboard.postgres import Postgres
 from switchboard.store.principals import add_human
 
@@ -260,3 +262,45 @@ def test_a_url_needs_a_named_key_and_backup_points_at_pg_dump(db_path, tmp_path)
     assert done.returncode != 0 and "--key-file" in done.stderr
     code, answer = cli(db_path, "backup", str(tmp_path / "copy.db"))
     assert code == 1 and "pg_dump" in answer["message"]
+
+
+def test_migrate_to_copies_a_sqlite_file_into_postgres_and_back(postgres_databases, tmp_path, monkeypatch):
+    """A used SQLite database (principals, a signed webhook, a routed delivery and its subject, todos done,
+    claimed and pending) copied into Postgres serves the same answers with the same key; copied back into a new
+    file it is the same database, row for row."""
+    monkeypatch.delenv("SWITCHBOARD_KEY_FILE", raising=False)
+    source = str(tmp_path / "switchboard.db")
+    app = create_app(source, clock=ManualClock(), background=False)
+    with TestClient(app) as client:
+        world = World(client, app.state.db)
+        alice = world.human("alice")
+        agent = world.endpoint(alice, ["triage", "build"])
+        hook = world.webhook(alice, agent, "github", "triage")
+        raw, headers = github("issues.opened", hook["secret"], {"issue": {"number": 7}}, delivery="m-1")
+        assert world.deliver(hook, raw, headers).status_code == 202
+        for n in range(5):
+            world.push(alice, agent, "build", f"b{n}")
+        done = world.claim(agent)
+        assert world.act(agent, done["todo"]["id"], "complete", lease_token=done["lease_token"]).status_code == 200
+        world.claim(agent)
+        before = client.get("/api/v1/todos", headers=alice.auth).json()
+    url = postgres_databases.cluster.create_database(f"copy_{uuid.uuid4().hex[:8]}")
+    code, answer = cli(source, "migrate-to", url)
+    assert code == 0, answer
+    assert answer["rows"]["todos"] == 6 and answer["rows"]["webhooks"] == 1 and answer["rows"]["subjects"] == 1
+    monkeypatch.setenv("SWITCHBOARD_KEY_FILE", str(tmp_path / "switchboard.key"))
+    app = create_app(url, clock=ManualClock(), background=False)
+    with TestClient(app) as client:
+        assert client.get("/api/v1/todos", headers=alice.auth).json() == before
+        again = github("issues.opened", hook["secret"], {"issue": {"number": 7}}, delivery="m-1")
+        assert post_delivery(client, hook, *again).json()["duplicate"] is True  # the secret opens, dedup holds
+        assert client.post("/api/v1/todos/claim", headers=agent.auth, json={}).status_code == 200
+        after_claim = client.get("/api/v1/todos", headers=alice.auth).json()
+    back = str(tmp_path / "back.db")
+    code, answer = cli(url, "migrate-to", back)
+    assert code == 0, answer
+    app = create_app(back, clock=ManualClock(), background=False)
+    with TestClient(app) as client:
+        assert client.get("/api/v1/todos", headers=alice.auth).json() == after_claim
+    code, answer = cli(source, "migrate-to", url)
+    assert code == 1 and "not empty" in answer["message"]

@@ -19,6 +19,7 @@ from switchboard.cli.output import read_json_file, with_out
 from switchboard.configuration import MAX_CLOCK_SKEW_MS, PACKS_DIR, SCHEMA_VERSION, ApiError
 from switchboard.crypto import SecretBox, key_file_path, parse_key, sealed_sample
 from switchboard.database import Database
+from switchboard.engine_copy import copy_database
 from switchboard.engines import is_postgres, migrate_postgres, shown_database
 from switchboard.evaluator import Evaluator, EvaluatorUnavailable
 from switchboard.migrations import pending_migrations
@@ -577,3 +578,8 @@ def cli_migrate(args: argparse.Namespace) -> dict:
         Database(args.db).close()
     return {"path": shown_database(args.db), "from": before, "to": SCHEMA_VERSION, "steps": steps,
             "applied": bool(steps) and not args.dry_run}
+
+
+def cli_migrate_to(args: argparse.Namespace) -> dict:
+    """Copy this database into an empty one of the other engine (engine_copy)."""
+    return copy_database(args.db, args.target)

@@ -24,6 +24,7 @@ from switchboard.cli.commands import (
     cli_human_token,
     cli_init,
     cli_migrate,
+    cli_migrate_to,
     cli_notify_add,
     cli_notify_list,
     cli_notify_remove,
@@ -431,6 +432,10 @@ def _add_operations(commands: argparse._SubParsersAction, common: argparse.Argum
     _subcommand(commands, "prune", cli_prune, "apply retention now and checkpoint the WAL", common)
     migrate = _subcommand(commands, "migrate", cli_migrate, "bring the schema up to this version", common)
     migrate.add_argument("--dry-run", dest="dry_run", action="store_true", help="only show what would change")
+    copy = _subcommand(commands, "migrate-to", cli_migrate_to, "copy every row of --db into an empty database of"
+                       " the other engine (a SQLite file into a postgresql:// URL, or back), checked table by table",
+                       common)
+    copy.add_argument("target", help="the empty database: a postgresql:// URL, or a new SQLite file")
 
 
 def program_name() -> str:
@@ -501,8 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.handler is cli_serve:
             return cli_serve(args)
-        if args.handler is cli_migrate:
-            print_answer(args, cli_migrate(args))
+        if args.handler in (cli_migrate, cli_migrate_to):
+            print_answer(args, args.handler(args))
             return 0
         # `check` reports the schema as it is and `backup` copies the file as it is: neither migrates it.
         db = open_database(args.db, inline_rings=False, migrate=args.handler not in (cli_check, cli_backup))
