@@ -114,6 +114,13 @@ class PgTxn(Txn):
     for_update = " FOR UPDATE"
     engine = "postgres"
 
+    def reading(self) -> PgTxn:
+        """A read-only body's view: a body shared with writers (a verb's checks run ahead of its write) takes no
+        row locks there, which a read-only transaction refuses and nothing would write under anyway."""
+        self.skip_locked = self.for_update = ""
+        self.lock = lambda *args, **kwargs: None
+        return self
+
     def lock(self, table: str, where: str, params: Iterable = ()) -> None:
         self.conn.execute(dialect_sql(f"SELECT 1 FROM {table} WHERE {where} FOR UPDATE"), tuple(params))
 
@@ -234,6 +241,8 @@ class Postgres:
                         if read_only:
                             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
                         txn = PgTxn(conn, self.clock.now_ms(), self.inline_rings and not read_only)
+                        if read_only:
+                            txn.reading()
                         result = fn(txn, *args)
                         local = self._route_rings(txn) if txn.rings else []
                 break
@@ -297,7 +306,7 @@ class Postgres:
         """A one-statement body, outside a transaction (autocommit): a round trip instead of three."""
         try:
             with self._pool.connection() as conn:
-                return fn(PgTxn(conn, self.clock.now_ms(), False), *args)
+                return fn(PgTxn(conn, self.clock.now_ms(), False).reading(), *args)
         except psycopg.OperationalError as exc:
             raise ApiError("unavailable", f"the database is unreachable: {exc}") from None
 

@@ -415,7 +415,7 @@ def _postgres_snapshot(url: str) -> dict:
         out: dict = {"user_version": conn.execute("SELECT version FROM switchboard_schema").fetchone()[0]}
         tables = [r[0] for r in conn.execute(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public' AND table_type ="
-            " 'BASE TABLE' AND table_name NOT IN ('processes', 'ring_listeners') ORDER BY table_name")]
+            " 'BASE TABLE' AND table_name NOT IN ('processes', 'ring_listeners', 'switchboard_schema') ORDER BY table_name")]
         for table in tables:
             pk = [r[0] for r in conn.execute(
                 "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid"

@@ -664,7 +664,7 @@ def test_dockerfile_structure():
     for name in ("switchboard", "schema.sql", "packs", "setup.py", "pyproject.toml", "README.md"):
         assert f"!{name}" in ignore, f"{name} is not let through Dockerfile.dockerignore"
     assert "**/*.key" in ignore and "**/*.db" in ignore
-    assert re.search(r"pip install --no-cache-dir /src\b", " ".join(args for _, args in instructions))
+    assert re.search(r'pip install --no-cache-dir "/src\[postgres\]"', " ".join(args for _, args in instructions))
 
 
 def test_server_starts_as_the_image_starts_it(tmp_path):
@@ -823,3 +823,20 @@ def test_the_worker_runs_a_job_as_another_user_inside_the_worker_units_seccomp_s
     finally:
         server.stop()
         shutil.rmtree(jobs, ignore_errors=True)
+
+
+def test_compose_postgres_runs_two_processes_on_one_database_with_one_key():
+    compose = yaml.safe_load((DEPLOY / "compose.postgres.yaml").read_text())
+    services = compose["services"]
+    postgres = services["postgres"]
+    assert postgres["image"].startswith("postgres:") and "pg_isready" in postgres["healthcheck"]["test"]
+    servers = [s for name, s in services.items() if name.startswith("switchboard-")]
+    assert len(servers) == 2
+    urls = {s["environment"]["SWITCHBOARD_DB"] for s in servers}
+    keys = {s["environment"]["SWITCHBOARD_KEY_FILE"] for s in servers}
+    assert len(urls) == 1 and next(iter(urls)).startswith("postgresql://") and "@postgres/" in next(iter(urls))
+    assert len(keys) == 1 and all(f":{next(iter(keys))}:ro" in " ".join(s["volumes"]) for s in servers)
+    assert all(s["depends_on"]["postgres"]["condition"] == "service_healthy" for s in servers)
+    assert len({s["ports"][0].split(":")[0] for s in servers}) == 2
+    assert all(s["read_only"] and s["cap_drop"] == ["ALL"] for s in servers)
+    assert '"/src[postgres]"' in (DEPLOY / "Dockerfile").read_text(), "the image carries the Postgres driver"
