@@ -148,10 +148,19 @@ class PgTxn(Txn):
         return row[0] if row else 0
 
 
+class _TextWithoutNul(psycopg.types.string.StrDumper):
+    """Postgres text cannot hold U+0000, which SQLite keeps: a NUL in producer text (a hostile title, a header) is
+    stored as U+FFFD, the replacement character, instead of failing the delivery. JSON documents are unaffected:
+    they carry a NUL as the escape \\u0000."""
+
+    def dump(self, obj: str) -> bytes:
+        return super().dump(obj.replace("\x00", "\ufffd") if "\x00" in obj else obj)
+
+
 def _configure(conn: psycopg.Connection) -> None:
     conn.row_factory = _row_factory
     conn.adapters.register_dumper(bool, _BoolAsInteger)
-    conn.adapters.register_dumper(str, psycopg.types.string.StrDumper)
+    conn.adapters.register_dumper(str, _TextWithoutNul)
     for json_type in ("json", "jsonb"):  # JSON reaches the store as text, as SQLite's json functions give it
         conn.adapters.register_loader(json_type, psycopg.types.string.TextLoader)
     conn.prepare_threshold = 0  # the store's statements are few and repeat: prepare each on its first use

@@ -85,5 +85,5 @@ def query(db_path: str, sql: str, params: tuple = ()) -> list[tuple]:
         conn.close()
 
 
-def count(db_path: str, table: str, where: str = "1", params: tuple = ()) -> int:
+def count(db_path: str, table: str, where: str = "1 = 1", params: tuple = ()) -> int:
     return query(db_path, f"SELECT count(*) FROM {table} WHERE {where}", params)[0][0]

@@ -303,7 +303,8 @@ def test_bulk_replay_is_a_dry_run_by_default_and_filters(world, alice, owner, ho
         store_deliveries(app, hook, hour * 1000, 250 - (50 if hour == 3 else 0), "issues.opened")
     store_deliveries(app, hook, 5000, 50, "issue_comment.created")
     assert count(db_path, "events", "webhook_id = ? AND disposition = 'dropped'", (hook["id"],)) == 1000
-    stored = query(db_path, "SELECT kind, trust_mode, verified, disposition FROM events GROUP BY kind")
+    stored = query(db_path, "SELECT kind, trust_mode, verified, disposition FROM events"
+                   " GROUP BY kind, trust_mode, verified, disposition")
     assert set(stored) == {("issues", "signed", 1, "dropped"), ("issue_comment", "signed", 1, "dropped")}
     set_rules(world.client, alice, hook["id"], {"rules": [
         {"id": "comments", "expr": '.kind == "issue_comment"', "action": {"queue": "triage"}},

@@ -32,7 +32,7 @@ REPLAY_BATCH_BYTES = 16 << 20
 def replay_subject(txn: Txn, principal: Principal, event_id: str) -> tuple[sqlite3.Row, sqlite3.Row, dict]:
     """A delivery the human's webhook received, its webhook, and its envelope with `.actor` as trusted now."""
     principal.require_human("replaying deliveries")
-    event = txn.one(f"{EVENT_WITH_BODY} WHERE id = ? AND (human_id = ? OR ?) AND webhook_id IS NOT NULL",
+    event = txn.one(f"{EVENT_WITH_BODY} WHERE id = ? AND (human_id = ? OR ? = 1) AND webhook_id IS NOT NULL",
                     (event_id, principal.human_id, principal.kind == "operator"))
     if event is None:
         raise ApiError("not_found", f"no event {event_id}")

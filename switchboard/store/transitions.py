@@ -123,7 +123,9 @@ def record_event(txn: Txn, event_id: str, *, human_id: str, source: str, kind: s
                 (event_id, webhook_id, human_id, source, kind, trust_mode, int(verified), delivery_key, body_hash,
                  headers, envelope, disposition, trace, outcome, txn.now, subject_key))
     if body is not None:
-        txn.execute("INSERT INTO event_bodies (event_id, body) VALUES (?, ?)", (event_id, body))
+        # Bytes always: the column is a BLOB (bytea on Postgres), and an operator's JSON body is its UTF-8.
+        txn.execute("INSERT INTO event_bodies (event_id, body) VALUES (?, ?)",
+                    (event_id, body.encode() if isinstance(body, str) else body))
 
 
 def claim_once(txn: Txn, webhook_id: str, key: str, event_id: str, queue: str) -> None:
