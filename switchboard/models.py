@@ -105,21 +105,25 @@ class TodoPush(Body):
     work_item: WorkItem | None = None
 
 
-class ClaimNext(Body):
+class ClaimNow(Body):
+    """A claim that does not wait: `complete`'s `claim_next` (and the fields every claim_next takes)."""
     queue: QueueName | None = None
     queues: Annotated[list[QueueName], Field(min_length=1, max_length=64)] | None = None
     lease_seconds: LeaseSeconds | None = None
-    wait_seconds: Annotated[float, Field(ge=0, le=60)] = 0
     claimant: Label | None = None
 
     @model_validator(mode="after")
-    def _one_filter(self) -> ClaimNext:
+    def _one_filter(self) -> ClaimNow:
         if self.queue is not None and self.queues is not None:
             raise ValueError("give queue or queues, not both")
         return self
 
     def queue_filter(self) -> list[str] | None:
         return [self.queue] if self.queue else self.queues
+
+
+class ClaimNext(ClaimNow):
+    wait_seconds: Annotated[float, Field(ge=0, le=60)] = 0
 
 
 class ClaimById(Body):
@@ -173,6 +177,8 @@ class Complete(Leased):
     summary: Annotated[str, StringConstraints(pattern=MULTI_LINE)] | None = None
     artifact: Annotated[str, StringConstraints(max_length=2048)] | None = None
     outputs: Outputs | None = None
+    # Claim the endpoint's next todo in the same transaction (needs the claim_next verb); answered as `next`.
+    claim_next: ClaimNow | None = None
 
     @model_validator(mode="after")
     def _artifact(self) -> Complete:
@@ -786,6 +792,12 @@ class ClaimAnswer(AnswerModel):
     prior_attempts: list[AttemptAnswer] | None = None
     empty: bool | None = None
     admission: list[AdmissionAnswer] | None = None
+
+
+class CompleteAnswer(TodoAnswer):
+    """The completed todo; with `claim_next` asked, `next` is that claim's answer (`{"empty": true}` when nothing
+    was claimable)."""
+    next: ClaimAnswer | None = None
 
 
 class PauseAnswer(AnswerModel):

@@ -533,3 +533,19 @@ def test_two_workers_with_concurrency_4_complete_200_todos_each_exactly_once(lan
         assert worker.stop() == 0
     jobs = [line["todo"] for worker in crew for line in worker.job_lines()]
     assert sorted(jobs) == sorted(pushed), "one log line per job"
+
+
+def test_a_completion_claims_the_slots_next_todo_in_the_same_call(lane, workers):
+    """A slot whose job completed asks for its next todo in the completion itself (complete's `claim_next`): each
+    claim after the first is made in the transaction that ended the attempt before it, and a failed job's slot
+    claims as before."""
+    pushed = [lane.push({"exit": 1 if n == 4 else 0}, title=f"t{n}") for n in range(8)]
+    worker = workers(lane, "--concurrency", "1", "--name", "chain", command=CHILD)
+    for todo_id in pushed:
+        lane.settled(todo_id, ("done", "pending"), seconds=30)
+    assert worker.stop() == 0
+    attempts = query(lane.server.db_path, "SELECT todo_id, claimed_at, ended_at, outcome, claimant FROM attempts"
+                     " WHERE endpoint_id = ? ORDER BY claimed_at, seq", (lane.endpoint_id,))
+    assert [row[0] for row in attempts] == pushed and {row[4] for row in attempts} == {"chain"}
+    chained = [attempts[n][1] == attempts[n - 1][2] for n in range(1, len(attempts))]
+    assert attempts[4][3] == "failed" and chained == [True, True, True, True, False, True, True]

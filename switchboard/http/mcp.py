@@ -200,7 +200,8 @@ class Mcp:
                      ClaimNext, (), claim_next_tool),
             ToolSpec("claim", "Claim one todo by id under a lease.", ClaimById, ("id",), write(claim_todo)),
             ToolSpec("heartbeat", "Extend the lease of a todo you hold.", Heartbeat, ("id",), write(heartbeat)),
-            ToolSpec("complete", "Finish a todo you hold (a gated one goes to review).", Complete, ("id",),
+            ToolSpec("complete", "Finish a todo you hold (a gated one goes to review); claim_next claims the next"
+                     " one in the same call.", Complete, ("id",),
                      write(complete)),
             ToolSpec("fail", "Report a failed attempt; it retries with backoff until attempts are spent.", Fail,
                      ("id",), write(fail)),
@@ -273,8 +274,10 @@ class Mcp:
         except ApiError as error:
             return {"content": [{"type": "text", "text": json.dumps(error.body())}], "structuredContent": error.body(),
                     "isError": True}
-        if session is not None and spec.name in ("claim", "claim_next") and "lease_token" in result:
-            session.leases[result["todo"]["id"]] = result["lease_token"]
+        if session is not None:
+            claimed = result if spec.name in ("claim", "claim_next") else result.get("next") or {}
+            if "lease_token" in claimed:
+                session.leases[claimed["todo"]["id"]] = claimed["lease_token"]
         return {"content": [{"type": "text", "text": json.dumps(result)}], "structuredContent": result,
                 "isError": False}
 

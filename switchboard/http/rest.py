@@ -38,6 +38,7 @@ from switchboard.models import (
     BulkAnswer,
     ClaimAnswer,
     ClaimNext,
+    CompleteAnswer,
     ConnectionAnswer,
     ConnectionCreate,
     ConnectionListAnswer,
@@ -139,9 +140,12 @@ class ApiRoute:
 
 
 def _action_routes() -> list[ApiRoute]:
-    answers = {"claim": ClaimAnswer, "absorb": None, "outputs": OutputsAnswer}
-    summaries = {"claim": "claim this todo by id", "outputs": "ask for forge outputs on the work order's issue while"
-                 " working (agent, with the lease token; fenced like heartbeat)"}
+    answers = {"claim": ClaimAnswer, "complete": CompleteAnswer, "absorb": None, "outputs": OutputsAnswer}
+    summaries = {"claim": "claim this todo by id",
+                 "complete": "complete (agent, with the lease token); with claim_next, claim the next todo in the"
+                 " same transaction",
+                 "outputs": "ask for forge outputs on the work order's issue while working (agent, with the lease"
+                 " token; fenced like heartbeat)"}
     routes = [ApiRoute("POST", f"/api/v1/todos/{{todo_id}}/{name}", "",
                        summaries.get(name, f"{name} (agent, with the lease token)"), body=model,
                        answer=answers.get(name, TodoAnswer), auth="endpoint", store=fn, writes=True)

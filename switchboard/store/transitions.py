@@ -26,7 +26,7 @@ from switchboard.engines import database_errors
 from switchboard.models import (
     Block,
     ClaimById,
-    ClaimNext,
+    ClaimNow,
     Complete,
     Fail,
     Heartbeat,
@@ -368,7 +368,7 @@ def claim_queues(principal: Principal, wanted: list[str] | None) -> list[str]:
     return wanted
 
 
-def claim_next(txn: Txn, principal: Principal, body: ClaimNext) -> dict:
+def claim_next(txn: Txn, principal: Principal, body: ClaimNow) -> dict:
     """Claim the best claimable todo of the caller's endpoint: highest priority, then oldest. Lapsed leases of the
     endpoint are expired first, so their todos count; one statement reads the best todo, its prior attempts and
     whether any lease has lapsed (then the claim reaps and reads again)."""
@@ -458,6 +458,11 @@ def _with_outputs(view: dict, made: list[dict], asked: list | None) -> dict:
 
 
 def complete(txn: Txn, principal: Principal, todo_id: str, body: Complete) -> dict:
+    """Finish the held todo; with `claim_next`, claim the endpoint's next todo in the same transaction (a refused
+    claim refuses the whole call), answered as `next`."""
+    if body.claim_next is not None:
+        principal.require_verb("claim_next")
+        claim_queues(principal, body.claim_next.queue_filter())
     todo = _fenced(txn, principal, "complete", todo_id, body.lease_token, "todo_rows")
     made = accept_outputs(txn, todo, body.outputs or [])
     result = dump_json(body.result, "result")
@@ -474,7 +479,12 @@ def complete(txn: Txn, principal: Principal, todo_id: str, body: Complete) -> di
         end_attempt(txn, todo, "completed", summary, body.artifact)
         written = transition(txn, todo, "done", principal.actor, evidence, result=result, outcome="completed")
         write_receipt(txn, todo, principal.actor)
-    return _with_outputs(todo_view(_as_written(todo, written)), made, body.outputs)
+    answer = _with_outputs(todo_view(_as_written(todo, written)), made, body.outputs)
+    if body.claim_next is not None:
+        answer["next"] = claim_next(txn, principal, body.claim_next)
+        if "todo" in answer["next"]:  # a ring this completion queued for the todo it now hands out wakes no one
+            txn.rings[:] = [ring for ring in txn.rings if ring["todo_id"] != answer["next"]["todo"]["id"]]
+    return answer
 
 
 def backoff_ms(attempt: int) -> int:
