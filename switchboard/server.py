@@ -286,7 +286,7 @@ def _serve(args: argparse.Namespace) -> int:
                      verified_burst=args.verified_burst, base_url=args.base_url,
                      allowed_origins=args.allowed_origins, trust_proxy=proxies, auth_header=args.auth_header,
                      notify_allow_private=switch_value("notify-allow-private", args.notify_allow_private),
-                     notify_allow=args.notify_allow or "", key_file=args.key_file,
+                     notify_allow=args.notify_allow or "", key_file=getattr(args, "key_file", None),
                      db_pool_size=args.db_pool_size)
     if app.state.db.engine == "postgres" and app.state.db.synchronous == "off":
         app.state.db.close()

@@ -68,6 +68,50 @@ def post_delivery(client, webhook: dict, raw: bytes, headers: dict):
     return client.post(hook_path(webhook["url"]), content=raw, headers=headers)
 
 
+class _PostgresConnection:
+    """A connection to a test's Postgres database that takes the SQL a SQLite connection takes (`?` placeholders,
+    through the engine's dialect), in autocommit: what a test that reads or writes rows directly needs."""
+
+    def __init__(self, url: str):
+        import psycopg
+
+        self._conn = psycopg.connect(url, autocommit=True)
+
+    def execute(self, sql: str, params: tuple = ()):
+        from switchboard.postgres import dialect_sql
+
+        return self._conn.execute(dialect_sql(sql), tuple(params))
+
+    def commit(self) -> None:
+        """Autocommit: every statement is committed already."""
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect_db(db_path: str):
+    """A connection of a test's own to its database, on either engine: sqlite3's for a file, else one that speaks
+    the same SQL to the Postgres URL."""
+    if db_path.startswith("postgresql://"):
+        return _PostgresConnection(db_path)
+    return sqlite3.connect(db_path)
+
+
+def integrity_errors() -> tuple[type[BaseException], ...]:
+    """What a constraint's refusal raises, on either engine."""
+    try:
+        import psycopg
+    except ImportError:
+        return (sqlite3.IntegrityError,)
+    return (sqlite3.IntegrityError, psycopg.errors.IntegrityError)
+
+
 def query(db_path: str, sql: str, params: tuple = ()) -> list[tuple]:
     """Read the real database through a read-only connection of our own: the SQLite file, or the Postgres URL
     (the same statement, through the engine's own dialect)."""

@@ -198,6 +198,7 @@ def test_racing_absorbers_share_nothing(world, alice, reviewer, hook):
     assert sorted(named) == sorted(followups) and len(named) == len(set(named))
 
 
+@pytest.mark.sqlite_only("a SQLite TEMP TRIGGER refuses the receipt")
 def test_a_receipt_that_cannot_be_written_fails_open(world, alice, reviewer, three_pushes):
     first, lease, followups = three_pushes
     # The database itself refuses the receipt, as a full disk or a corrupt page would.

@@ -8,13 +8,13 @@ import contextlib
 import hashlib
 import ipaddress
 import re
-import sqlite3
 import uuid
 from pathlib import Path
 
 import producers
 import pytest
 from conftest import snapshot
+from helpers import connect_db
 from starlette.testclient import TestClient
 
 import switchboard.board.pages as board_pages_module
@@ -148,7 +148,7 @@ def test_cookie_flags_and_secure_only_behind_a_declared_https_proxy(db_path, clo
 
 def test_only_the_session_hash_is_stored(client, alice, db_path):
     cookie = sign_in(client, alice)
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
     rows = conn.execute("SELECT id, human_id, csrf, created_at, last_seen_at, expires_at FROM board_sessions").fetchall()
     conn.close()
     assert len(rows) == 1 and rows[0][0] == hashlib.sha256(cookie.encode()).hexdigest() and rows[0][1] == alice.id
@@ -173,7 +173,7 @@ def test_sign_out_ends_the_session_on_the_server(client, alice, db_path):
     token = csrf(client)
     out = post(client, "/board/logout", token=token)
     assert out.status_code == 303 and out.headers["location"] == "/board/login"
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
     assert conn.execute("SELECT count(*) FROM board_sessions").fetchone()[0] == 0
     conn.close()
     client.cookies.set(BOARD_COOKIE, cookie, path="/board")

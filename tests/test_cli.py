@@ -8,11 +8,13 @@ import sys
 import threading
 
 import httpx
+import pytest
 from conftest import ROOT, cli
 
 from switchboard.configuration import SCHEMA_VERSION
 
 
+@pytest.mark.sqlite_only("PRAGMA user_version and the WAL journal")
 def test_init_is_idempotent_and_versions_the_schema(db_path):
     assert cli(db_path, "init") == (0, {"path": db_path, "schema_version": SCHEMA_VERSION})
     assert cli(db_path, "init")[0] == 0
@@ -57,6 +59,7 @@ def test_cli_refuses_bad_input_with_exit_1_and_usage_with_exit_2(db_path):
     assert usage.returncode == 2
 
 
+@pytest.mark.sqlite_only("SQLite's online file backup (Postgres: pg_dump)")
 def test_backup_while_serving_is_consistent(live_server, db_path, tmp_path):
     server = live_server()
     _, human = cli(db_path, "human", "add", "alice")

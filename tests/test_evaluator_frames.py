@@ -16,7 +16,7 @@ import time
 
 import httpx
 import producers
-from conftest import LiveServer, cli
+from conftest import LiveServer, cli, workdir
 
 from switchboard.evaluator import EVAL_BATCH, Evaluator
 
@@ -142,7 +142,7 @@ def test_a_flood_from_one_owner_is_evaluated_in_frames_by_one_child_each_deliver
         {"id": "loops", "expr": '(.issue.labels | index("loop")) != null and (last(range(1e15)) > 0)',
          "action": {"queue": "q0"}},
         *({"id": f"to-q{k}", "expr": f'.issue.labels == ["q{k}"]', "action": {"queue": f"q{k}"}} for k in range(3))]}
-    rules_path = os.path.join(os.path.dirname(db_path), "rules.json")
+    rules_path = str(workdir(db_path) / "rules.json")
     with open(rules_path, "w") as f:
         json.dump(rules, f)
     assert cli(db_path, "rules", "set", hook["id"], "--file", rules_path)[0] == 0

@@ -18,7 +18,6 @@ import re
 import select
 import signal
 import socket
-import sqlite3
 import stat
 import threading
 import time
@@ -30,6 +29,7 @@ import producers
 import pytest
 import uvicorn
 from conftest import ROOT, LiveServer, cli, free_port, snapshot
+from helpers import connect_db
 from starlette.testclient import TestClient
 
 import switchboard.evaluator as evaluator_module
@@ -274,7 +274,7 @@ def test_the_depth_boundary_is_128_containers(world, alice, router, innermost):
 
 def test_a_stored_payload_5000_deep_still_reads_lists_and_claims(world, alice, router, db_path):
     todo = world.push(alice, router, "build", title="old row", payload={"fine": True})
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
     try:
         # An old database may hold what today's CHECK (json_valid) would refuse.
         conn.execute("PRAGMA ignore_check_constraints = ON")
@@ -322,7 +322,7 @@ def test_a_body_that_stops_or_trickles_is_408_at_the_body_deadline(quick_server)
             assert elapsed < QUICK_BODY_SECONDS + 4, f"408 only after {elapsed:.1f} s"
             assert readable([sock], 3) and closed_by_peer(sock), "the connection is closed"
     # Nothing was recorded for the two refused bodies.
-    conn = sqlite3.connect(quick_server.db_path)
+    conn = connect_db(quick_server.db_path)
     assert conn.execute("SELECT count(*) FROM events WHERE webhook_id = ?", (made["hook"]["id"],)).fetchone()[0] == 0
 
 
@@ -929,6 +929,7 @@ def test_a_dead_scheduler_makes_healthz_503(db_path, monkeypatch):
         app.state.db.close()
 
 
+@pytest.mark.sqlite_only("SQLite's writer thread")
 def test_shutdown_after_the_scheduler_died_still_closes_everything(db_path, monkeypatch):
     monkeypatch.setattr(flows_module, "scheduler_tick", _halting_tick)
     app = create_app(db_path, background=True)
@@ -947,6 +948,7 @@ def test_shutdown_after_the_scheduler_died_still_closes_everything(db_path, monk
     assert not writer_alive, "shutdown closed the database"
 
 
+@pytest.mark.sqlite_only("SQLite's writer thread")
 def test_a_dead_writer_makes_healthz_503(world, app):
     def broken() -> None:
         raise Halt("the loop itself broke")
@@ -957,6 +959,7 @@ def test_a_dead_writer_makes_healthz_503(world, app):
     assert r.status_code == 503 and "the writer stopped" in r.text, r.text
 
 
+@pytest.mark.sqlite_only("SQLite's WAL checkpointer")
 def test_a_dead_checkpointer_makes_healthz_503(world, app):
     class BreaksOnLook(threading.Event):
         def is_set(self) -> bool:
@@ -1016,6 +1019,7 @@ def _next_second() -> None:
     time.sleep(1.02 - (time.time() % 1))
 
 
+@pytest.mark.sqlite_only("the database file, its WAL and key file on disk")
 def test_files_are_the_owners_alone(live_server, db_path, tmp_path, monkeypatch):
     monkeypatch.delenv("SWITCHBOARD_SECRET_KEY", raising=False)
     assert not Path(db_path).exists()

@@ -20,7 +20,7 @@ import stat
 import producers
 import pytest
 from conftest import ROOT, cli, cli_inproc, snapshot
-from helpers import post_delivery
+from helpers import connect_db, integrity_errors, post_delivery
 from starlette.testclient import TestClient
 
 from switchboard.app import create_app
@@ -157,7 +157,7 @@ def test_the_board_rotates_the_token_shows_it_once_and_ends_the_other_sessions(a
     assert world.client.get("/api/v1/me", headers=bearer(token)).json()["id"] == alice.id
     assert not signed_in(client, other), "the other browser's session ended"
     assert client.get("/board/queues", follow_redirects=False).status_code == 200, "this browser stays signed in"
-    rows = sqlite3.connect(db_path).execute("SELECT count(*) FROM board_sessions").fetchone()[0]
+    rows = connect_db(db_path).execute("SELECT count(*) FROM board_sessions").fetchone()[0]
     assert rows == 1
 
 
@@ -210,10 +210,10 @@ def test_logins_are_set_at_creation_or_later_unique_whatever_their_case(db_path)
     assert code == 0 and moved["login"] == "alice"
     listed = {h["name"]: h["login"] for h in cli_inproc(db_path, "human", "list")[1]["humans"]}
     assert listed == {"alice": "alice", "bob": "bob@github"}
-    conn = sqlite3.connect(db_path)
-    with pytest.raises(sqlite3.IntegrityError):  # the database holds the rule too
+    conn = connect_db(db_path)
+    with pytest.raises(integrity_errors()):  # the database holds the rule too
         conn.execute("UPDATE humans SET login = 'Bob@github' WHERE name = 'alice'")
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(integrity_errors()):
         conn.execute("UPDATE humans SET login = 'bob@github' WHERE name = 'alice'")
     conn.close()
 

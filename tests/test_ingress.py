@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import sqlite3
 
 import producers
 import pytest
+from conftest import workdir
+from helpers import connect_db
 
 from switchboard.app import create_app
 from switchboard.configuration import ApiError
@@ -23,7 +24,7 @@ def owner(world, alice):
 
 
 def counts(db_path) -> tuple[int, int]:
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
     return conn.execute("SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM todos)").fetchone()
 
 
@@ -45,7 +46,7 @@ def test_webhook_creation_mints_a_secret_and_a_128_bit_url(world, alice, owner):
     assert hook["secret"].startswith("whsec_") and len(hook["secret"]) == 6 + 64
     token = hook["url"].rsplit("/hooks/", 1)[1]
     assert hook["id"] not in hook["url"] and len(token) >= 22
-    stored = sqlite3.connect(world.db.path).execute("SELECT secret_sealed, token_hash FROM webhooks").fetchone()
+    stored = connect_db(world.db.path).execute("SELECT secret_sealed, token_hash FROM webhooks").fetchone()
     assert hook["secret"].encode() not in stored[0] and token not in stored[1], "secret sealed, token hashed"
     listed = world.client.get("/api/v1/webhooks", headers=alice.auth).json()["webhooks"]
     assert "secret" not in json.dumps(listed).replace("secret_set", "")
@@ -224,9 +225,9 @@ def test_rate_limit_answers_429_with_retry_after(tmp_path):
 
 def test_secret_is_sealed_with_the_key_file(world, alice, owner, db_path, tmp_path):
     hook = world.webhook(alice, owner, "github")
-    key_file = key_file_path(db_path)
+    key_file = (workdir(db_path) / "switchboard.key")
     assert key_file.exists() and (key_file.stat().st_mode & 0o777) == 0o600
-    sealed = sqlite3.connect(db_path).execute("SELECT id, secret_sealed FROM webhooks").fetchone()
+    sealed = connect_db(db_path).execute("SELECT id, secret_sealed FROM webhooks").fetchone()
     box = SecretBox(parse_key(key_file.read_text()))
     assert box.open(sealed[1], sealed[0]) == hook["secret"].encode()
     with pytest.raises(ApiError):
@@ -327,7 +328,7 @@ def test_secret_bearing_headers_are_redacted_in_the_stored_event(world, alice, o
                                            "X-Delivery-Id": "r1"}).json()
     shown = world.client.get(f"/api/v1/events/{outcome['event_id']}", headers=alice.auth)
     assert "hunter2" not in shown.text
-    row = sqlite3.connect(world.db.path).execute("SELECT headers, envelope FROM events").fetchone()
+    row = connect_db(world.db.path).execute("SELECT headers, envelope FROM events").fetchone()
     assert "hunter2" not in row[0] and "hunter2" not in row[1]
 
 

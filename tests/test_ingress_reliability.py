@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import httpx
-from conftest import cli, cli_inproc
+from conftest import cli, cli_inproc, workdir
 from helpers import add_route, count, hook_path, hook_token, make_webhook, post_delivery, query
 from producers import deep_merge, github_headers, hex_hmac, stripe_headers
 
@@ -613,7 +613,7 @@ def test_server_log_holds_no_secret_token_or_body(db_path, live_server):
         assert http.get("/api/v1/todos", headers={"Authorization": "Bearer sbk_" + "Q" * 43}).status_code == 401
     run.second.stop()  # flush and close the log
 
-    log_path = Path(db_path).with_suffix(".log")
+    log_path = workdir(db_path) / "switchboard.log"
     log = log_path.read_text(errors="replace")
     assert log.strip(), "the server log is empty: wrong file?"
     credentials = {

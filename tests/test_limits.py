@@ -29,6 +29,7 @@ from switchboard.server import connection_limits
 
 # -- 9. backup --keep ------------------------------------------------------------------------------------
 
+@pytest.mark.sqlite_only("backup copies a SQLite file")
 def test_backup_refuses_to_keep_fewer_than_one(db_path, tmp_path):
     """`--keep 0` used to delete the backup it had just made and exit 0 naming it."""
     dated = tmp_path / "dated"

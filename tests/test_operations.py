@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -16,7 +15,9 @@ from pathlib import Path
 
 import httpx
 import producers
-from conftest import ROOT, LiveServer, cli, cli_inproc
+import pytest
+from conftest import ROOT, LiveServer, cli, cli_inproc, workdir
+from helpers import connect_db
 from starlette.testclient import TestClient
 
 import switchboard.database as database_module
@@ -24,7 +25,6 @@ import switchboard.flows as flows_module
 import switchboard.store.upkeep as store_upkeep_module
 from switchboard.app import create_app
 from switchboard.configuration import SCHEMA_VERSION, WRITER_CHECKPOINT_BYTES, iso, to_ms
-from switchboard.crypto import key_file_path
 from switchboard.database import Database
 from switchboard.limits import RateLimiter
 from switchboard.store.upkeep import prune, scheduler_tick
@@ -107,7 +107,7 @@ def test_retention_prunes_old_finished_work_and_never_live_work(world, clock, db
     clock.advance(2 * 86400)
     pruned = prune(world.db)
     assert pruned == {"todos": 1, "events": 1, "notifications": 0}, "the done todo and its delivery; live work and its events stay"
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
     assert {r[0] for r in conn.execute("SELECT state FROM todos")} == {"pending", "claimed"}
     assert conn.execute("SELECT count(*) FROM routing_once").fetchone()[0] == 1, "once claims are never pruned"
     again = world.client.post(hook["url"].removeprefix("http://testserver"), content=raw,
@@ -154,7 +154,7 @@ def test_a_stopping_server_does_not_wait_for_retention_to_finish(world, app, db_
     monkeypatch.setattr(store_upkeep_module, "PRUNE_BATCH", 1)
     monkeypatch.setattr(store_upkeep_module, "PRUNE_PAUSE_MS", 600_000)  # a pause no test could wait out
     _cancelled_todos(world, 4)
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
 
     def todos() -> int:
         return conn.execute("SELECT count(*) FROM todos").fetchone()[0]
@@ -172,6 +172,7 @@ def test_a_stopping_server_does_not_wait_for_retention_to_finish(world, app, db_
     conn.close()
 
 
+@pytest.mark.sqlite_only("SQLite's WAL file")
 def test_wal_stays_bounded_over_4000_deliveries_with_a_reader_open(world, app, db_path):
     # 4,000 deliveries write well over 100 MB through the WAL: many times past the point where it starts over.
     app.state.flows.limiter = RateLimiter(0, 1)  # as `serve --ingest-rate 0`: one sender, flat out
@@ -187,7 +188,7 @@ def test_wal_stays_bounded_over_4000_deliveries_with_a_reader_open(world, app, d
     def reader():
         # A dashboard that keeps its connection open and reads all the time. It yields between reads, as a real
         # one would: a busy loop here only starves the sender of the GIL and measures the machine, not the WAL.
-        conn = sqlite3.connect(db_path)
+        conn = connect_db(db_path)
         try:
             while not stop.is_set():
                 reads.append(conn.execute("SELECT count(*) FROM todos").fetchone()[0])
@@ -261,7 +262,7 @@ def test_check_reports_integrity_key_sandbox_and_schema(db_path):
     cli_inproc(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github", "--queue", "q")
     code, report = cli(db_path, "check")
     assert code == 0 and report["key"] == "file"
-    key_file_path(db_path).unlink()
+    (workdir(db_path) / "switchboard.key").unlink()
     code, failed = cli(db_path, "check")
     assert code == 1 and failed["error"] == "internal" and "missing" in failed["message"]
     code, pruned = cli(db_path, "prune")
@@ -280,6 +281,7 @@ def test_next_due_is_the_earliest_thing_the_scheduler_must_do(world, alice, cloc
     assert world.tick()["next_due"] == clock.ms + 60_000
 
 
+@pytest.mark.sqlite_only("PRAGMA data_version (Postgres: the counters' change total)")
 def test_an_idle_scheduler_looks_every_second_but_only_works_when_something_changed(db_path, monkeypatch):
     """Idle, the background loop reads one pragma a second and runs no tick; a commit from another connection
     (the CLI's, here) is noticed within about a second and ticked on."""

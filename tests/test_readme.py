@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 
@@ -132,6 +133,7 @@ def test_readme_lane_block_keeps_credentials_private_and_routes_a_signed_issue(l
     assert claim["todo"]["work_order"]["lane"] == "lane-s"
 
 
+@pytest.mark.sqlite_only("the README's file backup and restore")
 def test_readme_restore_block_brings_back_a_working_webhook(live_server, db_path, tmp_path):
     """Backup while serving, restore into a new directory with the key, check, serve: a signed delivery to the
     same ingest URL verifies."""

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import signal
-import sqlite3
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import cli_inproc
+from conftest import cli_inproc, workdir
+from helpers import connect_db
 
 TODOS = 400
 WORKERS = 4
@@ -22,7 +21,7 @@ LEASE = 3  # seconds: short, so that the claims the crash orphaned lapse soon af
 
 
 def query(db_path: str, sql: str, args: tuple = ()) -> list[tuple]:
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
     try:
         return conn.execute(sql, args).fetchall()
     finally:
@@ -30,7 +29,7 @@ def query(db_path: str, sql: str, args: tuple = ()) -> list[tuple]:
 
 
 def log_tail(db_path: str, lines: int = 30) -> str:
-    path = Path(db_path).with_suffix(".log")
+    path = workdir(db_path) / "switchboard.log"
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
@@ -72,7 +71,7 @@ def push_all(url: str, human: dict, endpoint_id: str, count: int) -> list[str]:
 def check_no_half_written_todo(db_path: str) -> dict[str, dict]:
     """Every todo's row, attempts and history agree, read in one snapshot (a running server may be reaping).
     Returns the todos by id with their attempts."""
-    conn = sqlite3.connect(db_path, isolation_level=None)
+    conn = connect_db(db_path)
     try:
         conn.execute("BEGIN")
         todos = {row[0]: {"state": row[1], "outcome": row[2], "attempt": row[3], "lease": row[4], "token": row[5],

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sqlite3
 import threading
 
 import producers
 import pytest
+from helpers import connect_db
 
 import switchboard.evaluator as evaluator_module
 from switchboard.evaluator import (
@@ -93,7 +93,7 @@ def test_once_repeats_across_label_events_and_routes_again_on_resize(world, alic
     assert again["todos"] == []
     resized = deliver(world, hook, "issues.labeled", {"issue": {"labels": [{"name": "size/M"}]}}).json()
     assert resized["disposition"] == "routed" and resized["todos"][0]["endpoint_id"] == lane_m.id
-    conn = sqlite3.connect(world.db.path)
+    conn = connect_db(world.db.path)
     assert conn.execute("SELECT count(*) FROM routing_once").fetchone()[0] == 2
     assert conn.execute("SELECT disposition FROM events WHERE id = ?", (again["event_id"],)).fetchone()[0] == "repeat"
 
@@ -242,7 +242,7 @@ def test_dry_run_over_stored_deliveries_refuses_a_faulting_rule(world, alice, ho
 
 def test_rules_test_is_a_dry_run_that_stores_nothing(world, alice, hook, lane_s, db_path):
     put_rules(world, alice, hook, {"rules": [{"id": "s", "expr": SIZE_S, "action": LANE_S}]})
-    before = sqlite3.connect(db_path).execute("SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM todos),"
+    before = connect_db(db_path).execute("SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM todos),"
                                               " (SELECT count(*) FROM routing_once)").fetchone()
     payload = producers.deep_merge(producers.json.loads((producers.FIXTURES / "github" / "issues.labeled.json")
                                                          .read_text()), {"issue": {"labels": [{"name": "size/S"}]}})
@@ -269,7 +269,7 @@ def test_rules_test_is_a_dry_run_that_stores_nothing(world, alice, hook, lane_s,
     refused = world.client.post(f"/api/v1/webhooks/{hook['id']}/rules/test", headers=alice.auth, json={
         "payload": {}, "rules": [{"id": "bad", "expr": "env", "action": {"drop": True}}]})
     assert refused.status_code == 400
-    after = sqlite3.connect(db_path).execute("SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM todos),"
+    after = connect_db(db_path).execute("SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM todos),"
                                              " (SELECT count(*) FROM routing_once)").fetchone()
     assert after[0] == before[0] + 1 and after[2] == before[2], "only the one real delivery was stored"
 
@@ -340,10 +340,10 @@ def test_an_evaluator_that_cannot_run_answers_503_and_stores_nothing(world, alic
     put_rules(world, alice, hook, {"rules": [{"id": "s", "expr": "true", "action": {"queue": "triage"}}]})
     app.state.evaluator.close()
     monkeypatch.setattr(evaluator_module, "EVALUATOR_CHILD", "import sys; sys.exit(3)")
-    before = sqlite3.connect(db_path).execute("SELECT count(*) FROM events").fetchone()[0]
+    before = connect_db(db_path).execute("SELECT count(*) FROM events").fetchone()[0]
     r = deliver(world, hook)
     assert r.status_code == 503 and r.json()["error"] == "unavailable"
-    assert sqlite3.connect(db_path).execute("SELECT count(*) FROM events").fetchone()[0] == before
+    assert connect_db(db_path).execute("SELECT count(*) FROM events").fetchone()[0] == before
 
 
 def test_rules_over_the_cli(db_path, tmp_path):

@@ -25,6 +25,7 @@ import httpx
 import producers
 import pytest
 from conftest import ROOT, LiveServer, cli, free_port
+from helpers import connect_db
 
 from switchboard.cli.parser import build_parser
 from switchboard.configuration import SCHEMA_VERSION
@@ -130,6 +131,7 @@ def test_a_database_restored_without_its_key_is_refused_with_the_fix_named(tmp_p
 
 # -- B. backup and restore -----------------------------------------------------------------------------------
 
+@pytest.mark.sqlite_only("file backup and restore")
 def test_backup_and_restore_round_trip_keeps_the_webhook_working(live_server, db_path, tmp_path):
     server = live_server()
     _, human = cli(db_path, "human", "add", "alice")
@@ -217,7 +219,7 @@ def test_a_github_ping_is_recorded_never_work(world, alice, github_hook, db_path
     assert answer["verified"] is True and answer["todos"] == []
     view = world.client.get(f"/api/v1/webhooks/{github_hook['id']}", headers=alice.auth).json()
     assert view["pinged_at"] is not None
-    assert sqlite3.connect(db_path).execute("SELECT count(*) FROM todos").fetchone()[0] == 0
+    assert connect_db(db_path).execute("SELECT count(*) FROM todos").fetchone()[0] == 0
     # A ping that does not verify is refused like any other delivery.
     headers["X-Hub-Signature-256"] = "sha256=" + producers.hex_hmac("wrong", raw)
     headers["X-GitHub-Delivery"] = str(uuid.uuid4())

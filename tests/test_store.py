@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 from collections import Counter
 
 import httpx
 import pytest
+from helpers import connect_db
 
 from switchboard.configuration import SCHEMA_VERSION, iso
 from switchboard.store.transitions import backoff_ms
@@ -19,8 +19,9 @@ def worker(world, alice):
     return world.endpoint(alice, ["build", "docs"], name="worker")
 
 
+@pytest.mark.sqlite_only("SQLite's pragmas")
 def test_database_pragmas_and_schema_version(app, db_path):
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     writer = app.state.db._writer
@@ -387,7 +388,7 @@ def test_racing_claims_claim_every_todo_exactly_once(live_server, db_path):
         t.join(timeout=120)
     assert not errors
     assert set(claims) == pushed and set(claims.values()) == {1}
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
     assert conn.execute("SELECT count(*) FROM todos WHERE state = 'done'").fetchone()[0] == 120
     assert conn.execute("SELECT count(*) FROM attempts").fetchone()[0] == 120
 

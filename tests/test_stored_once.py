@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import urllib.parse
 
 import producers
+import pytest
+from helpers import connect_db
 
 from switchboard.limits import RateLimiter
 from switchboard.store.upkeep import prune
@@ -25,7 +26,7 @@ def test_a_delivery_body_is_stored_once_and_read_back_whole(world, alice, db_pat
     raw, headers = producers.github("issues.opened", hook["secret"], {"issue": {"body": "é" * 2000}})
     answer = world.deliver(hook, raw, headers).json()
     assert answer["disposition"] == "routed", answer
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
     body, envelope, stored_headers = conn.execute(
         "SELECT b.body, e.envelope, e.headers FROM events e JOIN event_bodies b ON b.event_id = e.id").fetchone()
     todo_payload, = conn.execute("SELECT payload FROM todos").fetchone()
@@ -68,6 +69,7 @@ def test_rules_see_the_payload_and_headers_of_the_stored_once_envelope(world, al
     assert world.deliver(hook, raw, headers).json()["disposition"] == "routed"
 
 
+@pytest.mark.sqlite_only("the SQLite file's size")
 def test_the_file_grows_by_little_more_than_the_bodies_received(world, alice, app, db_path):
     app.state.flows.limiter = RateLimiter(0, 1)  # as `serve --ingest-rate 0`
     hook, _ = _routed_hook(world, alice)

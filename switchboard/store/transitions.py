@@ -289,9 +289,12 @@ def absorb(txn: Txn, principal: Principal, todo_id: str, body: Leased) -> dict:
     holder = _fenced(txn, principal, "absorb", todo_id, body.lease_token)
     seq = txn.one("SELECT seq FROM attempts WHERE todo_id = ? AND ended_at IS NULL", (todo_id,))["seq"]
     if holder["subject_key"] is not None:
+        # Two runs about one subject absorb one after the other, and each follow-up it takes is held against a
+        # claim (which skips it) until commit: where writers run side by side, a follow-up is absorbed once.
+        txn.lock_key("absorb", holder["endpoint_id"], holder["queue"], holder["subject_key"])
         fresh = txn.all(
             f"SELECT id FROM todos WHERE endpoint_id = ? AND queue = ? AND subject_key = ? AND state = 'pending'"
-            f" AND id <> ? AND created_at <= ? AND {CLAIMABLE}",
+            f" AND id <> ? AND created_at <= ? AND {CLAIMABLE}{txn.for_update}",
             (holder["endpoint_id"], holder["queue"], holder["subject_key"], todo_id, txn.now, txn.now))
         for row in fresh:
             txn.execute("INSERT INTO absorptions (absorbed_id, holder_id, holder_seq, absorbed_at) VALUES (?, ?, ?, ?)"
