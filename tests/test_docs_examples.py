@@ -149,6 +149,11 @@ SKIPPED = {
         " commands against a GitHub of our own (test_readme_top_to_bottom_on_one_server)",
     ("docs/triage.md", "systemctl daemon-reload && systemctl enable --now switchboard-worker@triage"):
         "root and systemd (the worker's unit)",
+    ("README.md", "switchboard migrate-to postgresql://switchboard@db.lan/switchboard"):
+        "a Postgres server at db.lan; tests/test_postgres.py serves and migrates to a cluster of its own",
+    ("docs/postgres.md", "createdb switchboard"):
+        "root (/etc/switchboard) and a Postgres server at db.lan; tests/test_postgres.py serves on a cluster of its own",
+    ("docs/postgres.md", "docker compose -f deploy/compose.postgres.yaml up"): "docker",
 }
 
 
