@@ -105,6 +105,7 @@ class Database:
     """
 
     engine = "sqlite"
+    one_writer = True  # every write of every process waits for the one lock on the file
     is_leader = True
     poll_seconds = None  # a waiting claim needs no poll: every ring is this process's own
 

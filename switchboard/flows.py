@@ -60,7 +60,7 @@ from switchboard.models import (
 from switchboard.notifier import Notifier
 from switchboard.payload import decode_payload, payload_text, value_at
 from switchboard.providers import VerificationFailed, delivery_key, verify_delivery
-from switchboard.store.bulk import BULK_PAUSE_MS, BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step
+from switchboard.store.bulk import BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step, step_pacing
 from switchboard.store.connections import add_connection
 from switchboard.store.deliveries import Delivery, duplicate_of, find_webhook, record_delivery
 from switchboard.store.outbox import add_channel, notify_verification_failures, queue_test_message
@@ -604,10 +604,11 @@ class Flows:
         if body.dry_run:
             return await self.db.read(bulk_dry_run, principal, body)
         run = BulkRun(body, await self.db.read(bulk_matches, principal, body))
+        budget_ms, pause_ms = step_pacing(self.db.one_writer)
         while run.remaining:
-            run.add(await self.db.write(bulk_step, principal, body, run.remaining[:BULK_STEP_TODOS]))
-            if run.remaining:
-                await asyncio.sleep(BULK_PAUSE_MS / 1000)
+            run.add(await self.db.write(bulk_step, principal, body, run.remaining[:BULK_STEP_TODOS], budget_ms))
+            if run.remaining and pause_ms:
+                await asyncio.sleep(pause_ms / 1000)
         return run.answer()
 
     # -- notifications -------------------------------------------------------------------------------

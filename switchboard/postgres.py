@@ -199,6 +199,7 @@ class Postgres:
     leader election and the process heartbeat."""
 
     engine = "postgres"
+    one_writer = False  # writers run side by side, meeting only on the rows they lock
     poll_seconds = 2.0  # how long a waiting claim trusts the rings before it looks at the queue again
 
     def __init__(self, url: str, *, clock: Clock | None = None, inline_rings: bool = True, migrate: bool = True,

@@ -45,7 +45,7 @@ from switchboard.models import (
     parse_model,
 )
 from switchboard.providers import PROVIDER_TABLE
-from switchboard.store.bulk import BULK_PAUSE_MS, BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step
+from switchboard.store.bulk import BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step, step_pacing
 from switchboard.store.deliveries import list_events
 from switchboard.store.human_actions import push_todo
 from switchboard.store.outbox import add_channel, list_channels, queue_test_message, remove_channel
@@ -170,10 +170,11 @@ def cli_todo_bulk(args: argparse.Namespace, db: Database) -> dict:
         answer = db.read_sync(bulk_dry_run, OPERATOR, body)
     else:
         run = BulkRun(body, db.read_sync(bulk_matches, OPERATOR, body))
+        budget_ms, pause_ms = step_pacing(db.one_writer)
         while run.remaining:
-            run.add(db.write_sync(bulk_step, OPERATOR, body, run.remaining[:BULK_STEP_TODOS]))
-            if run.remaining:  # a server's writer beside this process takes the lock meanwhile
-                time.sleep(BULK_PAUSE_MS / 1000)
+            run.add(db.write_sync(bulk_step, OPERATOR, body, run.remaining[:BULK_STEP_TODOS], budget_ms))
+            if run.remaining and pause_ms:  # a server's writer beside this process takes the lock meanwhile
+                time.sleep(pause_ms / 1000)
         answer = run.answer()
     if args.json:
         return answer

@@ -31,6 +31,13 @@ BULK_STEP_TODOS = 250  # ... and acts on at most this many todos
 # retention's steps do: deliveries queued meanwhile commit without waiting behind the next step.
 BULK_PAUSE_MS = 10
 
+
+def step_pacing(one_writer: bool) -> tuple[float | None, float]:
+    """A step's time budget and the pause after it, in ms. SQLite's one writer is shared by everything, so a step
+    holds it briefly and then lets go; Postgres runs writers side by side and a step locks only its own todos, so
+    there a step takes BULK_STEP_TODOS without a clock and the next follows at once."""
+    return (BULK_STEP_MS, BULK_PAUSE_MS) if one_writer else (None, 0)
+
 ACTIONS: dict[str, Callable] = {"retry": retry, "cancel": cancel, "reroute": reroute, "defer": defer,
                                 "discard": discard, "approve": approve}
 
@@ -109,18 +116,18 @@ def _would_act(txn: Txn, body: BulkAction, row: Row, revoked: set[str]) -> bool:
     return True
 
 
-def bulk_step(txn: Txn, principal: Principal, body: BulkAction, ids: list[str]) -> dict:
-    """(A write.) Act on the first of `ids` until BULK_STEP_TODOS or BULK_STEP_MS: each todo through the very
+def bulk_step(txn: Txn, principal: Principal, body: BulkAction, ids: list[str], budget_ms: float | None) -> dict:
+    """(A write.) Act on the first of `ids` until BULK_STEP_TODOS or `budget_ms`: each todo through the very
     function its single action runs, in a savepoint of its own; one the action refuses (its state moved on since
     the match) is skipped, by the state it is in. `taken` says how many of `ids` this step went through."""
     principal.require_human("bulk actions")
     run, arguments = ACTIONS[body.action], item_body(body)
     clause, scope = scope_clause(principal)
-    deadline = time.monotonic() + BULK_STEP_MS / 1000
+    deadline = time.monotonic() + budget_ms / 1000 if budget_ms is not None else None
     acted, taken = 0, 0
     skipped: collections.Counter = collections.Counter()
     for todo_id in ids:
-        if taken >= BULK_STEP_TODOS or (taken and time.monotonic() >= deadline):
+        if taken >= BULK_STEP_TODOS or (taken and deadline is not None and time.monotonic() >= deadline):
             break
         taken += 1
         row = txn.one(f"SELECT state FROM todos WHERE id = ? AND {clause}", (todo_id, *scope))
