@@ -4,7 +4,6 @@ does not hold) changes nothing, and under racing callers every todo is still cla
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 from collections import Counter
 
@@ -12,6 +11,7 @@ import anyio
 import httpx
 import pytest
 from conftest import cli_inproc, snapshot
+from helpers import connect_db
 from test_mcp import connect
 
 from switchboard.models import CompleteAnswer
@@ -38,7 +38,7 @@ def test_complete_claims_the_next_todo_in_the_same_transaction(world, alice, wor
     following = r.json()["next"]
     assert following["todo"]["id"] == second["id"] and following["todo"]["state"] == "claimed"
     assert following["prior_attempts"] == []
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
     ended = conn.execute("SELECT ended_at, outcome FROM attempts WHERE todo_id = ?", (first["id"],)).fetchone()
     started = conn.execute("SELECT claimed_at, claimant, lease_seconds FROM attempts WHERE todo_id = ?",
                            (second["id"],)).fetchone()
@@ -158,7 +158,7 @@ def test_racing_completions_with_claim_next_claim_every_todo_once(live_server, d
         thread.join(timeout=120)
     assert not errors
     assert set(claims) == pushed and set(claims.values()) == {1}
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
     assert conn.execute("SELECT count(*) FROM todos WHERE state = 'done'").fetchone()[0] == 160
     assert conn.execute("SELECT count(*), min(outcome), max(outcome) FROM attempts").fetchone() == (
         160, "completed", "completed")
@@ -190,6 +190,6 @@ def test_over_mcp_the_session_remembers_the_next_lease(live_server, db_path):
             assert not last.is_error and last.structured_content["next"] == {"empty": True}
 
     anyio.run(run)
-    conn = sqlite3.connect(db_path)
+    conn = connect_db(db_path)
     assert conn.execute("SELECT todo_id, count(*) FROM attempts GROUP BY todo_id ORDER BY todo_id").fetchall() == \
         sorted((todo_id, 1) for todo_id in ids)

@@ -3,8 +3,8 @@ preference for waiting claims, and rings that carry no payload and no instructio
 
 from __future__ import annotations
 
-from switchboard.database import Database
 from switchboard.doorbell import Session
+from switchboard.engines import open_database
 from switchboard.http.streams import channel_notification
 from switchboard.models import TodoPush
 from switchboard.store.human_actions import push_todo
@@ -40,7 +40,7 @@ def test_a_todo_made_by_the_cli_is_rung_by_the_scheduler(world, app, db_path):
     alice = world.human("alice")
     worker = world.endpoint(alice, ["build"], name="worker")
     rung = attach(app, worker.id)
-    other = Database(db_path, inline_rings=False)
+    other = open_database(db_path, inline_rings=False)
     try:
         other.write_sync(push_todo, OPERATOR, worker.id, TodoPush(title="from the cli", queue="build"))
     finally:

@@ -63,7 +63,8 @@ def test_hostile_bodies_are_accepted_without_a_500(world, alice, router, db_path
     assert r.status_code == 202, r.text
     todo = world.client.get(f"/api/v1/todos/{r.json()['todos'][0]['id']}", headers=alice.auth)
     assert todo.status_code == 200
-    assert sqlite3.connect(db_path).execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    if not db_path.startswith("postgresql://"):
+        assert sqlite3.connect(db_path).execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
 def test_a_lone_surrogate_in_a_signed_title_is_no_500(world, alice, router):

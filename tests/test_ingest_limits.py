@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import sqlite3
 
 import httpx
 import producers
 import pytest
 from conftest import LiveServer, cli_inproc
-from helpers import count, hook_path, make_webhook
+from helpers import connect_db, count, hook_path, make_webhook
 from starlette.testclient import TestClient
 
 from switchboard.app import create_app
@@ -214,7 +213,7 @@ def test_300_verified_deliveries_at_once_from_one_address_are_all_accepted(db_pa
 
         statuses = asyncio.run(send_all())
         assert statuses.count(202) == 300, {s: statuses.count(s) for s in set(statuses)}
-        conn = sqlite3.connect(db_path)
+        conn = connect_db(db_path)
         assert conn.execute("SELECT count(*) FROM events WHERE verified = 1").fetchone()[0] == 300
         assert conn.execute("SELECT count(*) FROM todos").fetchone()[0] == 300
         conn.close()

@@ -440,8 +440,9 @@ def test_sigkill_loses_no_acknowledged_delivery_and_leaves_no_half_written_one(d
     half = {ev: len(todos.get(ev, ())) for ev in events if len(todos.get(ev, ())) != 2}
     assert not half, half
     assert all({e for _, e in pair} == {owner.id, extra.id} for pair in todos.values())
-    assert query(db_path, "PRAGMA integrity_check") == [("ok",)]
-    assert query(db_path, "PRAGMA foreign_key_check") == []
+    if not db_path.startswith("postgresql://"):  # Postgres checks its keys as it writes, and has no such pragmas
+        assert query(db_path, "PRAGMA integrity_check") == [("ok",)]
+        assert query(db_path, "PRAGMA foreign_key_check") == []
 
     # A producer retrying an acknowledged delivery after the restart gets the stored outcome.
     with httpx.Client(base_url=run.second.url, timeout=10) as http:

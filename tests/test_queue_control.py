@@ -21,8 +21,9 @@ from starlette.testclient import TestClient
 
 from switchboard.app import create_app
 from switchboard.configuration import SCHEMA_VERSION, iso
-from switchboard.database import Database, connect
+from switchboard.database import connect
 from switchboard.doorbell import Session
+from switchboard.engines import open_database
 from switchboard.migrations import apply_schema
 from switchboard.models import ClaimAnswer, QueueAnswer, QueueListAnswer, TodoPush
 from switchboard.store.human_actions import push_todo
@@ -237,7 +238,7 @@ def test_max_in_flight_2_with_8_racing_claimers_never_has_more_than_2_claimed(li
     _, human = cli_inproc(db_path, "human", "add", "racer")
     _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "racer", "--name", "pool", "--queues", QUEUE)
     total = 500
-    db = Database(db_path)  # the work, written through the store before the server starts (set-up only)
+    db = open_database(db_path)  # the work, written through the store before the server starts (set-up only)
     db.write_sync(lambda txn: [push_todo(txn, OPERATOR, endpoint["id"], TodoPush(title=f"t{n}", queue=QUEUE))
                                for n in range(total)])
     db.close()

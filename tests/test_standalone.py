@@ -30,7 +30,7 @@ from helpers import connect_db
 from switchboard.cli.parser import build_parser
 from switchboard.configuration import SCHEMA_VERSION
 from switchboard.crypto import SecretBox, sealed_sample
-from switchboard.database import Database
+from switchboard.engines import open_database
 from switchboard.models import EndpointCreate, WebhookCreate
 from switchboard.store.principals import OPERATOR, add_human, vend_endpoint
 from switchboard.store.webhooks import create_webhook
@@ -70,7 +70,7 @@ def _no_key_in_the_environment(monkeypatch):
 def make_signed_webhook(db_path: str) -> dict:
     """A human, an endpoint and a GitHub webhook with a minted secret, sealed with the key file beside the
     database (made here, as `webhook create` makes it), written through the store's own functions."""
-    db = Database(db_path)
+    db = open_database(db_path)
     try:
         human = db.write_sync(add_human, "alice")
         endpoint = db.write_sync(vend_endpoint, human["id"], EndpointCreate(name="w", queues=["build"]))

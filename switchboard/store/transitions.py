@@ -208,8 +208,10 @@ def ring_claimable(txn: Txn, endpoint_id: str, queue: str, most: int) -> int:
     if not txn.inline_rings or most <= 0:
         return 0
     rung = {ring["todo_id"] for ring in txn.rings}
+    # A todo another transaction holds is being claimed (or changed) right now and needs no ring; waiting for it
+    # here would wait on a claim that in turn waits for this transaction's count rows (a deadlock on Postgres).
     rows = txn.all(f"SELECT * FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue = ? AND available_at <= ?"
-                   f" AND silent = 0 AND {CLAIMABLE} ORDER BY priority DESC, created_at, id LIMIT ?",
+                   f" AND silent = 0 AND {CLAIMABLE} ORDER BY priority DESC, created_at, id LIMIT ?{txn.skip_locked}",
                    (endpoint_id, queue, txn.now, txn.now, most + len(rung)))
     fresh = [row for row in rows if row["id"] not in rung][:most]
     return sum(mark_rung(txn, row) is not None for row in fresh)
