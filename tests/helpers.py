@@ -129,5 +129,15 @@ def query(db_path: str, sql: str, params: tuple = ()) -> list[tuple]:
         conn.close()
 
 
+def assert_storage_intact(db_path: str) -> None:
+    """The database survived what the test did to its server: SQLite's own page and foreign-key checks on a file;
+    on Postgres, which enforces its foreign keys on every write, no index left invalid."""
+    if db_path.startswith("postgresql://"):
+        assert query(db_path, "SELECT indexrelid::regclass::text FROM pg_index WHERE NOT indisvalid") == []
+        return
+    assert query(db_path, "PRAGMA integrity_check") == [("ok",)]
+    assert query(db_path, "PRAGMA foreign_key_check") == []
+
+
 def count(db_path: str, table: str, where: str = "1 = 1", params: tuple = ()) -> int:
     return query(db_path, f"SELECT count(*) FROM {table} WHERE {where}", params)[0][0]

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from conftest import cli_inproc, workdir
-from helpers import connect_db
+from helpers import assert_storage_intact, connect_db
 
 TODOS = 400
 WORKERS = 4
@@ -102,8 +102,7 @@ def check_no_half_written_todo(db_path: str) -> dict[str, dict]:
         assert todo["attempt"] == len(todo["attempts"]), ("no release or retry here: attempt counts claims", todo)
         if todo["state"] == "done":
             assert todo["outcome"] == "completed" and todo["attempts"][-1]["outcome"] == "completed", (todo_id, todo)
-    assert query(db_path, "PRAGMA integrity_check") == [("ok",)]
-    assert query(db_path, "PRAGMA foreign_key_check") == []
+    assert_storage_intact(db_path)
     return todos
 
 
@@ -289,4 +288,4 @@ def test_sigterm_finishes_in_flight_requests_ends_streams_and_exits_0(db_path, l
     assert answers.get("stream_status") == 200 and not listener.is_alive(), answers
     row = query(db_path, "SELECT state, outcome FROM todos WHERE id = ?", (pushed.json()["id"],))
     assert row == [("done", "completed")]
-    assert query(db_path, "PRAGMA integrity_check") == [("ok",)]
+    assert_storage_intact(db_path)
