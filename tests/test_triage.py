@@ -821,7 +821,8 @@ def test_a_model_that_trickles_its_answer_ends_at_llm_timeout(workers, site):
 def test_a_quoted_key_is_struck_out_before_the_quote_is_cut_and_the_job_line_says_why(workers, site):
     def quotes_the_key(request: dict) -> tuple[int, dict, object]:
         key = request["headers"]["authorization"].removeprefix("Bearer ")
-        return 401, {}, {"error": {"message": "x" * 290 + f" invalid key {key}"}}
+        # The key straddles the 300-character quote: cut first, its first 7 characters would stay.
+        return 401, {}, {"error": {"message": "x" * 280 + f" invalid key {key}"}}
     site.model.script = quotes_the_key
     todo_id = site.github.open(next(NUMBERS), "a proxy that quotes keys", "…")["todos"][0]["id"]
     worker = workers.triage("--log-format", "json")
