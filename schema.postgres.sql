@@ -324,12 +324,20 @@ END $$;
 CREATE OR REPLACE TRIGGER todo_counts_insert AFTER INSERT ON todos
     FOR EACH ROW EXECUTE FUNCTION todo_counts_insert();
 
+-- The two rows are locked in their key's order, whichever way the todo moves: a claim (pending to claimed) and a
+-- completion followed by a claim (claimed to done, pending to claimed) taking them in opposite orders deadlock.
 CREATE OR REPLACE FUNCTION todo_counts_update() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    UPDATE todo_counts SET n = n - 1, changes = changes + 1
-        WHERE endpoint_id = OLD.endpoint_id AND queue = OLD.queue AND state = OLD.state;
+    IF (OLD.endpoint_id, OLD.queue, OLD.state) < (NEW.endpoint_id, NEW.queue, NEW.state) THEN
+        UPDATE todo_counts SET n = n - 1, changes = changes + 1
+            WHERE endpoint_id = OLD.endpoint_id AND queue = OLD.queue AND state = OLD.state;
+    END IF;
     INSERT INTO todo_counts (endpoint_id, queue, state, n, changes) VALUES (NEW.endpoint_id, NEW.queue, NEW.state, 1, 1)
         ON CONFLICT (endpoint_id, queue, state) DO UPDATE SET n = todo_counts.n + 1, changes = todo_counts.changes + 1;
+    IF (OLD.endpoint_id, OLD.queue, OLD.state) > (NEW.endpoint_id, NEW.queue, NEW.state) THEN
+        UPDATE todo_counts SET n = n - 1, changes = changes + 1
+            WHERE endpoint_id = OLD.endpoint_id AND queue = OLD.queue AND state = OLD.state;
+    END IF;
     RETURN NULL;
 END $$;
 CREATE OR REPLACE TRIGGER todo_counts_update AFTER UPDATE OF endpoint_id, queue, state ON todos
