@@ -38,6 +38,7 @@ class Doorbell:
         self._turn: dict[str, int] = {}
         self.rung = 0
         self.unheard = 0
+        self.passed_on = 0  # rings a waiting claim took and did not use, rung again for the next in line
         self.closing = False
 
     def close_all(self) -> None:

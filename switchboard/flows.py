@@ -77,7 +77,7 @@ from switchboard.store.replay import (
 from switchboard.store.routing import decide_for_webhook, dry_run_rules, gate, set_rules, verdict
 from switchboard.store.rules import rules_view
 from switchboard.store.todos import stored_json
-from switchboard.store.transitions import claim_next, claim_queues, hand_back_unheard
+from switchboard.store.transitions import claim_next, claim_queues, hand_back_unheard, pending_among
 from switchboard.store.upkeep import prune, rings_for_new_session, scheduler_tick
 
 
@@ -139,7 +139,8 @@ class WaitingClaim:
 
     async def _attempt(self) -> dict | None:
         """One claim: the answer, or None when nothing was claimable."""
-        result = await self.flows.db.write(claim_next, self.principal, self.body)
+        result = await self.flows.db.write(claim_next, self.principal, self.body,
+                                           self.owed["todo_id"] if self.owed else None)
         if result.get("empty"):
             self.owed = None
             self.empty = result
@@ -171,7 +172,8 @@ class WaitingClaim:
         late = rung.result() if rung is not None and rung.done() and rung.result() is not self.owed else None
         if self.claimed is not None or self.gone.done() or late:
             unused = {r["todo_id"]: r for r in (self.owed, late) if r and r["todo_id"] != self.claimed}
-            self.flows.doorbell.ring([{**r, "endpoint_id": self.principal.id} for r in unused.values()])
+            if unused:
+                self.flows.pass_on([{**r, "endpoint_id": self.principal.id} for r in unused.values()])
             self.owed = None
 
 
@@ -290,6 +292,25 @@ class Flows:
         self.closing = False
         self.shed: dict[str, Shedding] = {}  # by webhook id: what the Board's webhook page shows
         self.changes = Changes()  # told by the background loop's probe; the Board's live view listens
+        self.passing: set[asyncio.Task] = set()  # rings being passed on (a task needs a holder)
+
+    def pass_on(self, rings: list[dict]) -> None:
+        """Rings a waiting claim was given and did not use, for the next session in line: only those whose todo is
+        still pending. Where claims run side by side (Postgres) a claim rung for one todo may take another, and
+        the ring of a todo claimed meanwhile would wake a worker in vain, which would pass it on in turn."""
+        task = asyncio.get_running_loop().create_task(self._pass_on(rings))
+        self.passing.add(task)
+        task.add_done_callback(self.passing.discard)
+
+    async def _pass_on(self, rings: list[dict]) -> None:
+        try:
+            pending = await self.db.read(pending_among, [ring["todo_id"] for ring in rings])
+        except Exception:  # noqa: BLE001 - unread, every ring goes on: a ring in vain costs less than one lost
+            log.warning("could not read which todos are still pending; passing every ring on", exc_info=True)
+            pending = {ring["todo_id"] for ring in rings}
+        passing = [ring for ring in rings if ring["todo_id"] in pending]
+        self.doorbell.passed_on += len(passing)
+        self.doorbell.ring(passing)
 
     # -- the evaluator's fair share ------------------------------------------------------------------
     async def evaluate(self, tenant: str, fn: Callable, *args) -> Any:

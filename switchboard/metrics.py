@@ -96,6 +96,9 @@ class _StoreCollector(Collector):
         rings.add_metric(["true"], self.doorbell.rung)
         rings.add_metric(["false"], self.doorbell.unheard)
         yield rings
+        yield CounterMetricFamily("switchboard_doorbell_rings_passed_on", "Rings a waiting claim took and did not use"
+                                  " (it claimed another todo), rung again for the next session; counted in the rings"
+                                  " too", value=self.doorbell.passed_on)
         if self.db.engine == "sqlite":  # Postgres's WAL is the server's to watch (pg_stat_wal)
             wal = Path(self.db.path + "-wal")
             yield GaugeMetricFamily("switchboard_wal_bytes", "Size of the write-ahead log file",

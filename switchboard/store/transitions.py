@@ -217,6 +217,13 @@ def ring_claimable(txn: Txn, endpoint_id: str, queue: str, most: int) -> int:
     return sum(mark_rung(txn, row) is not None for row in fresh)
 
 
+def pending_among(txn: Txn, todo_ids: list[str]) -> set[str]:
+    """Which of these todos are pending now."""
+    marks = ",".join("?" * len(todo_ids))
+    return {row["id"] for row in txn.all(f"SELECT id FROM todos WHERE id IN ({marks}) AND state = 'pending'",
+                                         tuple(todo_ids))}
+
+
 def _slot_freed(txn: Txn, todo: sqlite3.Row) -> None:
     """A claim ended (the todo left `claimed`): in a queue with a cap, the slot it held may admit the next
     claimable todo, which rings (unless this transition already rang for it). Uncapped queues ring on their own."""
@@ -373,10 +380,12 @@ def claim_queues(principal: Principal, wanted: list[str] | None) -> list[str]:
     return wanted
 
 
-def claim_next(txn: Txn, principal: Principal, body: ClaimNow) -> dict:
+def claim_next(txn: Txn, principal: Principal, body: ClaimNow, rung_for: str | None = None) -> dict:
     """Claim the best claimable todo of the caller's endpoint: highest priority, then oldest. Lapsed leases of the
     endpoint are expired first, so their todos count; one statement reads the best todo, its prior attempts and
-    whether any lease has lapsed (then the claim reaps and reads again)."""
+    whether any lease has lapsed (then the claim reaps and reads again). `rung_for`: the todo a waiting claim was
+    rung for, taken first while it is claimable: rings go out best first, one per waiter, and where claims run
+    side by side (Postgres) each waiter taking its own ring's todo keeps two of them from meeting on one."""
     principal.require_verb("claim_next")
     queues = claim_queues(principal, body.queue_filter())
     # Queue control first: a paused or full queue is left out of the pick (a lapsed lease frees its slot).
@@ -390,11 +399,13 @@ def claim_next(txn: Txn, principal: Principal, body: ClaimNow) -> dict:
     best = (f"SELECT t.*, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at <= ?"
             f" LIMIT 1) AS lapsed, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id = (SELECT id"
             f" FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks}) AND available_at <= ?"
-            f" AND {CLAIMABLE} ORDER BY priority DESC, created_at, rowid LIMIT 1{txn.skip_locked})")
+            f" AND {CLAIMABLE}{{only}} ORDER BY priority DESC, created_at, rowid LIMIT 1{txn.skip_locked})")
     params = (principal.id, txn.now, principal.id, *gate.open, txn.now, txn.now)
-    row = txn.one(best, params)
+    row = txn.one(best.replace("{only}", " AND id = ?"), (*params, rung_for)) if rung_for else None
+    if row is None:
+        row = txn.one(best.replace("{only}", ""), params)
     if (row is None or row["lapsed"]) and _reap_endpoint(txn, principal.id):
-        row = txn.one(best, params)
+        row = txn.one(best.replace("{only}", ""), params)
     if row is None:
         return empty
     gate.count(txn, row["queue"])
