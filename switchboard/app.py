@@ -23,7 +23,7 @@ from switchboard.configuration import (
 )
 from switchboard.crypto import SecretBox, sealed_sample
 from switchboard.doorbell import Doorbell
-from switchboard.engines import open_database
+from switchboard.engines import is_postgres, open_database
 from switchboard.evaluator import Evaluator
 from switchboard.flows import Flows
 from switchboard.forge import ForgeSender
@@ -74,7 +74,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
                base_url: str | None = None, allowed_origins: str | None = None,
                trust_proxy: TrustedProxies | bool | str = False, auth_header: str | None = None,
                notify_allow_private: bool | None = None, notify_allow: str | None = None,
-               key_file: str | None = None, db_pool_size: int = 10) -> Starlette:
+               key_file: str | None = None, db_pool_size: int = 8, db_listen: str | None = None) -> Starlette:
     """The ASGI app. `background=False` leaves the scheduler to the caller (tests drive it by hand).
     `ingest_rate`/`ingest_burst`: per source address, for unauthenticated deliveries and failed signature checks;
     `verified_rate`/`verified_burst`: per webhook, for deliveries whose signature verified; an ingest rate of 0
@@ -83,11 +83,16 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     such a proxy signs a Board visitor in with). `notify_allow_private` / `notify_allow`: notification channels
     and forge connections may reach loopback, link-local and unspecified addresses (all, or those listed); not given,
     SWITCHBOARD_NOTIFY_ALLOW_PRIVATE / SWITCHBOARD_NOTIFY_ALLOW say. `db_path` is a SQLite file or a
-    postgresql:// URL (then `key_file` names the secrets' key, and `db_pool_size` its connections)."""
+    postgresql:// URL (then `key_file` names the secrets' key, `db_pool_size` its connections, and `db_listen` a
+    direct URL for LISTEN and the leader's lock when `db_path` goes through a transaction pooler)."""
     proxies = trust_proxy if isinstance(trust_proxy, TrustedProxies) else TrustedProxies.parse(trust_proxy)
     auth_header = auth_header_name(auth_header, proxies)
     addresses = Addresses.configured(notify_allow_private, notify_allow)
-    db = open_database(db_path, synchronous=synchronous, clock=clock, pool_size=db_pool_size, listen=background)
+    if db_listen and not is_postgres(db_listen):
+        raise ApiError("invalid_argument", "--db-listen takes a postgresql:// URL: the direct connection for LISTEN"
+                                           " and the leader's lock")
+    db = open_database(db_path, synchronous=synchronous, clock=clock, pool_size=db_pool_size, listen=background,
+                       listen_url=db_listen)
     try:
         box = SecretBox.for_database(db_path, db.read_sync(sealed_sample), key_file)
     except ApiError:

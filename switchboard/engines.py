@@ -48,9 +48,10 @@ def database_errors() -> tuple[type[BaseException], ...]:
 
 
 def open_database(target: str, *, synchronous: str = "FULL", clock: Clock | None = None, inline_rings: bool = True,
-                  migrate: bool = True, pool_size: int = 10, listen: bool = False):
+                  migrate: bool = True, pool_size: int = 8, listen: bool = False, listen_url: str | None = None):
     """A Database (SQLite) or a Postgres, by what `target` is. `listen` (Postgres only): this process serves, so it
-    takes part in the rings, the leader election and the heartbeats."""
+    takes part in the rings, the leader election and the heartbeats, over `listen_url` when one is given (a direct
+    connection, where `target` goes through a transaction pooler)."""
     if not is_postgres(target):
         from switchboard.database import Database
 
@@ -61,4 +62,4 @@ def open_database(target: str, *, synchronous: str = "FULL", clock: Clock | None
         raise ApiError("invalid_argument", "a postgresql:// database needs the postgres extra:"
                                            ' pip install "switchboard[postgres]"') from None
     return Postgres(target, clock=clock, inline_rings=inline_rings, migrate=migrate, pool_size=pool_size,
-                    listen=listen)
+                    listen=listen, listen_url=listen_url)

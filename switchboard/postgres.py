@@ -45,6 +45,7 @@ MIGRATE_LOCK = 0x5357_4d49_4752  # "SWMIGR": one process migrates, the others wa
 HEARTBEAT_SECONDS = 2.0
 PROCESS_STALE_MS = 15_000  # a process not heard of for this long is gone: its ring listeners are dropped
 RING_CHANNEL = "switchboard_ring_"  # + the process id: NOTIFY payloads are the rings chosen for that process
+OUTBOX_CHANNEL = "switchboard_outbox"  # a commit wrote to an outbox: the leader's senders look (whoever committed)
 
 
 class Row(tuple):
@@ -200,12 +201,16 @@ class Postgres:
 
     engine = "postgres"
     one_writer = False  # writers run side by side, meeting only on the rows they lock
-    poll_seconds = 2.0  # how long a waiting claim trusts the rings before it looks at the queue again
+    # How long a waiting claim trusts the rings before it looks at the queue again: a ring from another process can
+    # be lost on its way. A process that does not listen (tests driving the app by hand) hears only its own rings.
+    poll_seconds: float | None = 2.0
 
     def __init__(self, url: str, *, clock: Clock | None = None, inline_rings: bool = True, migrate: bool = True,
-                 pool_size: int = 10, listen: bool = False):
+                 pool_size: int = 8, listen: bool = False, listen_url: str | None = None):
         self.path = url
         self.url = url
+        # LISTEN and the leader's advisory lock hold a session: through a transaction pooler they need a direct URL
+        self.listen_url = listen_url or url
         self.clock = clock or Clock()
         self.inline_rings = inline_rings
         self.on_rings: Callable[[list[dict]], None] | None = None
@@ -217,6 +222,7 @@ class Postgres:
         self.failure: str | None = None
         self.process_id = new_id("pr")
         self.is_leader = not listen
+        self.poll_seconds = Postgres.poll_seconds if listen else None
         self.listeners: dict[tuple[str, tuple[str, ...] | None], int] = {}  # this process's sessions, by filter
         self._listeners_lock = threading.Lock()
         self._listeners_dirty = threading.Event()
@@ -255,6 +261,8 @@ class Postgres:
                             txn.reading()
                         result = fn(txn, *args)
                         local = self._route_rings(txn) if txn.rings else []
+                        if txn.outbox and not self.is_leader:
+                            conn.execute(f"NOTIFY {OUTBOX_CHANNEL}")
                 break
             except RETRIED as exc:
                 if attempt == MAX_ATTEMPTS:
@@ -326,9 +334,15 @@ class Postgres:
         return await anyio.to_thread.run_sync(self.read_sync, fn, *args)
 
     def change_marker(self) -> Any:
-        """What moves whenever a todo enters or leaves a group, in any process: the counters' change total."""
+        """What moves whenever anything a live view shows changed, in any process (SQLite's data_version moves on
+        every commit; Postgres has no such counter for one database): the counters' change total (a todo entered
+        or left a group), the Board sessions (one opened: the newest rowid; one ended: the count) and the running
+        work's latest heartbeat."""
         with self._pool.connection() as conn:
-            return conn.execute("SELECT coalesce(sum(changes), 0) FROM todo_counts").fetchone()[0]
+            return tuple(conn.execute(
+                "SELECT (SELECT coalesce(sum(changes), 0) FROM todo_counts),"
+                " (SELECT count(*) FROM board_sessions), (SELECT coalesce(max(rowid), 0) FROM board_sessions),"
+                " (SELECT max(updated_at) FROM todos WHERE state = 'claimed')").fetchone())
 
     # -- what several processes share ------------------------------------------------------------------
     def listening(self, endpoint_id: str, queues: frozenset[str] | None, waiting: bool, delta: int) -> None:
@@ -352,14 +366,16 @@ class Postgres:
                     self.on_fatal(self.failure)
 
     def _listen_loop(self) -> None:
-        """LISTEN for this process's rings, publish its listeners and its heartbeat. A lost connection is
+        """LISTEN for this process's rings and for outbox writes by other processes (which wake the leader's
+        senders), publish its listeners and its heartbeat. A lost connection is
         reconnected; rings sent meanwhile are lost, and the waiting claims' poll finds their todos."""
         published: dict | None = None
         while not self._closing.is_set():
             try:
-                with psycopg.connect(self.url, autocommit=True) as conn:
+                with psycopg.connect(self.listen_url, autocommit=True) as conn:
                     _configure(conn)
                     conn.execute(f"LISTEN {RING_CHANNEL}{self.process_id}")
+                    conn.execute(f"LISTEN {OUTBOX_CHANNEL}")
                     published = None
                     next_beat = 0.0
                     while not self._closing.is_set():
@@ -370,7 +386,11 @@ class Postgres:
                             self._listeners_dirty.clear()
                             published = self._publish(conn, published)
                         for notice in conn.notifies(timeout=0.2, stop_after=64):
-                            self._deliver(json.loads(notice.payload))
+                            if notice.channel == OUTBOX_CHANNEL:
+                                if self.on_outbox and self.is_leader:
+                                    self.on_outbox()
+                            else:
+                                self._deliver(json.loads(notice.payload))
             except psycopg.OperationalError as exc:
                 log.warning("ring listener lost its connection (%s); reconnecting", exc)
                 self._closing.wait(1.0)
@@ -407,7 +427,7 @@ class Postgres:
         takes over. The leader also drops the listeners of processes no longer heard of."""
         while not self._closing.is_set():
             try:
-                with psycopg.connect(self.url, autocommit=True) as conn:
+                with psycopg.connect(self.listen_url, autocommit=True) as conn:
                     while not self._closing.is_set():
                         if not self.is_leader:
                             self.is_leader = conn.execute("SELECT pg_try_advisory_lock(%s)",

@@ -287,7 +287,7 @@ def _serve(args: argparse.Namespace) -> int:
                      allowed_origins=args.allowed_origins, trust_proxy=proxies, auth_header=args.auth_header,
                      notify_allow_private=switch_value("notify-allow-private", args.notify_allow_private),
                      notify_allow=args.notify_allow or "", key_file=getattr(args, "key_file", None),
-                     db_pool_size=args.db_pool_size)
+                     db_pool_size=args.db_pool_size, db_listen=args.db_listen)
     if app.state.db.engine == "postgres" and app.state.db.synchronous == "off":
         app.state.db.close()
         raise ApiError("invalid_argument", "the database runs with synchronous_commit off: a 202 would not survive a"

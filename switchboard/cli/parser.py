@@ -110,8 +110,11 @@ def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
     serve.add_argument("--port", type=int, default=env_default("port", "8080"), help="port (default 8080)")
     serve.add_argument("--synchronous", choices=["full", "normal"], default=env_default("synchronous", "full"),
                        help="full: a 202 survives power loss (default); normal: faster, survives a crash")
-    serve.add_argument("--db-pool-size", dest="db_pool_size", type=int, default=env_default("db-pool-size", "10"),
-                       help="Postgres only: the connections this process keeps to the database (default 10)")
+    serve.add_argument("--db-pool-size", dest="db_pool_size", type=int, default=env_default("db-pool-size", "8"),
+                       help="Postgres only: the connections this process keeps to the database (default 8)")
+    serve.add_argument("--db-listen", dest="db_listen", metavar="URL", default=env_default("db-listen", None),
+                       help="Postgres only: a direct postgresql:// URL for LISTEN and the leader's lock, when --db"
+                            " goes through a transaction pooler (default: --db)")
     serve.add_argument("--ingest-rate", dest="ingest_rate", type=float,
                        default=env_default("ingest-rate", str(DEFAULT_INGEST_RATE)),
                        help="unauthenticated deliveries and failed signature checks per second per source address"
