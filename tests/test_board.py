@@ -514,3 +514,39 @@ def test_a_dropped_delivery_is_replayed_from_its_page_and_in_bulk_from_the_webho
     assert todo["queue"] == "lane-s" and todo["event_id"] == outcome["event_id"]
     post(client, f"/board/deliveries/{outcome['event_id']}/replay", apply="yes")
     assert len(world.client.get("/api/v1/todos", headers=alice.auth).json()["todos"]) == 1, "never minted twice"
+
+
+def test_the_queues_page_pauses_caps_and_resumes_a_queue(client, world, alice, lane, clock):
+    """The Board's queues page: a pause with its reason and time left, caps and how full they are, then Resume;
+    each form does what the REST call does (a claim skips the paused queue and says why)."""
+    world.push(alice, lane, "lane-s", "first")
+    world.push(alice, lane, "lane-s", "second")
+    sign_in(client, alice)
+    base = f"/board/endpoints/{lane.id}/queues/lane-s"
+    paused = post(client, f"{base}/pause", **{"for": "2h", "reason": "quota until 18:00", "back": "/board/queues"})
+    assert paused.status_code == 303 and paused.headers["location"] == "/board/queues", paused.text
+    page = client.get("/board/queues").text
+    assert "Paused lane-s until" in page, "the notice says what was done"
+    row = re.search(r'<tr>\s*<th scope="row"><a [^>]*>lane-s</a></th>(.*?)</tr>', page, re.S).group(1)
+    assert "paused</span> resumes" in row and ">in 2 h</time>: quota until 18:00" in row, row
+    assert f'action="{base}/resume"' in row and f'action="{base}/pause"' not in row
+    shut = world.claim(lane, queue="lane-s")
+    assert shut["empty"] is True and [(a["queue"], a["reason"]) for a in shut["admission"]] == [("lane-s", "paused")]
+
+    capped = post(client, f"{base}/limits", max_in_flight="1", max_claims="5", window_seconds="60",
+                  back="/board/queues")
+    assert capped.status_code == 303, capped.text
+    assert post(client, f"{base}/resume", back="/board/queues").status_code == 303
+    assert "todo" in world.claim(lane, queue="lane-s")
+    row = re.search(r'<tr>\s*<th scope="row"><a [^>]*>lane-s</a></th>(.*?)</tr>',
+                    client.get("/board/queues").text, re.S).group(1)
+    assert re.search(r'data-label="Claims">\s*open', row), row
+    assert re.search(r'data-label="In flight">1 of 1 <span class="state s-paused">full</span>', row), row
+    assert "1 of 5 per 60 s" in row and f'action="{base}/pause"' in row
+    full = world.claim(lane, queue="lane-s")
+    assert full["empty"] is True and [(a["queue"], a["reason"]) for a in full["admission"]] == [("lane-s", "max_in_flight")]
+
+    refused = post(client, f"{base}/pause", token=None, **{"for": "1h"})  # no CSRF token: refused, nothing changes
+    assert refused.status_code == 403
+    queues = world.client.get(f"/api/v1/endpoints/{lane.id}/queues", headers=alice.auth).json()["queues"]
+    assert all(q["paused"] is None for q in queues)

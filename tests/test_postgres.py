@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from conftest import ENGINE, ROOT, LiveServer, ManualClock, World, cli
 from helpers import make_webhook, post_delivery
 from producers import github
 from starlette.testclient import TestClient
+from test_notify import Receiver
 
 from switchboard.app import create_app
 from switchboard.postgres import Postgres
@@ -35,10 +37,14 @@ class Principal:
         self.auth = {"Authorization": f"Bearer {token}"}
 
 
+# No ingest limits (the races send a hundred deliveries at once); notifications may go to the loopback receiver.
+SERVE_FLAGS = ("--ingest-rate", "0", "--notify-allow-private")
+
+
 @pytest.fixture
 def two_servers(db_path):
     """Two server processes on one database, each with its own pool, leader election and ring listener."""
-    servers = [LiveServer(db_path), LiveServer(db_path)]
+    servers = [LiveServer(db_path, *SERVE_FLAGS), LiveServer(db_path, *SERVE_FLAGS)]
     yield servers
     for server in servers:
         server.stop()
@@ -66,28 +72,61 @@ def query(db_path: str, sql: str, params=()):
         return conn.execute(sql, params).fetchall()
 
 
+def leader_of(db_path: str, servers: list[LiveServer], timeout: float = 15) -> LiveServer:
+    """The server whose process holds the leader's lock now: the last process the shared log names as leader,
+    found by its pid in the processes table."""
+    deadline = time.monotonic() + timeout
+    while True:
+        named = re.findall(r"this process \((pr_\w+)\) is the leader", servers[0].logged())
+        pids = {pid for (pid,) in query(db_path, "SELECT pid FROM processes WHERE id = %s", (named[-1],))} if named else set()
+        leader = [s for s in servers if s.proc.poll() is None and s.proc.pid in pids]
+        if leader:
+            return leader[0]
+        assert time.monotonic() < deadline, "no live server became the leader"
+        time.sleep(0.2)
+
+
+def rings_heard(servers: list[LiveServer]) -> int:
+    """The rings a session heard when a todo was pushed (those passed on from one waiting claim to the next left
+    out), summed over the servers' /metrics."""
+    total = 0
+    for server in servers:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        total += int(float(re.search(r'^switchboard_doorbell_rings_total\{heard="true"\} (\S+)$', text, re.M)[1]))
+        total -= int(float(re.search(r"^switchboard_doorbell_rings_passed_on_total (\S+)$", text, re.M)[1]))
+    return total
+
+
 def test_workers_on_two_servers_claim_each_todo_once(db_path, two_servers):
+    """2 × 8 workers, each server's half pushing and then draining 2,000 todos with complete-and-claim-next."""
     human, endpoint = setup_endpoint(db_path, two_servers[0])
-    total = 600
-    with httpx.Client(base_url=two_servers[0].url, headers=human.auth) as c:
-        for i in range(total):
-            assert c.post(f"/api/v1/endpoints/{endpoint.id}/todos", json={"title": f"t{i}", "queue": "q"}
-                          ).status_code == 201
+    total = 2000
+
+    def push(i: int) -> None:
+        with httpx.Client(base_url=two_servers[i % 2].url, headers=human.auth, timeout=30) as c:
+            for n in range(i, total, 16):
+                assert c.post(f"/api/v1/endpoints/{endpoint.id}/todos", json={"title": f"t{n}", "queue": "q"}
+                              ).status_code == 201
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(push, range(16)))
     claimed: list[str] = []
     lock = threading.Lock()
 
     def worker(server: LiveServer) -> None:
         with httpx.Client(base_url=server.url, headers=endpoint.auth, timeout=30) as c:
+            r = c.post("/api/v1/todos/claim", json={})
             while True:
-                r = c.post("/api/v1/todos/claim", json={})
                 assert r.status_code == 200, r.text
                 if r.json().get("empty"):
                     return
                 todo = r.json()["todo"]["id"]
                 with lock:
                     claimed.append(todo)
-                done = c.post(f"/api/v1/todos/{todo}/complete", json={"lease_token": r.json()["lease_token"]})
+                done = c.post(f"/api/v1/todos/{todo}/complete",
+                              json={"lease_token": r.json()["lease_token"], "claim_next": {}})
                 assert done.status_code == 200, done.text
+                r = httpx.Response(200, json=done.json()["next"])
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(worker, [two_servers[i % 2] for i in range(16)]))
@@ -102,25 +141,53 @@ def test_one_delivery_sent_to_both_servers_is_recorded_once(db_path, two_servers
     human, endpoint = setup_endpoint(db_path, two_servers[0])
     with httpx.Client(base_url=two_servers[0].url) as c:
         hook = make_webhook(c, human, endpoint.id, "github", "q")
-    deliveries = [github("issues.opened", hook["secret"], {"issue": {"number": n}}, delivery=f"d-{n}") for n in range(40)]
+    raw, headers = github("issues.opened", hook["secret"], {"issue": {"number": 1}}, delivery="the-one")
+
+    def send(server: LiveServer):
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            return post_delivery(c, hook, raw, headers)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(send, [two_servers[i % 2] for i in range(100)]))
+    assert {a.status_code for a in answers} == {202}, [a.text for a in answers if a.status_code != 202]
+    assert sum(1 for a in answers if not a.json().get("duplicate")) == 1
+    assert len({a.json()["event_id"] for a in answers}) == 1
+    assert query(db_path, "SELECT count(*) FROM events WHERE webhook_id = %s", (hook["id"],))[0][0] == 1
+    assert query(db_path, "SELECT count(*) FROM todos WHERE endpoint_id = %s", (endpoint.id,))[0][0] == 1
+
+
+def test_fifty_deliveries_about_one_subject_over_both_servers_mint_one_todo(db_path, two_servers):
+    human, endpoint = setup_endpoint(db_path, two_servers[0], queues=("lane",))
+    with httpx.Client(base_url=two_servers[0].url) as c:
+        hook = make_webhook(c, human, endpoint.id, "github", "lane", trusted_actors={"allow_all": True})
+        rules = {"rules": [{"id": "once", "expr": '.source == "github"', "action": {"queue": "lane", "once": True}}]}
+        assert c.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=human.auth, json=rules).status_code == 200
+    deliveries = [github("issues.edited", hook["secret"], {"issue": {"number": 12}, "changes": {"body": {"from": f"v{n}"}}},
+                         delivery=f"e-{n}") for n in range(50)]
+    go = threading.Barrier(16)
 
     def send(args):
-        (raw, headers), server = args
-        with httpx.Client(base_url=server.url, timeout=30) as c:
-            return post_delivery(c, hook, raw, headers).status_code
+        i, (raw, headers) = args
+        with httpx.Client(base_url=two_servers[i % 2].url, timeout=30) as c:
+            if i < 16:
+                go.wait(10)
+            return post_delivery(c, hook, raw, headers)
 
-    jobs = [(d, s) for d in deliveries for s in two_servers for _ in range(2)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        codes = list(pool.map(send, jobs))
-    assert set(codes) <= {200, 202}, codes
-    assert query(db_path, "SELECT count(*) FROM events WHERE webhook_id = %s", (hook["id"],))[0][0] == 40
-    assert query(db_path, "SELECT count(*) FROM todos WHERE endpoint_id = %s", (endpoint.id,))[0][0] == 40
+        answers = list(pool.map(send, enumerate(deliveries)))
+    assert {a.status_code for a in answers} == {202}
+    assert sum(a.json()["created"] for a in answers) == 1, [a.json() for a in answers]
+    assert sorted(a.json()["disposition"] for a in answers) == ["repeat"] * 49 + ["routed"]
+    assert query(db_path, "SELECT count(*) FROM events WHERE webhook_id = %s", (hook["id"],))[0][0] == 50
+    assert query(db_path, "SELECT count(*) FROM todos WHERE endpoint_id = %s", (endpoint.id,))[0][0] == 1
+    assert query(db_path, "SELECT count(*) FROM routing_once WHERE webhook_id = %s", (hook["id"],))[0][0] == 1
 
 
-def test_waiting_claims_on_both_servers_get_distinct_todos(db_path, two_servers):
+def test_waiting_claims_on_both_servers_get_distinct_todos_and_one_ring_each(db_path, two_servers):
     human, endpoint = setup_endpoint(db_path, two_servers[0])
     got: list[str] = []
     lock = threading.Lock()
+    heard_before = rings_heard(two_servers)
 
     def wait_once(server: LiveServer) -> None:
         with httpx.Client(base_url=server.url, headers=endpoint.auth, timeout=30) as c:
@@ -133,7 +200,13 @@ def test_waiting_claims_on_both_servers_get_distinct_todos(db_path, two_servers)
     waiters = [threading.Thread(target=wait_once, args=(two_servers[i % 2],)) for i in range(6)]
     for thread in waiters:
         thread.start()
-    time.sleep(1.5)  # the waiting claims are parked and their processes published as listeners
+    # Push as soon as both processes published their parked claims (the rings then go by NOTIFY), well before
+    # a claim's poll (every 2 s, the fallback for a lost ring) could take a todo without one.
+    deadline = time.monotonic() + 10
+    while query(db_path, "SELECT count(DISTINCT process_id) FROM ring_listeners WHERE endpoint_id = %s AND waiting = 1",
+                (endpoint.id,))[0][0] < 2:
+        assert time.monotonic() < deadline, "the waiting claims were never published"
+        time.sleep(0.02)
     pushed_at = time.monotonic()
     with httpx.Client(base_url=two_servers[0].url, headers=human.auth) as c:
         for i in range(6):
@@ -143,30 +216,100 @@ def test_waiting_claims_on_both_servers_get_distinct_todos(db_path, two_servers)
         thread.join()
     assert len(got) == 6 and len(set(got)) == 6
     assert time.monotonic() - pushed_at < 10
+    # One ring per todo across both processes (a broadcast, each process ringing its own, would ring 12). A ring
+    # may go unheard when it reaches a process whose last waiting claim was just served: the poll then finds it.
+    assert rings_heard(two_servers) - heard_before <= 6, "no todo rang more than one session"
 
 
-def test_the_leader_dies_and_another_reaps_a_lapsed_lease(db_path, two_servers):
-    human, endpoint = setup_endpoint(db_path, two_servers[0])
-    leader = next(s for s in two_servers if "is the leader" in s.logged())
-    other = next(s for s in two_servers if s is not leader)
-    with httpx.Client(base_url=other.url) as c:
-        assert c.post(f"/api/v1/endpoints/{endpoint.id}/todos", headers=human.auth,
-                      json={"title": "lapses", "queue": "q"}).status_code == 201
-        claim = c.post("/api/v1/todos/claim", headers=endpoint.auth, json={}).json()
-    leader.proc.send_signal(signal.SIGKILL)
-    leader.proc.wait()
-    # The shortest lease is a minute: the claim's lease is moved into the past instead of waiting one out.
+def test_the_leader_dies_and_another_reaps_a_lapsed_lease_and_sends_each_notification_once(db_path, two_servers,
+                                                                                          monkeypatch):
+    rx = Receiver()
+    try:
+        leader = leader_of(db_path, two_servers)
+        other = next(s for s in two_servers if s is not leader)
+        human, endpoint = setup_endpoint(db_path, other)
+        hooks = []
+        with httpx.Client(base_url=other.url) as c:
+            for topic in ("before", "after"):  # two humans: each channel's first message goes out at once
+                someone, owned = setup_endpoint(db_path, other)
+                r = c.post("/api/v1/notify", headers=someone.auth,
+                           json={"kind": "ntfy", "url": rx.url(f"/{topic}"), "events": ["held"]})
+                assert r.status_code == 201, r.text
+                hooks.append((someone, make_webhook(c, someone, owned.id, "github", "q", trusted_actors=None)))
+            assert c.post(f"/api/v1/endpoints/{endpoint.id}/todos", headers=human.auth,
+                          json={"title": "lapses", "queue": "q"}).status_code == 201
+            claim = c.post("/api/v1/todos/claim", headers=endpoint.auth, json={}).json()
+
+            def hold(hook: dict) -> None:  # the trust gate holds a stranger's delivery: one "held" message
+                raw, headers = github("issues.opened", hook["secret"], {"sender": {"login": "stranger"}})
+                assert post_delivery(c, hook, raw, headers).json()["disposition"] == "quarantined"
+
+            hold(hooks[0][1])  # taken by the non-leader; the leader sends it
+            rx.wait_for(1, timeout=15)
+        # Once it is marked sent (a leader killed between sending and marking sends again: at least once).
+        deadline = time.monotonic() + 10
+        while query(db_path, "SELECT count(*) FROM notify_outbox WHERE sent_at IS NULL")[0][0]:
+            assert time.monotonic() < deadline, "the first message was never marked sent"
+            time.sleep(0.05)
+        leader.proc.send_signal(signal.SIGKILL)
+        leader.proc.wait()
+        with httpx.Client(base_url=other.url) as c:
+            hold(hooks[1][1])  # taken by the one left, the leader within seconds
+        # The shortest lease is a minute: the claim's lease is moved into the past instead of waiting one out.
+        with psycopg.connect(db_path, autocommit=True) as conn:
+            conn.execute("UPDATE todos SET lease_expires_at = 1 WHERE id = %s", (claim["todo"]["id"],))
+            conn.execute("UPDATE attempts SET lease_expires_at = 1 WHERE todo_id = %s", (claim["todo"]["id"],))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            state = query(db_path, "SELECT state FROM todos WHERE id = %s", (claim["todo"]["id"],))[0][0]
+            if state == "pending":
+                break
+            time.sleep(0.2)
+        assert state == "pending", "no process reaped the lapsed lease within 10 s of the leader's death"
+        assert leader_of(db_path, two_servers) is other
+        rx.wait_for(2, timeout=15)
+        time.sleep(1.5)  # a second sender would have sent by now
+        assert sorted(r.path for r in rx.requests) == ["/after", "/before"], "each notification sent once"
+        assert query(db_path, "SELECT count(*) FROM notify_outbox WHERE sent_at IS NULL")[0][0] == 0
+    finally:
+        rx.close()
+
+
+def test_db_listen_takes_listen_and_the_leaders_lock_on_a_connection_of_its_own(db_path):
+    """`--db-listen URL`: the sessions LISTEN and the advisory lock need go to that URL (a role of its own here,
+    as a direct connection would beside a transaction pooler's), every transaction to --db's."""
     with psycopg.connect(db_path, autocommit=True) as conn:
-        conn.execute("UPDATE todos SET lease_expires_at = 1 WHERE id = %s", (claim["todo"]["id"],))
-        conn.execute("UPDATE attempts SET lease_expires_at = 1 WHERE todo_id = %s", (claim["todo"]["id"],))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        state = query(db_path, "SELECT state FROM todos WHERE id = %s", (claim["todo"]["id"],))[0][0]
-        if state == "pending":
-            break
-        time.sleep(0.2)
-    assert state == "pending", "no process reaped the lapsed lease within 10 s of the leader's death"
-    assert "is the leader" in other.logged()
+        conn.execute("DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'listener') THEN"
+                     " CREATE ROLE listener LOGIN SUPERUSER; END IF; END $$")
+    listen_url = db_path.replace("postgresql://postgres@", "postgresql://listener@")
+    server = LiveServer(db_path, "--db-listen", listen_url)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            sessions = query(db_path, "SELECT a.query, l.locktype FROM pg_stat_activity a LEFT JOIN pg_locks l"
+                                      " ON l.pid = a.pid AND l.locktype = 'advisory' AND l.granted"
+                                      " WHERE a.usename = 'listener' AND a.datname = current_database()")
+            if len(sessions) == 2 and any(lock for _, lock in sessions):
+                break
+            assert time.monotonic() < deadline, sessions
+            time.sleep(0.2)
+        assert len(sessions) == 2, "the ring listener and the leader, nothing else"
+        assert query(db_path, "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+                              " WHERE l.locktype = 'advisory' AND l.granted AND a.usename <> 'listener'"
+                              " AND a.datname = current_database()")[0][0] == 0
+        human, endpoint = setup_endpoint(db_path, server)
+        with httpx.Client(base_url=server.url) as c:
+            waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+                c.post, "/api/v1/todos/claim", headers=endpoint.auth, json={"wait_seconds": 10}, timeout=30)
+            time.sleep(1)
+            assert c.post(f"/api/v1/endpoints/{endpoint.id}/todos", headers=human.auth,
+                          json={"title": "rung", "queue": "q"}).status_code == 201
+            assert waiting.result(timeout=20).json()["todo"]["title"] == "rung"
+        bad = subprocess.run([sys.executable, str(ROOT / "switchboard.py"), "serve", "--db", db_path, "--port", "1",
+                              "--db-listen", "/tmp/not-a-url"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode != 0 and "--db-listen takes a postgresql:// URL" in bad.stderr
+    finally:
+        server.stop()
 
 
 def test_kill_of_a_server_during_a_fan_out_storm_leaves_whole_events(db_path, two_servers):
