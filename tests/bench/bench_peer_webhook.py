@@ -1,6 +1,7 @@
 """Switchboard against adnanh/webhook, the tool a homelab runs today for "a signed webhook runs my command" (issue 39).
 
     python tests/bench/bench_peer_webhook.py [--quick] [--rounds N] [--webhook PATH] [--no-readme] [--out PATH] [--keep]
+                                             [--no-postgres]
 
 Installs nothing. It runs `webhook` (Debian's package `webhook`: `apt-get install webhook`; or a release binary from
 https://github.com/adnanh/webhook/releases named with --webhook) and says so and stops when it is missing.
@@ -23,6 +24,11 @@ The job script is the same file for both: bash appends one line, the id of its w
 the delivery id under webhook, which has no other) and `$EPOCHREALTIME` as the job begins, to a file. Switchboard's
 202 names each delivery's todo, so every line joins to its delivery (a line naming a todo no answer named is
 looked up over REST: todo -> event -> its `x-github-delivery` header).
+
+Switchboard runs a third session on Postgres when Debian's `postgresql` is installed (--no-postgres leaves it out):
+the same template copied into a database of a cluster the benchmark starts itself (tests/pg_cluster.py, with fsync
+on as a server keeps it), `serve --db postgresql://…` with synchronous_commit on, the same worker. Its column has
+Postgres's own processes' CPU and memory left out.
 
 Deliveries: GitHub `issues.opened` fixtures, each with its own issue number and delivery id, signed with one
 secret, built before any clock starts; the same bytes go to both tools. The load generator is a process of its own
@@ -317,7 +323,7 @@ class Switchboard(Tool):
 
     def __init__(self, directory: Path, template: dict):
         super().__init__(directory)
-        self.db = str(directory / "switchboard.db")
+        self.db, self.server_env = self.database(directory, template)
         self.human_token = template["human_token"]
         self.path = template["hook_path"]
         self.token_file = directory / "endpoint.token"
@@ -334,6 +340,11 @@ class Switchboard(Tool):
         wait_until(lambda: "concurrency" in self.worker.logged(), "worker started", child=self.worker)
         time.sleep(1.0)  # its claims are waiting
 
+    def database(self, directory: Path, template: dict) -> tuple[str, dict | None]:
+        """This session's database (a copy of the template's file) and the server's environment."""
+        shutil.copytree(template["dir"], directory, dirs_exist_ok=True)
+        return str(directory / "switchboard.db"), None
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -344,7 +355,7 @@ class Switchboard(Tool):
     def start_server(self) -> None:
         self._server = Child("serve", [sys.executable, str(ROOT / "switchboard.py"), "serve", "--db", self.db,
                                        "--port", str(self.port), "--ingest-rate", "0"],
-                             self.directory / "server.log", None, ROOT)
+                             self.directory / "server.log", self.server_env, ROOT)
         wait_until(lambda: healthy(self.port), "switchboard serving", child=self._server)
 
     def work_ids(self, result: dict, delivery_ids: list[str]) -> dict[str, str]:
@@ -371,6 +382,36 @@ class Switchboard(Tool):
     def log_problems(self) -> list[str]:
         lines = self._server.logged().splitlines() + (self.worker.logged().splitlines() if self.worker else [])
         return [line for line in lines if "Traceback" in line or " ERROR " in line or "internal error" in line]
+
+
+class SwitchboardPostgres(Switchboard):
+    """The same Switchboard on Postgres: a database copied from the template's (CREATE DATABASE … TEMPLATE) on the
+    benchmark's own cluster (tests/pg_cluster.py: initdb and pg_ctl in a temporary directory, fsync on, as a
+    server keeps it), synchronous_commit on, the template's key file named in the environment."""
+
+    name = "switchboard-postgres"
+
+    def database(self, directory: Path, template: dict) -> tuple[str, dict | None]:
+        url = template["cluster"].create_database(f"bench_{uuid.uuid4().hex[:12]}", template="bench_template")
+        return url, {**os.environ, "SWITCHBOARD_KEY_FILE": template["key_file"]}
+
+
+def postgres_template(template: dict, root: Path) -> str | None:
+    """A cluster for the Postgres sessions, with the template copied into its database bench_template (migrate-to);
+    None, and a line in the log, when Postgres is not installed here."""
+    import pg_cluster
+
+    reason = pg_cluster.available()
+    if reason is not None:
+        log(f"Switchboard on Postgres left out: {reason}")
+        return None
+    pg_cluster.SETTINGS.pop("fsync", None)  # measured as a server keeps it: every commit reaches the disk
+    pg_cluster.SETTINGS.pop("full_page_writes", None)
+    template["cluster"] = cluster = pg_cluster.start()
+    url = cluster.create_database("bench_template")
+    cli(str(Path(template["dir"]) / "switchboard.db"), "migrate-to", url)
+    template["key_file"] = str(Path(template["dir"]) / "switchboard.key")
+    return url
 
 
 def make_template(directory: Path) -> dict:
@@ -452,11 +493,11 @@ def answered_ok(result: dict, ids: list[str]) -> set[str]:
 
 def check_answers(tool: Tool, result: dict, ids: list[str]) -> list[str]:
     problems = list(result["errors"])
-    wanted = 202 if tool.name == "switchboard" else 200
+    wanted = 202 if isinstance(tool, Switchboard) else 200
     bad = [(d, code) for d, code in zip(ids, result["status"]) if code != wanted]
     if bad:
         problems.append(f"{len(bad)} deliveries not answered {wanted}, e.g. {bad[:3]}")
-    if tool.name == "switchboard":
+    if isinstance(tool, Switchboard):
         wrong = [d for d, code, body in zip(ids, result["status"], result["body"])
                  if code == 202 and [t["queue"] for t in json.loads(body).get("todos", [])] != [QUEUE]]
         if wrong:
@@ -580,8 +621,9 @@ def session(tool_name: str, directory: Path, sets: dict, webhook_binary: str, te
             idle_s: float) -> dict:
     if tool_name == "webhook":
         tool: Tool = Webhook(directory, webhook_binary)
+    elif tool_name == "switchboard-postgres":
+        tool = SwitchboardPostgres(directory, template)
     else:
-        shutil.copytree(template["dir"], directory, dirs_exist_ok=True)
         tool = Switchboard(directory, template)
     out: dict = {}
     try:
@@ -626,7 +668,8 @@ def webhook_version(binary: str) -> str:
     return (out.stdout or out.stderr).strip().removeprefix("webhook version ")
 
 
-def run(quick: bool, webhook_binary: str, rounds: int | None = None, keep: bool = False) -> dict:
+def run(quick: bool, webhook_binary: str, rounds: int | None = None, keep: bool = False,
+        postgres: bool = True) -> dict:
     sizes = dict(SIZES_QUICK if quick else SIZES_FULL)
     if rounds:
         sizes["rounds"] = rounds
@@ -635,16 +678,21 @@ def run(quick: bool, webhook_binary: str, rounds: int | None = None, keep: bool 
                      "webhook": {"path": webhook_binary, "version": webhook_version(webhook_binary)},
                      "gates": [], "rounds": []}
     root = Path(tempfile.mkdtemp(prefix="sb-peer-webhook-"))
+    template: dict = {}
     try:
         template_dir = root / "template"
         template_dir.mkdir()
         template = make_template(template_dir)
+        tools = ["webhook", "switchboard"]
+        if postgres and postgres_template(template, root):
+            tools.append("switchboard-postgres")
+        results["tools"] = tools
         sets = {}
         for name, count, first in (("throughput", sizes["throughput"], 100_000), ("paced", sizes["paced"], 200_000),
                                    ("crash", CRASH_BURST, 300_000)):
             sets[name] = build_deliveries(root, name, count, first)
         for r in range(sizes["rounds"]):
-            order = ["webhook", "switchboard"] if r % 2 == 0 else ["switchboard", "webhook"]
+            order = tools if r % 2 == 0 else tools[::-1]
             this_round = {}
             for tool_name in order:
                 results["gates"].append(load_gate(f"round {r + 1} {tool_name}", sizes["gate_max_s"]))
@@ -655,6 +703,8 @@ def run(quick: bool, webhook_binary: str, rounds: int | None = None, keep: bool 
                                                 sizes["idle_s"])
             results["rounds"].append(this_round)
     finally:
+        if "cluster" in template:
+            template["cluster"].stop()
         if keep:
             log(f"kept {root} (databases, logs, starts files)")
         else:
@@ -686,7 +736,7 @@ def median(values: list):
 
 def figures(results: dict) -> dict:
     f = {}
-    for tool in ("webhook", "switchboard"):
+    for tool in results["tools"]:
         f[tool] = {name: median(per_round(results, tool, part, key)) for name, part, key in (
             ("acks_per_s", "throughput", "acks_per_s"), ("ack_p50_ms", "throughput", "ack_p50_ms"),
             ("ack_p99_ms", "throughput", "ack_p99_ms"), ("jobs_per_s", "throughput", "jobs_per_s"),
@@ -743,36 +793,53 @@ def table(results: dict) -> list[str]:
     never_ok = None if None in s["never_run"] else all(v == 0 for v in s["never_run"])
     twice_ok = None if None in s["run_twice"] else all(v == 0 for v in s["run_twice"])
     idle_ok = None if s["idle_cores"] is None else s["idle_cores"] < 0.001 and s["rss_mib"] < 100
-    return [
-        "| figure | webhook | Switchboard | ratio | goal (issue 39) | met |",
-        "|---|---:|---:|---:|---|---|",
+    pg = results["figures"].get("switchboard-postgres")
+
+    def on_postgres(value: str, key: str | None = None, ratio_key: str | None = None) -> str:
+        """The Postgres column (and its ratio to webhook), when that engine ran."""
+        if pg is None:
+            return ""
+        ratio = _ratio(pg[ratio_key], w[ratio_key]) if ratio_key else ""
+        return f" {value} | {ratio} |"
+
+    rows = [
+        ("| figure | webhook | Switchboard | ratio | goal (issue 39) | met |"
+         + (" Switchboard on Postgres | ratio |" if pg else "")),
+        "|---|---:|---:|---:|---|---|" + ("---:|---:|" if pg else ""),
         f"| acks per second, {SENDERS} senders, no-op job | {_n(w['acks_per_s'])} | {_n(s['acks_per_s'])} | "
         f"{_ratio(s['acks_per_s'], w['acks_per_s'])} | ≥ 0.8×, p99 no worse than webhook's | "
-        f"{met(acks_ok, 'throughput')} |",
+        f"{met(acks_ok, 'throughput')} |" + (on_postgres(_n(pg['acks_per_s']), ratio_key="acks_per_s") if pg else ""),
         f"| ack p50 / p99 under that load | {_n(w['ack_p50_ms'], 1)} / {_n(w['ack_p99_ms'], 1)} ms | "
-        f"{_n(s['ack_p50_ms'], 1)} / {_n(s['ack_p99_ms'], 1)} ms | | | |",
+        f"{_n(s['ack_p50_ms'], 1)} / {_n(s['ack_p99_ms'], 1)} ms | | | |"
+        + (on_postgres(f"{_n(pg['ack_p50_ms'], 1)} / {_n(pg['ack_p99_ms'], 1)} ms") if pg else ""),
         f"| jobs started per second, same run (`--concurrency {CONCURRENCY}`) | {_n(w['jobs_per_s'])} | "
-        f"{_n(s['jobs_per_s'])} | {_ratio(s['jobs_per_s'], w['jobs_per_s'])} | ≥ 1.0× | {met(jobs_ok, 'throughput')} |",
+        f"{_n(s['jobs_per_s'])} | {_ratio(s['jobs_per_s'], w['jobs_per_s'])} | ≥ 1.0× | {met(jobs_ok, 'throughput')} |"
+        + (on_postgres(_n(pg['jobs_per_s']), ratio_key="jobs_per_s") if pg else ""),
         f"| at {PACED_RATE:.0f} deliveries/s: send → job start p50 / p99 | {_n(w['start_p50_ms'], 1)} / "
         f"{_n(w['start_p99_ms'], 1)} ms | {_n(s['start_p50_ms'], 1)} / {_n(s['start_p99_ms'], 1)} ms | {slower} | "
-        f"≤ 4 / ≤ 10 ms | {met(start_ok, 'paced')} |",
+        f"≤ 4 / ≤ 10 ms | {met(start_ok, 'paced')} |"
+        + (on_postgres(f"{_n(pg['start_p50_ms'], 1)} / {_n(pg['start_p99_ms'], 1)} ms") if pg else ""),
         f"| kill -9 of the server at the {CRASH_AT}th ack of a {CRASH_BURST}-delivery burst, restart after "
         f"{RESTART_AFTER_S:.0f} s: acknowledged deliveries never run (each round) | {_counts(w['never_run'])} | "
-        f"{_counts(s['never_run'])} | | 0 | {met(never_ok, None)} |",
+        f"{_counts(s['never_run'])} | | 0 | {met(never_ok, None)} |" + (on_postgres(_counts(pg['never_run'])) if pg else ""),
         f"| the same: jobs run twice (each round) | {_counts(w['run_twice'])} | {_counts(s['run_twice'])} | | 0 | "
-        f"{met(twice_ok, None)} |",
+        f"{met(twice_ok, None)} |" + (on_postgres(_counts(pg['run_twice'])) if pg else ""),
         f"| idle CPU after the runs; RSS of server + worker | {_n(_pct(w['idle_cores']), 3)}% of a core; "
         f"{_n(w['rss_mib'], 1)} MiB | {_n(_pct(s['idle_cores']), 3)}% of a core; {_n(s['rss_mib'], 1)} MiB | | "
-        f"< 0.1% of a core; < 100 MiB | {met(idle_ok, 'idle')} |",
+        f"< 0.1% of a core; < 100 MiB | {met(idle_ok, 'idle')} |"
+        + (on_postgres(f"{_n(_pct(pg['idle_cores']), 3)}% of a core; {_n(pg['rss_mib'], 1)} MiB (Postgres's own"
+                       " processes not counted)") if pg else ""),
         f"| info: CPU per delivery, ack and job (server, worker, job script), throughput run | "
         f"{_n(w['cpu_per_delivery_ms'], 2)} ms | {_n(s['cpu_per_delivery_ms'], 2)} ms | "
-        f"{_ratio(s['cpu_per_delivery_ms'], w['cpu_per_delivery_ms'])} | info | info |",
+        f"{_ratio(s['cpu_per_delivery_ms'], w['cpu_per_delivery_ms'])} | info | info |"
+        + (on_postgres(f"{_n(pg['cpu_per_delivery_ms'], 2)} ms (Postgres's own CPU not counted)") if pg else ""),
     ]
+    return rows
 
 
 def details(results: dict) -> list[str]:
     out = []
-    for tool in ("webhook", "switchboard"):
+    for tool in results["tools"]:
         thr = [rnd[tool].get("throughput", {}) for rnd in results["rounds"]]
         paced = [rnd[tool].get("paced", {}) for rnd in results["rounds"]]
         crash = [rnd[tool].get("crash", {}) for rnd in results["rounds"]]
@@ -856,11 +923,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-readme", action="store_true", help="leave README.md alone")
     parser.add_argument("--out", default=str(RESULTS_PATH))
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, databases)")
+    parser.add_argument("--no-postgres", action="store_true",
+                        help="leave out Switchboard on Postgres (run when Debian's postgresql is installed)")
     args = parser.parse_args(argv)
     if not args.webhook or not os.access(args.webhook, os.X_OK):
         print(MISSING, file=sys.stderr)
         return 1
-    results = run(args.quick, args.webhook, args.rounds, args.keep)
+    results = run(args.quick, args.webhook, args.rounds, args.keep, not args.no_postgres)
     return report(results, markdown(results), args.out, not args.no_readme, README_START, README_END)
 
 if __name__ == "__main__":
