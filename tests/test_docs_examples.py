@@ -154,8 +154,6 @@ SKIPPED = {
     ("docs/postgres.md", "createdb switchboard"):
         "root (/etc/switchboard) and a Postgres server at db.lan; tests/test_postgres.py serves on a cluster of its own",
     ("docs/postgres.md", "docker compose -f deploy/compose.postgres.yaml up"): "docker",
-    ("docs/postgres.md", "--db-listen postgresql://switchboard@db:5432/switchboard"):
-        "a PgBouncer and a Postgres server of the user's; tests/test_postgres.py serves with --db-listen on its own",
 }
 
 
