@@ -447,3 +447,36 @@ def test_migrate_to_copies_a_sqlite_file_into_postgres_and_back(postgres_databas
         assert client.get("/api/v1/todos", headers=alice.auth).json() == after_claim
     code, answer = cli(source, "migrate-to", url)
     assert code == 1 and "not empty" in answer["message"]
+
+
+def test_claims_racing_over_lapsed_leases_expire_each_once(db_path, two_servers):
+    """After a crash every lease lapses at once, and every claim reaps its endpoint's lapsed leases first: 16
+    claims on two servers reap 40 of them together, and each is expired once (its attempt ended once, counted out
+    of `claimed` once), never a 500."""
+    human, endpoint = setup_endpoint(db_path, two_servers[0])
+    with httpx.Client(base_url=two_servers[0].url) as c:
+        for i in range(40):
+            assert c.post(f"/api/v1/endpoints/{endpoint.id}/todos", headers=human.auth,
+                          json={"title": f"l{i}", "queue": "q"}).status_code == 201
+            assert "todo" in c.post("/api/v1/todos/claim", headers=endpoint.auth, json={}).json()
+    with psycopg.connect(db_path, autocommit=True) as conn:
+        conn.execute("UPDATE todos SET lease_expires_at = 1 WHERE state = 'claimed'")
+        conn.execute("UPDATE attempts SET lease_expires_at = 1 WHERE ended_at IS NULL")
+    go = threading.Barrier(16)
+
+    def claim(i: int) -> list[int]:
+        codes = []
+        with httpx.Client(base_url=two_servers[i % 2].url, headers=endpoint.auth, timeout=30) as c:
+            go.wait(10)
+            for _ in range(4):
+                codes.append(c.post("/api/v1/todos/claim", json={}).status_code)
+        return codes
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        codes = [code for answer in pool.map(claim, range(16)) for code in answer]
+    assert set(codes) == {200}, codes
+    assert query(db_path, "SELECT count(*) FROM attempts WHERE outcome = 'lease_expired'")[0][0] == 40
+    assert query(db_path, "SELECT count(*) FROM todos WHERE attempt = 2")[0][0] == query(
+        db_path, "SELECT count(*) FROM todos WHERE state = 'claimed'")[0][0]
+    counted = dict(query(db_path, "SELECT state, n FROM todo_counts WHERE n <> 0"))
+    assert counted == dict(query(db_path, "SELECT state, count(*) FROM todos GROUP BY state"))

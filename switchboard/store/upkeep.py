@@ -69,15 +69,18 @@ from switchboard.store.transitions import (
 def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
     """Return lapsed leases, wake due deferrals, end pauses and ring queues that opened, and ring todos that came
     due since they went pending."""
-    lapsed = txn.all("SELECT * FROM todos WHERE state = 'claimed' AND lease_expires_at <= ? LIMIT ?",
+    # Each row locked as it is read (one another transaction holds is left to it): a claim reaps its endpoint's
+    # lapsed leases too, and a human's verb may be changing a deferred or held todo.
+    lapsed = txn.all(f"SELECT * FROM todos WHERE state = 'claimed' AND lease_expires_at <= ? LIMIT ?{txn.skip_locked}",
                      (txn.now, limit))
     for todo in lapsed:
         expire_lease(txn, todo)
-    due = txn.all("SELECT * FROM todos WHERE state = 'deferred' AND deferred_until <= ? LIMIT ?", (txn.now, limit))
+    due = txn.all(f"SELECT * FROM todos WHERE state = 'deferred' AND deferred_until <= ? LIMIT ?{txn.skip_locked}",
+                  (txn.now, limit))
     for todo in due:
         transition(txn, todo, "pending", "system", {"until": iso(todo["deferred_until"])},
                     state_reason=None, deferred_until=None)
-    expired = txn.all("SELECT * FROM todos WHERE state = 'quarantined' AND created_at <= ? LIMIT ?",
+    expired = txn.all(f"SELECT * FROM todos WHERE state = 'quarantined' AND created_at <= ? LIMIT ?{txn.skip_locked}",
                       (txn.now - QUARANTINE_DAYS * 86_400_000, limit))
     for todo in expired:
         transition(txn, todo, "done", "system", {"expired_after_days": QUARANTINE_DAYS}, outcome="discarded",
