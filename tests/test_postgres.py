@@ -221,8 +221,7 @@ def test_waiting_claims_on_both_servers_get_distinct_todos_and_one_ring_each(db_
     assert rings_heard(two_servers) - heard_before <= 6, "no todo rang more than one session"
 
 
-def test_the_leader_dies_and_another_reaps_a_lapsed_lease_and_sends_each_notification_once(db_path, two_servers,
-                                                                                          monkeypatch):
+def test_the_leader_dies_and_another_reaps_a_lapsed_lease_and_sends_each_notification_once(db_path, two_servers):
     rx = Receiver()
     try:
         leader = leader_of(db_path, two_servers)
