@@ -121,7 +121,9 @@ def apply_replay(txn: Txn, principal: Principal, replay: Replay, dry_run: bool) 
     """Act on a replayed decision as a fresh delivery would, except that `once` claims hold (a subject already
     routed to the queue is a repeat) and a target the event already minted a todo on (wherever the todo went
     since) is never minted again; a held todo of the event is closed once its delivery routes. The event's first
-    answer stays as it was."""
+    answer stays as it was. Replays of one event take turns (the event's row is locked first): each must see the
+    todos and the once claim of the one before it together, not one of them."""
+    txn.lock("events", "id = ?", (replay.event_id,))
     event, webhook, envelope = replay_subject(txn, principal, replay.event_id)
     plan = plan_delivery(txn, webhook, envelope, replay.action, replay.trace)
     minted = txn.all("SELECT * FROM todos WHERE event_id = ?", (event["id"],))
