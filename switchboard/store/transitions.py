@@ -398,16 +398,20 @@ def claim_next(txn: Txn, principal: Principal, body: ClaimNow, rung_for: str | N
     if not gate.open:
         return empty
     marks = ",".join("?" * len(gate.open))
-    best = (f"SELECT t.*, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at <= ?"
-            f" LIMIT 1) AS lapsed, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id = (SELECT id"
-            f" FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks}) AND available_at <= ?"
-            f" AND {CLAIMABLE}{{only}} ORDER BY priority DESC, created_at, rowid LIMIT 1{txn.skip_locked})")
+
+    def best(only: str = "") -> str:
+        return (f"SELECT t.*, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at"
+                f" <= ? LIMIT 1) AS lapsed, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id ="
+                f" (SELECT id FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks}) AND"
+                f" available_at <= ? AND {CLAIMABLE}{only} ORDER BY priority DESC, created_at, rowid LIMIT 1"
+                f"{txn.skip_locked})")
+
     params = (principal.id, txn.now, principal.id, *gate.open, txn.now, txn.now)
-    row = txn.one(best.replace("{only}", " AND id = ?"), (*params, rung_for)) if rung_for else None
+    row = txn.one(best(" AND id = ?"), (*params, rung_for)) if rung_for else None
     if row is None:
-        row = txn.one(best.replace("{only}", ""), params)
+        row = txn.one(best(), params)
     if (row is None or row["lapsed"]) and _reap_endpoint(txn, principal.id):
-        row = txn.one(best.replace("{only}", ""), params)
+        row = txn.one(best(), params)
     if row is None:
         return empty
     gate.count(txn, row["queue"])
