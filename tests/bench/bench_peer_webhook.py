@@ -397,7 +397,9 @@ class SwitchboardPostgres(Switchboard):
     name = "switchboard-postgres"
 
     def database(self, directory: Path, template: dict) -> tuple[str, dict | None]:
-        self.postmaster = int((template["cluster"].data / "postmaster.pid").read_text().split()[0])
+        from bench_postgres import postmaster_pid
+
+        self.postmaster = postmaster_pid(template["cluster"])
         url = template["cluster"].create_database(f"bench_{uuid.uuid4().hex[:12]}", template="bench_template")
         return url, {**os.environ, "SWITCHBOARD_KEY_FILE": template["key_file"]}
 
@@ -407,16 +409,17 @@ class SwitchboardPostgres(Switchboard):
 
 def postgres_template(template: dict, root: Path) -> str | None:
     """A cluster for the Postgres sessions, with the template copied into its database bench_template (migrate-to);
-    None, and a line in the log, when Postgres is not installed here."""
+    None, and a line in the log, when Postgres is not installed here. Durable as a server keeps it: every commit
+    reaches the disk (bench_postgres.durable turns back on what pg_cluster turns off for tests)."""
     import pg_cluster
+    from bench_postgres import durable
 
     reason = pg_cluster.available()
     if reason is not None:
         log(f"Switchboard on Postgres left out: {reason}")
         return None
-    pg_cluster.SETTINGS.pop("fsync", None)  # measured as a server keeps it: every commit reaches the disk
-    pg_cluster.SETTINGS.pop("full_page_writes", None)
     template["cluster"] = cluster = pg_cluster.start()
+    durable(cluster)
     url = cluster.create_database("bench_template")
     cli(str(Path(template["dir"]) / "switchboard.db"), "migrate-to", url)
     template["key_file"] = str(Path(template["dir"]) / "switchboard.key")

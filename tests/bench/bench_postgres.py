@@ -813,9 +813,12 @@ def log_result(label: str, out: dict) -> None:
         f"{'' if out.get('verified', {}).get('ok') else '; CHECKS FAILED'}")
 
 
-def split(out: dict, parts: tuple[str, ...]) -> dict:
-    """A run that measured several figures at once, by figure (an error counts against each)."""
-    return {part: out if "error" in out else out[part] for part in parts}
+def record(label: str, out: dict, parts: tuple[str, ...], into: dict[str, list]) -> None:
+    """A run that measured several figures at once, logged and kept by figure (an error counts against each)."""
+    for part in parts:
+        value = out if "error" in out else out[part]
+        log_result(f"{label}: {part}", value)
+        into[part].append(value)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -897,21 +900,15 @@ def run(sizes: dict) -> dict:
             results["gates"].append(load_gate(f"doorbell round {k}", sizes["gate_max_s"]))
             out = attempt(f"doorbell round {k}: {sizes['rings']} rings per channel, A → B", rep_doorbell, bench,
                           sizes["rings"], sizes["warmup"])
-            for channel, part in split(out, DOORBELL_CHANNELS).items():
-                log_result(f"doorbell round {k}: {channel}", part)
-                reps["doorbell"][channel].append(part)
+            record(f"doorbell round {k}", out, DOORBELL_CHANNELS, reps["doorbell"])
             results["gates"].append(load_gate(f"raw round {k}", sizes["gate_max_s"]))
             out = attempt(f"raw psycopg round {k}: {sizes['raw']} rows, {CONCURRENCY} threads", rep_raw, bench,
                           sizes["raw"], sizes["commits"])
-            for part, value in split(out, RAW_PARTS).items():
-                log_result(f"raw round {k}: {part}", value)
-                reps["raw"][part].append(value)
+            record(f"raw round {k}", out, RAW_PARTS, reps["raw"])
             if not peer_missing:
                 results["gates"].append(load_gate(f"peer round {k}", sizes["gate_max_s"]))
                 out = attempt(f"procrastinate round {k}: {sizes['peer']} jobs", rep_peer, bench, sizes["peer"])
-                for part, value in split(out, PEER_PARTS).items():
-                    log_result(f"procrastinate round {k}: {part}", value)
-                    reps["peer"][part].append(value)
+                record(f"procrastinate round {k}", out, PEER_PARTS, reps["peer"])
         for figure, by_part in reps.items():
             if figure == "peer" and peer_missing:
                 results["figures"]["peer"] = {"skipped": peer_missing}
