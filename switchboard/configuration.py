@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-VERSION = "0.3.0"
+VERSION = "0.5.0"
 
 
 def shipped_path(name: str) -> Path:

@@ -60,6 +60,7 @@ def open_database(target: str, *, synchronous: str = "FULL", clock: Clock | None
         from switchboard.postgres import Postgres
     except ImportError:
         raise ApiError("invalid_argument", "a postgresql:// database needs the postgres extra:"
-                                           ' pip install "switchboard[postgres]"') from None
+                                           ' pip install ".[postgres]" in a checkout, or'
+                                           ' pip install "psycopg[binary]>=3.2" "psycopg-pool>=3.2"') from None
     return Postgres(target, clock=clock, inline_rings=inline_rings, migrate=migrate, pool_size=pool_size,
                     listen=listen, listen_url=listen_url)

@@ -40,7 +40,7 @@ def installed(tmp_path_factory) -> Path:
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                             "--wheel-dir", str(wheels), str(source)], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stdout + built.stderr
-    (wheel,) = wheels.glob("switchboard-*.whl")
+    (wheel,) = wheels.glob("switchboard_hooks-*.whl")
     site = tmp_path_factory.mktemp("site")
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(site)
@@ -62,7 +62,7 @@ def test_the_wheel_carries_the_data_files_and_the_console_script(installed):
                  "board/templates/base.html", "board/templates/inbox.html", "board/static/board.css",
                  "board/static/board.js"):
         assert (package / data).is_file(), f"{data} is not in the wheel"
-    (dist_info,) = installed.glob("switchboard-*.dist-info")
+    (dist_info,) = installed.glob("switchboard_hooks-*.dist-info")
     entry_points = configparser.ConfigParser()
     entry_points.read(dist_info / "entry_points.txt")
     assert entry_points["console_scripts"]["switchboard"] == "switchboard.cli.parser:main"
