@@ -789,9 +789,9 @@ def test_the_readmes_worker_leases_fit_the_worker_units_stop_timeout():
     """On SIGTERM a worker gives each running job its lease, then 10 s between SIGTERM and SIGKILL: every
     `--lease` the docs show must end (with room to release) before systemd's stop timeout kills the unit."""
     stop = seconds(unit_settings(WORKER_SERVICE)["Service"]["TimeoutStopSec"][-1])
-    shown = [int(n) for doc in (ROOT / "README.md", ROOT / "docs" / "triage.md")
+    shown = [int(n) for doc in (ROOT / "README.md", ROOT / "docs" / "workers.md", ROOT / "docs" / "triage.md")
              for n in re.findall(r"--lease (\d+)", doc.read_text())]
-    assert shown, "the README shows a --lease"
+    assert shown, "the docs show a --lease"
     assert all(lease + 10 + 10 <= stop for lease in shown), (shown, stop)
 
 

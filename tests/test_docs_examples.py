@@ -12,9 +12,9 @@ What the test prepares is what a reader has at hand, never a stand-in for a tool
   (`issue.json`, `event.json`, `fixed-rules.json`, ...);
 - four rewrites of the text, each a place outside the test's reach: the docs' default address
   (`localhost:8080`) is the test server's, the system paths `/var/lib/switchboard` and `/srv/backups` live under
-  the test's directory, GitHub's API (`https://api.github.com`, which the lane block's forge connection asks who
-  its token is) is a GitHub of our own (tests/forges.py), and a stream (`curl -N`, which runs until stopped) is
-  stopped after a few seconds.
+  the test's directory, GitHub's API (`https://api.github.com`, which the seed's loop block's forge connection
+  asks who its token is) is a GitHub of our own (tests/forges.py), and a stream (`curl -N`, which runs until
+  stopped) is stopped after a few seconds.
 
 Blocks that need root, systemd, docker, a model or a forge are listed in SKIPPED with the reason, so that leaving
 one out is a decision. A new multi-line block must be run here or listed there: the first test fails otherwise.
@@ -130,12 +130,18 @@ def any_block(path: str, needle: str) -> Block:
 # Left out, each with its reason. Keep this short: a block that can run here, runs.
 SKIPPED = {
     ("README.md", "pip install -r requirements-lock.txt"):
-        "installs packages, runs a server in the foreground and then the whole suite (this test included)",
-    ("README.md", "--exec -- ./agents/lane-s.sh"):
-        "workers run until stopped, and run agent scripts of your own; tests/test_worker.py drives these flags",
-    ("README.md", "vllm serve"):
+        "installs packages and then runs the whole suite (this test included)",
+    ("README.md", "python3 -m venv .venv"):
+        "makes a virtual environment and installs the package; tests/test_packaging.py builds the wheel and runs it",
+    ("README.md", "worker --triage --token-file \"$CREDS/triage.token\""):
+        "workers run until stopped, against a model and agent scripts of your own; tests/test_triage.py and"
+        " tests/test_worker.py drive these flags",
+    ("docs/workers.md", "--exec -- ./agents/lane-s.sh"):
+        "root, and workers that run until stopped, running agent scripts of your own; tests/test_worker.py drives"
+        " these flags",
+    ("docs/workers.md", "vllm serve"):
         "needs vLLM and a model; tests/test_triage.py runs the worker against a model of its own",
-    ("README.md", "sudo systemctl daemon-reload"): "root and systemd (installs the service)",
+    ("docs/running.md", "sudo systemctl daemon-reload"): "root and systemd (installs the service)",
     ("docs/operations.md", "docker build"): "docker",
     ("docs/operations.md", "apt-get update && apt-get install"): "root and systemd (a fresh Debian box)",
     ("docs/operations.md", "systemd-run --quiet --pipe"): "systemd (the service's dynamic user)",
@@ -145,12 +151,10 @@ SKIPPED = {
         "root, a Prometheus install and systemd; tests/test_deploy.py runs promtool on deploy/alerts.yml",
     ("docs/triage.md", "install -m 0600 /dev/null /etc/switchboard/triage-forge.token"): "root (/etc/switchboard)",
     ("docs/triage.md", "connection add --human alice --kind gitea"):
-        "a Gitea that answers who the token is, and a webhook id to fill in; the README's lane block runs the same two"
-        " commands against a GitHub of our own (test_readme_top_to_bottom_on_one_server)",
+        "a Gitea that answers who the token is, and a webhook id to fill in; the README's seed's loop block runs the"
+        " same two commands against a GitHub of our own (test_readme_top_to_bottom_on_one_server)",
     ("docs/triage.md", "systemctl daemon-reload && systemctl enable --now switchboard-worker@triage"):
         "root and systemd (the worker's unit)",
-    ("README.md", "switchboard migrate-to postgresql://switchboard@db.lan/switchboard"):
-        "a Postgres server at db.lan; tests/test_postgres.py serves and migrates to a cluster of its own",
     ("docs/postgres.md", "createdb switchboard"):
         "root (/etc/switchboard) and a Postgres server at db.lan; tests/test_postgres.py serves on a cluster of its own",
     ("docs/postgres.md", "docker compose -f deploy/compose.postgres.yaml up"): "docker",
@@ -484,7 +488,7 @@ ON_THE_SERVER: list[tuple[str, str, Callable[[Scene, Shell], Prep]]] = [
     ("docs/api.md", "$SB/api/v1/webhooks/$HOOK/replay", prep_replay),
     ("docs/api.md", "queues/build/pause", prep_queue_control),
     ("docs/api.md", "$SB/api/v1/todos/bulk", prep_dead_letters),
-    ("README.md", "queue pause \"$EP\" build", prep_queue_control),
+    ("docs/running.md", "queue pause \"$EP\" build", prep_queue_control),
     ("docs/api.md", "X-Hub-Signature-256: sha256=$SIG", prep_github_delivery),
     ("docs/api.md", "Stripe-Signature: t=$T", prep_stripe),
     ("docs/api.md", "X-Slack-Signature: v0=$SIG", prep_slack),
@@ -564,11 +568,11 @@ SINGLE_ON_THE_SERVER: list[tuple[str, str, Callable[[Scene, Shell], Prep]]] = [
 # Blocks whose lines are alternatives ("one of these"): each line runs on its own, with its own held delivery.
 ALTERNATIVES = [("docs/cli.md", "todo discard")]
 
-# The README read top to bottom, in one terminal, against one server: walk-through, lanes, a dry run of the
-# rules, the worker's token file, backup and restore.
+# The README read top to bottom, in one terminal, against one server, with the pages it sends the reader to: the
+# walk-through, the seed's loop (lanes, connection, the workers' token files), a dry run of the rules
+# (webhooks.md), backup and restore (running.md).
 README_TOP_TO_BOTTOM = [("README.md", "The operator makes a human"), ("README.md", "sb route add \"$HOOK\""),
-                        ("README.md", "rules test \"$HOOK\""), ("README.md", "STATE=/var/lib/switchboard")]
-README_SINGLE = [("README.md", "lane-s.token)")]  # a one-command block the worker needs, run in its place
+                        ("docs/webhooks.md", "rules test \"$HOOK\""), ("docs/running.md", "STATE=/var/lib/switchboard")]
 
 # cli.md's worked examples that continue one another on a throwaway database, in one terminal.
 CLI_DEMO = [("docs/cli.md", "DEMO=$(mktemp -d)"), ("docs/cli.md", "--provider stripe")]
@@ -636,22 +640,20 @@ def serve(tmp_path: Path, env: dict | None = None) -> tuple[LiveServer, str]:
 
 
 def test_readme_top_to_bottom_on_one_server(tmp_path):
-    """Walk-through, then the lane block on the same database (alice exists by then: item 8 of issue 25), the
-    rules' dry run, the worker's token file, and the restore block, in one terminal. The lane block's forge
-    connection asks a GitHub of our own (tests/forges.py) who the bot's token is, in the token file the README has
-    the reader make first."""
+    """Walk-through, then the seed's loop block on the same database (alice exists by then: item 8 of issue 25),
+    the rules' dry run, and the restore block, in one terminal. The block's forge connection asks a GitHub of our
+    own (tests/forges.py) who the bot's token is, in the token file the README has the reader make first."""
     from forges import FakeForge
     server, db = serve(tmp_path)
     token = "github_pat_" + "T0pT0B0ttom" * 3
     github = FakeForge("github", token, "alice-triage")
     try:
-        shell = Shell(tmp_path, reroot={"/var/lib/switchboard": tmp_path / "state"},
+        shell = Shell(tmp_path, reroot={"/var/lib/switchboard": tmp_path / "state", "/srv/backups": tmp_path / "backups"},
                       address=f"127.0.0.1:{server.port}", apis={"https://api.github.com": github.api})
         forge_token = shell.private_dir() / "forge.token"
         forge_token.write_text(token + "\n")
         forge_token.chmod(0o600)
-        blocks = [block(*README_TOP_TO_BOTTOM[0]), block(*README_TOP_TO_BOTTOM[1]), block(*README_TOP_TO_BOTTOM[2]),
-                  any_block(*README_SINGLE[0]), block(*README_TOP_TO_BOTTOM[3])]
+        blocks = [block(*entry) for entry in README_TOP_TO_BOTTOM]
         done = shell.run(blocks, {"SWITCHBOARD_DB": db, "SWITCHBOARD_NOTIFY_ALLOW_PRIVATE": "1"})
     finally:
         github.stop()
@@ -662,9 +664,12 @@ def test_readme_top_to_bottom_on_one_server(tmp_path):
     shows_the_dry_run(done.stdout)
     lane_s = json.loads((shell.creds / "lane-s.json").read_text())
     assert (shell.creds / "lane-s.token").read_text().strip() == lane_s["token"]
+    triage = json.loads((shell.creds / "triage.json").read_text())
+    assert (shell.creds / "triage.token").read_text().strip() == triage["token"]
     assert {"router.json", "github-hook.json", "params.json", "github-forge.json"} <= {
         p.name for p in shell.creds.iterdir()}
     assert (tmp_path / "state-restored" / "switchboard.key").exists()
+    assert list((tmp_path / "backups").glob("switchboard-*.db")), "the backups went to the other disk"
     assert not list((tmp_path / "tmp").iterdir()), "the walk-through's scratch directory is removed"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -103,3 +104,23 @@ def test_the_installed_copy_serves_from_another_directory(installed, tmp_path):
     finally:
         server.terminate()
         assert server.wait(timeout=30) == 0
+
+
+def test_no_install_line_names_the_unrelated_switchboard_on_pypi():
+    """`switchboard` on PyPI is someone else's project: the distribution has a name of its own, the test extra
+    refers to itself by it, and no `pip install` in the docs, the deploy files or the code's messages asks for
+    `switchboard` (a checkout's `.`, `.[postgres]` and the packages of the extra are what a reader can paste)."""
+    import tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "switchboard-hooks"
+    assert "switchboard-hooks[postgres]" in project["optional-dependencies"]["test"]
+    assert project["scripts"] == {"switchboard": "switchboard.cli.parser:main"}, "the command keeps its name"
+    places = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "deploy").iterdir(),
+              *(ROOT / "switchboard").rglob("*.py"), *(ROOT / "tests" / "bench").glob("*.py")]
+    wrong = []
+    for path in places:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for command in re.findall(r"pip install ([^`\n]*)", line.split(" # ", 1)[0]):
+                if re.search(r"""(^|\s)["']?switchboard(\[[^\]]*\])?(==[^\s"']*)?["']?(\s|$)""", command):
+                    wrong.append(f"{path.relative_to(ROOT)}:{number}: pip install {command}")
+    assert not wrong, "\n".join(wrong)

@@ -1,6 +1,6 @@
 """Switchboard against adnanh/webhook, the tool a homelab runs today for "a signed webhook runs my command" (issue 39).
 
-    python tests/bench/bench_peer_webhook.py [--quick] [--rounds N] [--webhook PATH] [--no-readme] [--out PATH] [--keep]
+    python tests/bench/bench_peer_webhook.py [--quick] [--rounds N] [--webhook PATH] [--no-page] [--out PATH] [--keep]
                                              [--no-postgres]
 
 Installs nothing. It runs `webhook` (Debian's package `webhook`: `apt-get install webhook`; or a release binary from
@@ -58,8 +58,8 @@ exactly once outside the crash test, no tracebacks in the logs) before its figur
 report and makes the exit status 1. Before each session the load gate of bench_compare waits for other processes
 to go quiet (up to a limit), and every part records the other processes' CPU and the load average.
 
-Writes tests/bench/results-peer-webhook.json and, unless --no-readme, rewrites the lines between
-`<!-- bench-peer-webhook:start -->` and `<!-- bench-peer-webhook:end -->` in README.md.
+Writes tests/bench/results-peer-webhook.json and, unless --no-page, rewrites the lines between
+`<!-- bench-peer-webhook:start -->` and `<!-- bench-peer-webhook:end -->` in docs/speed.md.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ from run_all import report  # noqa: E402
 
 RESULTS_PATH = HERE / "results-peer-webhook.json"
 LOAD_GENERATOR = HERE / "load_generator.py"
-README_START, README_END = "<!-- bench-peer-webhook:start -->", "<!-- bench-peer-webhook:end -->"
+PAGE_START, PAGE_END = "<!-- bench-peer-webhook:start -->", "<!-- bench-peer-webhook:end -->"
 SECRET = "bench-peer-webhook-secret-0123456789"
 QUEUE = "build"
 HOOK_ID = "bench"
@@ -943,7 +943,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes and one round (about a minute)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3, 1 with --quick)")
     parser.add_argument("--webhook", default=shutil.which("webhook"), help="the webhook binary (default: on PATH)")
-    parser.add_argument("--no-readme", action="store_true", help="leave README.md alone")
+    parser.add_argument("--no-page", action="store_true", help="leave docs/speed.md alone")
     parser.add_argument("--out", default=str(RESULTS_PATH))
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, databases)")
     parser.add_argument("--no-postgres", action="store_true",
@@ -953,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
         print(MISSING, file=sys.stderr)
         return 1
     results = run(args.quick, args.webhook, args.rounds, args.keep, not args.no_postgres)
-    return report(results, markdown(results), args.out, not args.no_readme, README_START, README_END)
+    return report(results, markdown(results), args.out, not args.no_page, PAGE_START, PAGE_END)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """Switchboard on Postgres side by side with SQLite mode, the database's own ceiling and a Python peer, in one run
 (issue 38).
 
-    python tests/bench/bench_postgres.py [--quick] [--rounds N] [--readme] [--out PATH]
+    python tests/bench/bench_postgres.py [--quick] [--rounds N] [--page] [--out PATH]
 
 Postgres is a throw-away cluster this run starts with tests/pg_cluster.py (initdb and pg_ctl in a temporary
 directory on this machine's disk, as the `postgres` user when run as root; 127.0.0.1, trust authentication,
@@ -48,9 +48,9 @@ process, so its CPU is taken out of the other processes' share), this client, an
 with --quick; the tables give medians over rounds, and a figure whose window saw other processes above 0.25
 cores is marked busy, not met or missed.
 
-Writes tests/bench/results-postgres.json, prints a Markdown block and, with --readme, rewrites the lines between
-`<!-- bench-postgres:start -->` and `<!-- bench-postgres:end -->` in README.md. Exit status 2 when Postgres or
-psycopg is missing (or --readme finds no markers), 1 when a run failed its checks; a goal not met is no failure.
+Writes tests/bench/results-postgres.json, prints a Markdown block and, with --page, rewrites the lines between
+`<!-- bench-postgres:start -->` and `<!-- bench-postgres:end -->` in docs/speed.md. Exit status 2 when Postgres or
+psycopg is missing (or --page finds no markers), 1 when a run failed its checks; a goal not met is no failure.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ from bench_store import (  # noqa: E402
     source_fingerprint,
 )
 from load_generator import Connection, Unanswered, build_request  # noqa: E402
-from run_all import README, report  # noqa: E402
+from run_all import SPEED_PAGE, report  # noqa: E402
 
 try:
     import psycopg
@@ -118,7 +118,7 @@ except ImportError:  # said at start, with what to install
     psycopg = None
 
 RESULTS_PATH = HERE / "results-postgres.json"
-README_START, README_END = "<!-- bench-postgres:start -->", "<!-- bench-postgres:end -->"
+PAGE_START, PAGE_END = "<!-- bench-postgres:start -->", "<!-- bench-postgres:end -->"
 HOST = "127.0.0.1"
 INBOX = "inbox"
 CLAIM_QUEUE = "bench"
@@ -151,8 +151,8 @@ SIZES_QUICK = {"rounds": 1, "deliveries": 300, "cycles": 300, "rings": 40, "warm
 
 MISSING_POSTGRES = ("Postgres is needed: {reason}. On Debian or Ubuntu `apt-get install postgresql` (the run starts "
                     "its own throw-away cluster with its initdb and pg_ctl; nothing is configured).")
-MISSING_PSYCOPG = ("psycopg 3 is needed (Switchboard's Postgres extra): `pip install \"switchboard[postgres]\"`, or "
-                   "`pip install -e \".[postgres]\"` in a checkout.")
+MISSING_PSYCOPG = ("psycopg 3 is needed (Switchboard's Postgres extra): `pip install -e \".[postgres]\"` in a checkout, or "
+                   "`pip install \"psycopg[binary]>=3.2\" \"psycopg-pool>=3.2\"`.")
 PEER_MISSING = "procrastinate is not installed (`pip install procrastinate`)"
 
 
@@ -1215,9 +1215,9 @@ def print_goals(results: dict) -> None:
               file=sys.stderr)
 
 
-def readme_has_markers() -> bool:
-    lines = [line.strip() for line in README.read_text().splitlines()]
-    return lines.count(README_START) == 1 and lines.count(README_END) == 1
+def page_has_markers() -> bool:
+    lines = [line.strip() for line in SPEED_PAGE.read_text().splitlines()]
+    return lines.count(PAGE_START) == 1 and lines.count(PAGE_END) == 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1227,8 +1227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deliveries", type=int, help="deliveries per ingest run")
     parser.add_argument("--cycles", type=int, help="todos per claim + complete run")
     parser.add_argument("--rings", type=int, help="rings per doorbell channel per round")
-    parser.add_argument("--readme", action="store_true",
-                        help=f"rewrite README.md between {README_START} and {README_END}")
+    parser.add_argument("--page", action="store_true",
+                        help=f"rewrite docs/speed.md between {PAGE_START} and {PAGE_END}")
     parser.add_argument("--out", default=str(RESULTS_PATH))
     args = parser.parse_args(argv)
     reason = pg_cluster.available()
@@ -1238,8 +1238,8 @@ def main(argv: list[str] | None = None) -> int:
     if psycopg is None:
         print(MISSING_PSYCOPG, file=sys.stderr)
         return 2
-    if args.readme and not readme_has_markers():
-        print(f"--readme: README.md needs one {README_START} line and one {README_END} line where the block goes",
+    if args.page and not page_has_markers():
+        print(f"--page: docs/speed.md needs one {PAGE_START} line and one {PAGE_END} line where the block goes",
               file=sys.stderr)
         return 2
     sizes = dict(SIZES_QUICK if args.quick else SIZES_FULL, quick=args.quick)
@@ -1249,7 +1249,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = run(sizes)
     print_goals(results)
-    return report(results, markdown(results), args.out, args.readme, README_START, README_END)
+    return report(results, markdown(results), args.out, args.page, PAGE_START, PAGE_END)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Every benchmark of SPEC section 13 in one run, then the README's Speed region rewritten with the results.
+"""Every benchmark of SPEC section 13 in one run, then docs/speed.md's region rewritten with the results.
 
-    python tests/bench/run_all.py [--quick] [--no-readme]
+    python tests/bench/run_all.py [--quick] [--no-page]
 
 1. compare    Switchboard side by side with a minimal Starlette + uvicorn app (the architecture's ceiling) and
               the peer SQLite queues: ingest without rules and with the fleet pack (16 senders, p99 ack),
@@ -14,7 +14,7 @@ bench_ingest.py and bench_store.py still run them on their own (NORMAL included)
 5 minutes on the 2-core development machine.
 
 Writes tests/bench/results-all.json (git-ignored) and replaces only the lines between `<!-- bench:start -->`
-and `<!-- bench:end -->` in README.md, the comparison table first. Exit status 1 when any benchmark failed or
+and `<!-- bench:end -->` in docs/speed.md, the comparison table first. Exit status 1 when any benchmark failed or
 failed its own checks.
 """
 
@@ -38,7 +38,7 @@ import bench_rules  # noqa: E402
 import bench_store  # noqa: E402
 
 ROOT = bench_store.ROOT
-README = ROOT / "README.md"
+SPEED_PAGE = ROOT / "docs" / "speed.md"  # where every benchmark's figures are kept, between its markers
 RESULTS_PATH = HERE / "results-all.json"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
@@ -251,14 +251,14 @@ def markdown(results: dict) -> str:
     return "\n".join(lines + bench_store.report_notes(results))
 
 
-def rewrite_readme(block: str, path: Path = README, start: str = START, end: str = END) -> None:
+def rewrite_page(block: str, path: Path = SPEED_PAGE, start: str = START, end: str = END) -> None:
     """Replace what lies strictly between the marker lines, and nothing else."""
     text = path.read_text()
     lines = text.split("\n")
     starts = [i for i, line in enumerate(lines) if line.strip() == start]
     ends = [i for i, line in enumerate(lines) if line.strip() == end]
     if len(starts) != 1 or len(ends) != 1 or starts[0] >= ends[0]:
-        raise RuntimeError(f"README.md must hold exactly one {start} line before exactly one {end} line")
+        raise RuntimeError(f"{path.name} must hold exactly one {start} line before exactly one {end} line")
     new = lines[:starts[0] + 1] + block.split("\n") + lines[ends[0]:]
     path.write_text("\n".join(new))
 
@@ -266,7 +266,7 @@ def rewrite_readme(block: str, path: Path = README, start: str = START, end: str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, to check the harness works")
-    parser.add_argument("--no-readme", action="store_true", help="leave README.md alone")
+    parser.add_argument("--no-page", action="store_true", help="leave docs/speed.md alone")
     parser.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                         help="first wait up to SECONDS for other processes to leave the CPUs idle")
     parser.add_argument("--out", default=str(RESULTS_PATH))
@@ -274,17 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     quiet = wait_until_quiet(args.wait_quiet) if args.wait_quiet > 0 else None
     results = run_all(args.quick)
     results["wait_quiet"] = quiet
-    return report(results, markdown(results), args.out, not args.no_readme)
+    return report(results, markdown(results), args.out, not args.no_page)
 
 
-def report(results: dict, block: str, out: str, readme: bool, start: str = START, end: str = END) -> int:
-    """Save the results, print the Markdown block (and put it in README.md between its markers), name the
+def report(results: dict, block: str, out: str, page: bool, start: str = START, end: str = END) -> int:
+    """Save the results, print the Markdown block (and put it in docs/speed.md between its markers), name the
     failures; the exit status: 1 when there were any."""
     Path(out).write_text(json.dumps(results, indent=2) + "\n")
     print(block)
-    if readme:
-        rewrite_readme(block, start=start, end=end)
-    print(f"\n(wrote {out}{' and README.md' if readme else ''}; {results['elapsed_s']:.0f} s)", file=sys.stderr)
+    if page:
+        rewrite_page(block, start=start, end=end)
+    print(f"\n(wrote {out}{' and docs/speed.md' if page else ''}; {results['elapsed_s']:.0f} s)", file=sys.stderr)
     for problem in results["failures"]:
         print(f"FAILURE: {problem}", file=sys.stderr)
     if results.get("warning"):
