@@ -723,6 +723,15 @@ CREATE TABLE IF NOT EXISTS forge_status (
 );
 CREATE INDEX IF NOT EXISTS forge_status_due ON forge_status(due_at) WHERE due_at IS NOT NULL;
 
+-- The migration steps this database took (switchboard/migrations.py), each with the version it reached, what it
+-- did and when; a new database has one row, the version it was made at. `check` shows them. (The version itself
+-- is kept in switchboard_schema, which the engine makes before applying this file.)
+CREATE TABLE IF NOT EXISTS schema_history (
+    version     BIGINT PRIMARY KEY,
+    summary     TEXT NOT NULL,
+    applied_at  BIGINT NOT NULL
+);
+
 -- Postgres only: what several processes on one database share.
 -- The processes serving the database, each heard of every few seconds (`check` reports them and their clocks'
 -- distance from the database's: clock_ms is the process's clock, db_ms the database's, at the same moment).

@@ -616,3 +616,11 @@ CREATE TABLE IF NOT EXISTS forge_status (
     PRIMARY KEY (connection_id, subject_key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS forge_status_due ON forge_status(due_at) WHERE due_at IS NOT NULL;
+
+-- The migration steps this database took (switchboard/migrations.py), each with the version it reached, what it
+-- did and when; a new database has one row, the version it was made at. `check` shows them.
+CREATE TABLE IF NOT EXISTS schema_history (
+    version     INTEGER PRIMARY KEY,
+    summary     TEXT NOT NULL,
+    applied_at  INTEGER NOT NULL
+) WITHOUT ROWID;
