@@ -1,5 +1,6 @@
 -- Switchboard schema. Applied by `init` and at every start; every statement is idempotent.
--- PRAGMA user_version records the schema version; switchboard.py migrates older files step by step.
+-- PRAGMA user_version records the schema version; older files take the steps of switchboard/migrations.py,
+-- each recorded in schema_history.
 -- Times are integer milliseconds since the Unix epoch (UTC); the API renders them as ISO-8601.
 -- Invariants live here as constraints so that no code path can break them.
 
