@@ -1,7 +1,9 @@
 -- Switchboard schema for PostgreSQL (15 and later): schema.sql's tables, columns, indexes, constraints, view and
 -- triggers under the same names, for the Postgres engine. schema.sql is the reference: a change there is made here
--- too (tests/test_schema_parity.py compares the two). Every statement is idempotent; the engine applies the file
--- at every start and keeps the schema version itself.
+-- too (tests/test_schema_parity.py compares the two). This file makes a new database, at the version it records in
+-- switchboard_schema; an existing one takes each missing step of switchboard/migrations.py in its Postgres form,
+-- and a database migrated so must equal one made new (tests/test_migrations_both_engines.py). Every statement is
+-- idempotent.
 -- Times are integer milliseconds since the Unix epoch (UTC), BIGINT. JSON is stored as TEXT, as the store reads it.
 -- What differs from schema.sql, and why:
 -- - A table with a rowid in SQLite has a real `rowid` column (its last): the store orders ties and retention
@@ -722,6 +724,15 @@ CREATE TABLE IF NOT EXISTS forge_status (
     PRIMARY KEY (connection_id, subject_key)
 );
 CREATE INDEX IF NOT EXISTS forge_status_due ON forge_status(due_at) WHERE due_at IS NOT NULL;
+
+-- The migration steps this database took (switchboard/migrations.py), each with the version it reached, what it
+-- did and when; a new database has one row, the version it was made at. `check` shows them. (The version itself
+-- is kept in switchboard_schema, which the engine makes before applying this file.)
+CREATE TABLE IF NOT EXISTS schema_history (
+    version     BIGINT PRIMARY KEY,
+    summary     TEXT NOT NULL,
+    applied_at  BIGINT NOT NULL
+);
 
 -- Postgres only: what several processes on one database share.
 -- The processes serving the database, each heard of every few seconds (`check` reports them and their clocks'

@@ -1,5 +1,6 @@
 -- Switchboard schema. Applied by `init` and at every start; every statement is idempotent.
--- PRAGMA user_version records the schema version; switchboard.py migrates older files step by step.
+-- PRAGMA user_version records the schema version; older files take the steps of switchboard/migrations.py,
+-- each recorded in schema_history.
 -- Times are integer milliseconds since the Unix epoch (UTC); the API renders them as ISO-8601.
 -- Invariants live here as constraints so that no code path can break them.
 
@@ -616,3 +617,11 @@ CREATE TABLE IF NOT EXISTS forge_status (
     PRIMARY KEY (connection_id, subject_key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS forge_status_due ON forge_status(due_at) WHERE due_at IS NOT NULL;
+
+-- The migration steps this database took (switchboard/migrations.py), each with the version it reached, what it
+-- did and when; a new database has one row, the version it was made at. `check` shows them.
+CREATE TABLE IF NOT EXISTS schema_history (
+    version     INTEGER PRIMARY KEY,
+    summary     TEXT NOT NULL,
+    applied_at  INTEGER NOT NULL
+) WITHOUT ROWID;

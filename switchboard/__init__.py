@@ -5,7 +5,7 @@ The modules, in layers: each imports only from the layers above it in this list 
 checks it from the import graph).
 
   configuration      constants, limits, the clock, errors
-  migrations         schema.sql and the numbered migrations
+  migrations         the schema files and one numbered list of migrations, each step in both engines' forms
   database           connections, the single writer, readers
   crypto             tokens, ids, sealed webhook secrets
   postgres           the same transaction bodies on Postgres: pool, dialect, locks, retries, leader, rings

@@ -3,26 +3,63 @@ Postgres, or back), in one transaction on the target, then checked table by tabl
 
 Rows keep their ids and their rowids (the order ties and pages follow). The todos' triggers rebuild what they keep
 as rows are copied: todo_counts is not copied but compared, and subjects are copied last, over what the triggers
-made, so their counts and facts are the source's."""
+made, so their counts and facts are the source's. schema_history is each database's own (the target's says it was
+made new). A target holding anything that is not Switchboard's (another application's tables) is refused before
+anything is written to it."""
 
 from __future__ import annotations
 
 import re
 import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 
-from switchboard.configuration import SCHEMA_PATH, SCHEMA_VERSION, ApiError
+from switchboard.configuration import SCHEMA_PATH, SCHEMA_VERSION, ApiError, shipped_path
 from switchboard.crypto import shown
 from switchboard.engines import is_postgres, open_database
 
 BATCH_ROWS = 1000
 REBUILT = "todo_counts"  # kept by the todos' triggers on the target
 COPIED_LAST = "subjects"  # the triggers make these rows as todos arrive; the source's then replace them
+OWN_HISTORY = "schema_history"  # the migration steps this database took: never copied
 
 
 def table_order() -> list[str]:
-    """The tables in schema.sql's order, which creates every table after the tables its keys point at."""
-    return re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA_PATH.read_text())
+    """The tables copied, in schema.sql's order, which creates every table after the tables its keys point at."""
+    return [t for t in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA_PATH.read_text()) if t != OWN_HISTORY]
+
+
+def own_relations(postgres: bool) -> set[str]:
+    """The tables and views an engine's schema file makes (on Postgres, with the version's table beside them)."""
+    text = shipped_path("schema.postgres.sql").read_text() if postgres else SCHEMA_PATH.read_text()
+    made = set(re.findall(r"CREATE (?:UNLOGGED )?TABLE IF NOT EXISTS (\w+)|CREATE (?:OR REPLACE )?VIEW"
+                          r" (?:IF NOT EXISTS )?(\w+)", text))
+    return {name for pair in made for name in pair if name} | ({"switchboard_schema"} if postgres else set())
+
+
+def foreign_relations(target: str) -> list[str]:
+    """The tables and views in `target` that are not Switchboard's (a file not there yet holds none)."""
+    if is_postgres(target):
+        import psycopg
+
+        with psycopg.connect(target, autocommit=True) as conn:
+            found = conn.execute(
+                "SELECT n.nspname, c.relname, n.nspname = current_schema() FROM pg_class c JOIN pg_namespace n"
+                " ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p', 'v', 'm', 'f')"
+                " AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg\\_%'"
+                " ORDER BY 1, 2").fetchall()
+        own = own_relations(postgres=True)
+        return [f"{schema}.{name}" for schema, name, current in found if not (current and name in own)]
+    if not Path(target).exists():
+        return []
+    conn = sqlite3.connect(f"file:{Path(target).resolve()}?mode=ro", uri=True)
+    try:
+        found = conn.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"
+                             " AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name").fetchall()
+    finally:
+        conn.close()
+    own = own_relations(postgres=False)
+    return [name for (name,) in found if name not in own]
 
 
 class _Side:
@@ -109,6 +146,12 @@ def copy_database(source: str, target: str) -> dict:
     if is_postgres(source) == is_postgres(target):
         raise ApiError("invalid_argument", "migrate-to copies between engines: from a SQLite file to a"
                                            " postgresql:// URL, or from a URL to a file")
+    foreign = foreign_relations(target)
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise ApiError("conflict", f"{shown(target)} holds tables that are not Switchboard's ({', '.join(foreign[:5])}"
+                                   f"{more}): migrate-to copies into an empty database only; create a new one for"
+                                   " Switchboard and copy into that")
     open_database(source, inline_rings=False).close()  # the source at this program's schema first
     open_database(target, inline_rings=False).close()  # the target's schema made
     src, dst = _Side(source), _Side(target)

@@ -21,9 +21,11 @@ def shown_database(target: str) -> str:
 
 
 def migrate_postgres(url: str, dry_run: bool) -> dict:
-    """`migrate` on Postgres: the version found, and (unless a dry run) the schema brought to this program's."""
+    """`migrate` on Postgres: the version found and the steps to this program's; unless a dry run, those steps
+    taken (the ones another process took meanwhile are not this one's: `steps` says what this run applied)."""
     import psycopg
 
+    from switchboard.migrations import pending_migrations
     from switchboard.postgres import apply_postgres_schema, current_version
 
     with psycopg.connect(url, autocommit=True) as conn:
@@ -31,9 +33,10 @@ def migrate_postgres(url: str, dry_run: bool) -> dict:
         if before > SCHEMA_VERSION:
             raise ApiError("conflict", f"{shown(url)} is schema {before}, newer than this program ({SCHEMA_VERSION}):"
                                        " run the newer program")
-        if not dry_run and before < SCHEMA_VERSION:
-            apply_postgres_schema(conn)
-    steps = [] if before == SCHEMA_VERSION else [{"to": SCHEMA_VERSION, "what": "schema.postgres.sql"}]
+        if dry_run:
+            steps = pending_migrations(before, engine="postgres")
+        else:
+            before, steps = apply_postgres_schema(conn)
     return {"path": shown(url), "from": before, "to": SCHEMA_VERSION, "steps": steps,
             "applied": bool(steps) and not dry_run}
 

@@ -1,13 +1,30 @@
-"""The schema and its numbered migrations: schema.sql applied to a new file, MIGRATIONS[v] taking a file
-from user_version v to v + 1."""
+"""The schema and its one numbered list of migrations, for both engines: a new database gets the whole schema
+file of its engine (schema.sql, schema.postgres.sql) at SCHEMA_VERSION; MIGRATIONS[v] takes an existing one from
+version v to v + 1, in its SQLite form or its Postgres form. Each step runs in a transaction of its own and is
+recorded in schema_history (the version it reached, what it did, when), which `check` shows.
+
+Adding a step: schema.sql and schema.postgres.sql take the new form (they stay what a new database is made of),
+SCHEMA_VERSION goes up by one, and MIGRATIONS gets the entry for the version before it, with both forms. A
+database migrated step by step must equal a new one on either engine (tests/test_migrations_both_engines.py)."""
 
 from __future__ import annotations
 
 import re
 import sqlite3
+import time
 from dataclasses import dataclass, field
 
 from switchboard.configuration import SCHEMA_PATH, SCHEMA_VERSION, ApiError
+
+# Postgres came with the fourth release, at schema 9: no Postgres database is older, so the steps before it have
+# no Postgres form, and every step from it on has one.
+POSTGRES_FIRST_VERSION = 9
+# What schema_history says of a database made whole at its version.
+CREATED = "a new database: the whole schema"
+# A step recorded (on both engines; Postgres's dialect takes the placeholders). A version already recorded is
+# recorded again: a file set back by hand to an older version and migrated anew.
+RECORD_STEP = ("INSERT INTO schema_history (version, summary, applied_at) VALUES (?, ?, ?) ON CONFLICT (version)"
+               " DO UPDATE SET summary = excluded.summary, applied_at = excluded.applied_at")
 
 
 @dataclass(frozen=True)
@@ -18,13 +35,18 @@ class Migration:
     a constraint is added in place instead (`add`: table -> columns) where an earlier step's rebuild did not make
     it already, so a large table is not copied for it. Then schema.sql runs again (every statement is
     idempotent), which adds new tables and indexes. `before` runs first, on the old tables, and `after` last, for
-    changes to the data itself."""
+    changes to the data itself.
+
+    `postgres` is the same step on Postgres: statements run in order in the step's transaction (PostgreSQL changes
+    a CHECK or a column in place, so each says exactly what changes). None before POSTGRES_FIRST_VERSION only;
+    a step with nothing to change on Postgres says so with ()."""
     summary: str
     rebuild: tuple[str, ...] = ()
     add: dict[str, tuple[str, ...]] = field(default_factory=dict)
     fill: dict[str, dict[str, str]] = field(default_factory=dict)
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
+    postgres: tuple[str, ...] | None = None
 
 
 # What migration 6 fills the subjects' counts with: schema.sql's triggers' cases, over a todo `t`.
@@ -41,7 +63,8 @@ def _latest(*paths: str) -> str:
             f" AND v.envelope IS NOT NULL ORDER BY v.received_at DESC, v.id DESC LIMIT 1")
 
 
-# Explicit, ordered migrations: MIGRATIONS[v] upgrades a database from user_version v to v + 1.
+# Explicit, ordered migrations: MIGRATIONS[v] upgrades a database from version v to v + 1. Steps 1 to 8 are SQLite's
+# alone (no Postgres database was ever older than 9).
 MIGRATIONS: dict[int, Migration] = {
     1: Migration(
         "release 2: webhooks gain trusted_actors (existing forge and cairn webhooks keep receiving everything:"
@@ -110,6 +133,11 @@ MIGRATIONS: dict[int, Migration] = {
             " SELECT endpoint_id, queue, updated_at / 60000, count(*) FROM todos WHERE state = 'done'"
             " AND updated_at >= CAST(strftime('%s', 'now') AS INTEGER) * 1000 - 86400000"
             " GROUP BY endpoint_id, queue, updated_at / 60000")),
+    9: Migration(
+        "each migration step is recorded in schema_history (the version it reached, what it did, when), which"
+        " `check` shows",
+        postgres=("CREATE TABLE schema_history (version BIGINT PRIMARY KEY, summary TEXT NOT NULL,"
+                  " applied_at BIGINT NOT NULL)",)),
 }
 
 # Columns that moved to a table of their own: (table, column) -> (new table, the copy). Whichever migration first
@@ -121,49 +149,73 @@ MOVED_COLUMNS: dict[tuple[str, str], tuple[str, str]] = {
 }
 
 
-def apply_schema(conn: sqlite3.Connection) -> int:
-    """Create a fresh database or migrate an older one; refuse a newer one. Returns the version."""
+def apply_schema(conn: sqlite3.Connection, migrations: dict[int, Migration] = MIGRATIONS,
+                 latest: int = SCHEMA_VERSION) -> int:
+    """Create a fresh database whole, or bring an older one to `latest` one step at a time, each step in a
+    transaction of its own (BEGIN IMMEDIATE: another process migrating waits, then finds the steps done) and
+    recorded. A step that fails rolls back itself alone: the file stays at the last step that succeeded. A
+    database newer than this program is refused. Returns the version."""
     version = conn.execute("PRAGMA user_version").fetchone()[0]
-    if version > SCHEMA_VERSION:
-        raise ApiError("unavailable", f"database schema {version} is newer than this program ({SCHEMA_VERSION})")
-    if version == SCHEMA_VERSION:
+    _refuse_newer(version, latest)
+    if version == latest:
         return version
     statements = _split_sql(SCHEMA_PATH.read_text())
-    # Rebuilding a table must not fire its foreign keys (a DROP would cascade); they are checked at the end.
+    # Rebuilding a table must not fire its foreign keys (a DROP would cascade); each step checks them at its end.
     conn.execute("PRAGMA foreign_keys=OFF")
     try:
-        conn.execute("BEGIN IMMEDIATE")
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version == 0:
-            for statement in statements:
-                conn.execute(statement)
-            version = SCHEMA_VERSION
-        while version < SCHEMA_VERSION:
-            _migrate(conn, MIGRATIONS[version], statements)
-            version += 1
-        if conn.execute("PRAGMA foreign_key_check").fetchone() is not None:
-            raise sqlite3.IntegrityError("a migration left a dangling foreign key")
-        conn.execute(f"PRAGMA user_version={version}")
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
+        while version < latest:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                version = conn.execute("PRAGMA user_version").fetchone()[0]
+                _refuse_newer(version, latest)
+                if version < latest:
+                    version = _apply_step(conn, version, migrations, latest, statements)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
     finally:
         conn.execute("PRAGMA foreign_keys=ON")
     return version
 
 
-def pending_migrations(conn: sqlite3.Connection) -> list[dict]:
-    """What opening this database with this program would change, without changing it."""
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
+def _apply_step(conn: sqlite3.Connection, version: int, migrations: dict[int, Migration], latest: int,
+                statements: list[str]) -> int:
+    """One step inside the caller's transaction: the whole schema for a new file, else MIGRATIONS[version].
+    Returns the version it reached, recorded in schema_history and user_version."""
+    if version == 0:
+        for statement in statements:
+            conn.execute(statement)
+        reached, summary = latest, CREATED
+    else:
+        _migrate(conn, migrations[version], statements, migrations)
+        reached, summary = version + 1, migrations[version].summary
+    if conn.execute("PRAGMA foreign_key_check").fetchone() is not None:
+        raise sqlite3.IntegrityError(f"migration {version} -> {reached} left a dangling foreign key")
+    conn.execute(RECORD_STEP, (reached, summary, int(time.time() * 1000)))
+    conn.execute(f"PRAGMA user_version={reached}")
+    return reached
+
+
+def _refuse_newer(version: int, latest: int) -> None:
+    if version > latest:
+        raise ApiError("unavailable", f"the database is schema {version}, newer than this program's ({latest}): run"
+                                      " the newer release, or restore a backup made before the upgrade")
+
+
+def pending_migrations(version: int, engine: str = "sqlite") -> list[dict]:
+    """The steps that would bring a database at `version` to SCHEMA_VERSION, without taking them; on SQLite, with
+    the tables each step copies whole."""
     if version == 0:
         return [{"from": 0, "to": SCHEMA_VERSION, "summary": "create the schema"}]
-    return [{"from": v, "to": v + 1, "summary": MIGRATIONS[v].summary, "rebuilds": list(MIGRATIONS[v].rebuild)}
+    return [{"from": v, "to": v + 1, "summary": MIGRATIONS[v].summary,
+             **({"rebuilds": list(MIGRATIONS[v].rebuild)} if engine == "sqlite" else {})}
             for v in range(version, SCHEMA_VERSION)]
 
 
-def _migrate(conn: sqlite3.Connection, migration: Migration, statements: list[str]) -> None:
+def _migrate(conn: sqlite3.Connection, migration: Migration, statements: list[str],
+             migrations: dict[int, Migration]) -> None:
     tables = {m.group(1): s for s in statements
               if (m := re.search(r"^CREATE TABLE IF NOT EXISTS (\w+)", s, re.MULTILINE))}
     # Views come back with schema.sql at the end of the step; a table rebuilt under one could not be renamed.
@@ -187,7 +239,7 @@ def _migrate(conn: sqlite3.Connection, migration: Migration, statements: list[st
         conn.execute(f"ALTER TABLE {table}__new RENAME TO {table}")
     # Every step runs today's schema.sql, whose indexes may name a column a later step adds in place: such columns
     # are added first, whichever step this is (the later step's `after` still fills them).
-    for table, columns in (item for later in MIGRATIONS.values() for item in later.add.items()):
+    for table, columns in (item for later in migrations.values() for item in later.add.items()):
         present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         for column in (c for c in columns if present and c not in present):
             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column}")

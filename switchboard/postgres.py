@@ -32,6 +32,7 @@ from psycopg.pq import Format
 from switchboard.configuration import SCHEMA_VERSION, ApiError, Clock, log, shipped_path
 from switchboard.crypto import new_id
 from switchboard.database import Txn
+from switchboard.migrations import CREATED, MIGRATIONS, POSTGRES_FIRST_VERSION, RECORD_STEP, Migration
 
 if TYPE_CHECKING:
     from asyncio import AbstractEventLoop
@@ -175,22 +176,43 @@ def current_version(conn: psycopg.Connection) -> int:
     return row[0] if row else 0
 
 
-def apply_postgres_schema(conn: psycopg.Connection) -> int:
-    """Bring the database to SCHEMA_VERSION, once: processes starting together wait on MIGRATE_LOCK, and the
-    first applies the schema while the others then find it current. A database newer than this program is refused."""
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_LOCK,))
-        conn.execute("CREATE TABLE IF NOT EXISTS switchboard_schema (version INTEGER NOT NULL)")
-        row = conn.execute("SELECT version FROM switchboard_schema").fetchone()
-        version = row[0] if row else 0
-        if version > SCHEMA_VERSION:
-            raise ApiError("conflict", f"the database is schema {version}, newer than this program"
-                                       f" ({SCHEMA_VERSION}): run the newer release")
-        if version < SCHEMA_VERSION:
-            conn.execute(shipped_path("schema.postgres.sql").read_text(), prepare=False)
+def apply_postgres_schema(conn: psycopg.Connection, migrations: dict[int, Migration] = MIGRATIONS,
+                          latest: int = SCHEMA_VERSION) -> tuple[int, list[dict]]:
+    """Bring the database to `latest`: a new one gets schema.postgres.sql whole, an existing one each missing step
+    of MIGRATIONS in order, every step in a transaction of its own under MIGRATE_LOCK (a transaction's lock, which
+    a transaction pooler keeps), recorded in switchboard_schema and schema_history. Processes starting together
+    wait on the lock and read the version again under it, so each step is applied once and the others find it
+    done. A step that fails rolls back itself alone, leaving the version at the last step that succeeded; a
+    database newer than this program is refused. `conn` is in autocommit. Returns the version found first and the
+    steps this call applied."""
+    found: int | None = None
+    applied: list[dict] = []
+    while True:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_LOCK,))
+            conn.execute("CREATE TABLE IF NOT EXISTS switchboard_schema (version INTEGER NOT NULL)")
+            row = conn.execute("SELECT version FROM switchboard_schema").fetchone()
+            version = row[0] if row else 0
+            found = version if found is None else found
+            if version > latest:
+                raise ApiError("conflict", f"the database is schema {version}, newer than this program's ({latest}):"
+                                           " run the newer release")
+            if version == latest:
+                return found, applied
+            if version == 0:
+                conn.execute(shipped_path("schema.postgres.sql").read_text(), prepare=False)
+                step = {"from": 0, "to": latest, "summary": CREATED}
+            else:
+                step = {"from": version, "to": version + 1, "summary": migrations[version].summary}
+                if migrations[version].postgres is None:
+                    raise ApiError("conflict", f"the database is schema {version}, and no Postgres database is older"
+                                               f" than {POSTGRES_FIRST_VERSION}: it was not made by Switchboard")
+                for statement in migrations[version].postgres:
+                    conn.execute(statement, prepare=False)
             conn.execute("DELETE FROM switchboard_schema")
-            conn.execute("INSERT INTO switchboard_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
-        return version
+            conn.execute("INSERT INTO switchboard_schema (version) VALUES (%s)", (step["to"],))
+            conn.execute(dialect_sql(RECORD_STEP), (step["to"], step["summary"], int(time.time() * 1000)))
+        applied.append(step)
 
 
 class Postgres:

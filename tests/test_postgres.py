@@ -25,6 +25,7 @@ from starlette.testclient import TestClient
 from test_notify import Receiver
 
 from switchboard.app import create_app
+from switchboard.configuration import SCHEMA_VERSION
 from switchboard.postgres import Postgres
 from switchboard.store.principals import add_human
 
@@ -377,7 +378,7 @@ def test_two_processes_starting_together_migrate_once(postgres_databases, tmp_pa
              for _ in range(4)]
     for proc in procs:
         assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
-    assert query(url, "SELECT version FROM switchboard_schema") == [(9,)]
+    assert query(url, "SELECT version FROM switchboard_schema") == [(SCHEMA_VERSION,)]
 
 
 def test_serve_refuses_synchronous_commit_off(db_path):

@@ -1,6 +1,7 @@
 """schema.postgres.sql says what schema.sql says: the same tables and columns (in order, with their types mapped
 and their NOT NULL), keys, foreign keys, indexes, CHECK constraints, view and triggers, read back from each
-engine's catalog after applying the file. Applying it again changes nothing, its JSON checks decide as SQLite's
+engine's catalog after applying the file. CHECK expressions, index predicates and the view's body are compared
+as PostgreSQL prints them: schema.sql's, in the port's dialect (DIALECT below), go through the same printer. Applying it again changes nothing, its JSON checks decide as SQLite's
 json functions do, and its triggers keep todo_counts, subjects and todo_done_minutes exactly as SQLite's do."""
 
 from __future__ import annotations
@@ -71,6 +72,33 @@ def _without_comments(sql: str) -> str:
     return re.sub(r"--[^\n]*", "", sql)
 
 
+def _parenthesised(sql: str, start: int) -> str:
+    """The text inside the parenthesis that opens at sql[start], quotes respected."""
+    depth, quoted = 0, False
+    for end in range(start, len(sql)):
+        char = sql[end]
+        if char == "'":
+            quoted = not quoted
+        elif not quoted and char == "(":
+            depth += 1
+        elif not quoted and char == ")":
+            depth -= 1
+            if depth == 0:
+                return sql[start + 1:end]
+    raise ValueError(f"unbalanced: {sql[start:start + 80]}")
+
+
+def _checks(create: str) -> list[str]:
+    """A CREATE TABLE's CHECK expressions, as written (on its columns and on the table)."""
+    return [_parenthesised(create, m.end() - 1) for m in re.finditer(r"\bCHECK\s*\(", create)]
+
+
+def _predicate(create_index: str | None) -> str | None:
+    """A CREATE INDEX's WHERE clause (a partial index's predicate), as written."""
+    found = re.search(r"\bWHERE\b(.*?);?\s*$", _without_comments(create_index or ""), re.S)
+    return found.group(1).strip() if found else None
+
+
 def sqlite_structure(conn: sqlite3.Connection) -> dict:
     names = dict(conn.execute("SELECT name, type FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"))
     tables, views, triggers = {}, {}, {}
@@ -91,16 +119,19 @@ def sqlite_structure(conn: sqlite3.Connection) -> dict:
             keys = [f"{column} DESC" if desc else column
                     for _, _, column, desc, _, key in conn.execute(f"PRAGMA index_xinfo({name})") if key]
             if origin == "c":
-                indexes[name] = (tuple(keys), bool(unique), bool(partial))
+                made = conn.execute("SELECT sql FROM sqlite_master WHERE name = ?", (name,)).fetchone()[0]
+                indexes[name] = (tuple(keys), bool(unique), _predicate(made) if partial else None)
             elif origin == "u":
                 unique_constraints.add(tuple(keys))
         create = _without_comments(conn.execute("SELECT sql FROM sqlite_master WHERE name = ?", (table,)).fetchone()[0])
         tables[table] = {"columns": columns, "primary key": primary_key,
                          "foreign keys": sorted((tuple(s), t, tuple(tc), d) for t, s, tc, d in foreign_keys.values()),
                          "indexes": indexes, "unique constraints": unique_constraints,
-                         "checks": len(re.findall(r"\bCHECK\s*\(", create))}
+                         "checks": _checks(create)}
     for view in sorted(name for name, kind in names.items() if kind == "view"):
-        views[view] = [row[1] for row in conn.execute(f"PRAGMA table_info({view})")]
+        made = _without_comments(conn.execute("SELECT sql FROM sqlite_master WHERE name = ?", (view,)).fetchone()[0])
+        views[view] = {"columns": [row[1] for row in conn.execute(f"PRAGMA table_info({view})")],
+                       "body": re.split(r"\bAS\b", made, maxsplit=1)[1].strip().rstrip(";")}
     for name, sql in conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'"):
         when = re.search(r"\bAFTER\s+(INSERT|UPDATE|DELETE)(?:\s+OF\s+(.*?))?\s+ON\s+(\w+)(.*?)\bBEGIN\b", sql, re.S)
         event, columns, table, rest = when.groups()
@@ -128,8 +159,8 @@ def postgres_structure(conn: psycopg.Connection) -> dict:
                               for kind, key, target, target_key, action, _ in constraints if kind == "f")
         constraint_indexes = {index for kind, *_, index in constraints if kind in ("p", "u")}
         indexes, unique_constraints = {}, set()
-        for oid, name, unique, partial, keys, options in conn.execute(
-                "SELECT i.indexrelid, c.relname, i.indisunique, i.indpred IS NOT NULL, i.indkey::int2[],"
+        for oid, name, unique, predicate, keys, options in conn.execute(
+                "SELECT i.indexrelid, c.relname, i.indisunique, pg_get_expr(i.indpred, i.indrelid), i.indkey::int2[],"
                 " i.indoption::int2[] FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
                 " WHERE i.indrelid = %s::regclass", (table,)):
             keys = [f"{name_of[k]} DESC" if option & 1 else name_of[k] for k, option in zip(keys, options)]
@@ -138,14 +169,16 @@ def postgres_structure(conn: psycopg.Connection) -> dict:
                     unique_constraints.add(tuple(keys))
             elif keys != [ROWID]:  # the port's own lookup index for retention's DELETE ... WHERE rowid = ?
                 # SQLite's indexes end in the rowid implicitly; the port names it where the store walks in that order.
-                indexes[name] = (tuple(keys[:-1] if keys[-1] == ROWID else keys), unique, partial)
+                indexes[name] = (tuple(keys[:-1] if keys[-1] == ROWID else keys), unique, predicate)
         tables[table] = {"columns": columns, "primary key": primary_key, "foreign keys": foreign_keys,
                          "indexes": indexes, "unique constraints": unique_constraints,
-                         "checks": sum(kind == "c" for kind, *_ in constraints)}
+                         "checks": sorted(definition for (definition,) in conn.execute(
+                             "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = %s::regclass"
+                             " AND contype = 'c'", (table,)))}
     for view in sorted(name for name, kind in relations.items() if kind == "v"):
-        views[view] = [name for (name,) in conn.execute(
+        views[view] = {"columns": [name for (name,) in conn.execute(
             "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 ORDER BY attnum", (view,))
-            if name != ROWID]
+            if name != ROWID], "body": conn.execute("SELECT pg_get_viewdef(%s::regclass)", (view,)).fetchone()[0]}
     for name, table, kind, columns, qualified in conn.execute(
             "SELECT tgname, tgrelid::regclass::text, tgtype, tgattr::int2[], tgqual IS NOT NULL FROM pg_trigger"
             " WHERE NOT tgisinternal"):
@@ -155,6 +188,80 @@ def postgres_structure(conn: psycopg.Connection) -> dict:
         names = _column_names(conn, table, columns)
         triggers[name] = (table, timing, event, tuple(sorted(names)), qualified)
     return {"tables": tables, "views": views, "triggers": triggers}
+
+
+# schema.sql's spellings that the port writes another way (schema.postgres.sql's header says why): SQLite's JSON
+# functions are the switchboard_json_* functions; json_extract of a key is ->> on the text as json (a \u0000 escape
+# read as U+FFFD); and a view's LEFT JOINed columns are scalar subqueries (Postgres locks no row of a view FOR
+# UPDATE on the nullable side of an outer join).
+DIALECT = (
+    (re.compile(r"(?<![\w.])json_(valid|type|array_length)\("), r"switchboard_json_\1("),
+    (re.compile(r"(?<![\w.])json_extract\(([\w.]+), '\$\.(\w+)'\)"),
+     lambda m: f"(replace({m.group(1)}, '\\u0000', '\\ufffd')::json ->> '{m.group(2)}')"),
+)
+
+
+def in_postgres_dialect(sql: str) -> str:
+    for pattern, replacement in DIALECT:
+        sql = pattern.sub(replacement, sql)
+    return " ".join(sql.split())
+
+
+def _split_top_level(text: str) -> list[str]:
+    """A select list's items: split at the commas outside parentheses and quotes."""
+    items, depth, quoted, current = [], 0, False, ""
+    for char in text:
+        quoted = not quoted if char == "'" else quoted
+        depth += (char == "(") - (char == ")") if not quoted else 0
+        if char == "," and depth == 0 and not quoted:
+            items.append(current.strip())
+            current = ""
+        else:
+            current += char
+    return [*items, current.strip()]
+
+
+def view_in_postgres_dialect(body: str) -> str:
+    """A schema.sql view as the port writes it: each column read through a LEFT JOIN is a scalar subquery over the
+    joined table, on the join's condition."""
+    body = in_postgres_dialect(body)
+    found = re.fullmatch(r"SELECT (.*?) FROM (\w+ \w+)((?: LEFT JOIN \w+ \w+ ON [\w.]+ = [\w.]+)*)", body)
+    assert found, f"the view's shape is not one this test reads: {body}"
+    joins = re.findall(r"LEFT JOIN (\w+) (\w+) ON ([\w.]+ = [\w.]+)", found.group(3))
+    items = []
+    for item in _split_top_level(found.group(1)):
+        for table, alias, condition in joins:
+            if re.search(rf"(?<![\w.]){alias}\.", item):
+                expression, name = item.rsplit(" AS ", 1)
+                item = f"(SELECT {expression} FROM {table} {alias} WHERE {condition}) AS {name}"
+        items.append(item)
+    return f"SELECT {', '.join(items)} FROM {found.group(2)}"
+
+
+def printed_by_postgres(conn: psycopg.Connection, sqlite_side: dict) -> dict:
+    """schema.sql's CHECK expressions, index predicates and view bodies, in the port's dialect, as PostgreSQL
+    prints them back: each made on an empty copy of its table's columns (or as a temporary view), and read from
+    the catalog as the port's are."""
+    for table, shape in sqlite_side["tables"].items():
+        with conn.transaction(force_rollback=True):
+            conn.execute(f"CREATE TEMPORARY TABLE parity_scratch (LIKE {table})")
+            for expression in shape["checks"]:
+                conn.execute(f"ALTER TABLE parity_scratch ADD CHECK ({in_postgres_dialect(expression)})")
+            shape["checks"] = sorted(definition for (definition,) in conn.execute(
+                "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = 'parity_scratch'::regclass"
+                " AND contype = 'c'"))
+            for name, (keys, unique, predicate) in shape["indexes"].items():
+                if predicate is not None:
+                    conn.execute(f"CREATE INDEX parity_{name} ON parity_scratch ({shape['columns'][0][0]})"
+                                 f" WHERE {in_postgres_dialect(predicate)}")
+                    predicate = conn.execute("SELECT pg_get_expr(indpred, indrelid) FROM pg_index"
+                                             " WHERE indexrelid = %s::regclass", (f"parity_{name}",)).fetchone()[0]
+                shape["indexes"][name] = (keys, unique, predicate)
+    for view, shape in sqlite_side["views"].items():
+        with conn.transaction(force_rollback=True):
+            conn.execute(f"CREATE TEMPORARY VIEW parity_view AS {view_in_postgres_dialect(shape['body'])}")
+            shape["body"] = conn.execute("SELECT pg_get_viewdef('parity_view'::regclass)").fetchone()[0]
+    return sqlite_side
 
 
 def _column_names(conn: psycopg.Connection, table: str, numbers: list[int]) -> list[str]:
@@ -188,6 +295,8 @@ def differences(sqlite_side: dict, postgres_side: dict) -> list[str]:
                                          f" != schema.postgres.sql {got.get(index)}")
                 elif aspect == "columns" and expected != got:
                     lines += [f"table {name}: column {line}" for line in list_differences(expected, got)]
+                elif aspect == "checks" and expected != got:
+                    lines += [f"table {name}: {line}" for line in list_differences(expected, got)]
                 elif expected != got:
                     lines.append(f"table {name}: {aspect}: schema.sql {expected} != schema.postgres.sql {got}")
     return lines
@@ -204,7 +313,9 @@ def list_differences(expected: list, got: list) -> list[str]:
 
 def test_the_postgres_schema_has_every_table_column_key_index_check_view_and_trigger_of_schema_sql(sqlite, postgres):
     sqlite_side, postgres_side = sqlite_structure(sqlite), postgres_structure(postgres)
-    assert len(sqlite_side["tables"]) == 27 and len(sqlite_side["triggers"]) == 8, "the reading of schema.sql broke"
+    assert len(sqlite_side["tables"]) == 28 and len(sqlite_side["triggers"]) == 8, "the reading of schema.sql broke"
+    assert sum(len(t["checks"]) for t in sqlite_side["tables"].values()) > 100, "the reading of CHECKs broke"
+    sqlite_side = printed_by_postgres(postgres, sqlite_side)
     assert POSTGRES_ONLY <= postgres_side["tables"].keys(), "the tables several processes share are missing"
     postgres_side["tables"] = {name: table for name, table in postgres_side["tables"].items()
                                if name not in POSTGRES_ONLY}

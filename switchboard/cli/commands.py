@@ -548,7 +548,8 @@ def cli_check(args: argparse.Namespace, db: Database) -> dict:
     if report["sandbox"] != "ok":
         problems.append(f"the rule sandbox cannot run ({report['sandbox']}): is the jq package installed?")
     if report["schema_version"] != SCHEMA_VERSION:
-        problems.append("the schema is not this program's: run `switchboard.py migrate`")
+        problems.append(f"the database is schema {report['schema_version']}, this program's is {SCHEMA_VERSION}:"
+                        " run `switchboard.py migrate`")
     if sealed is not None and report["key"] not in ("environment", "file"):
         problems.append(f"the secret key is {report['key']}: webhook secrets cannot be opened; restore switchboard.key"
                         " (beside the database) from the backup, or set SWITCHBOARD_SECRET_KEY")
@@ -568,13 +569,13 @@ def cli_migrate(args: argparse.Namespace) -> dict:
         return migrate_postgres(args.db, args.dry_run)
     conn = sqlite3.connect(f"file:{Path(args.db).resolve()}?mode=ro", uri=True)
     try:
-        steps = pending_migrations(conn)
         before = conn.execute("PRAGMA user_version").fetchone()[0]
     finally:
         conn.close()
     if before > SCHEMA_VERSION:
         raise ApiError("conflict", f"{args.db} is schema {before}, newer than this program ({SCHEMA_VERSION}):"
                                    " run the newer program, or restore a backup made before the upgrade")
+    steps = pending_migrations(before)
     if not args.dry_run and steps:
         Database(args.db).close()
     return {"path": shown_database(args.db), "from": before, "to": SCHEMA_VERSION, "steps": steps,

@@ -244,6 +244,15 @@ def _oldest_available(txn: Txn) -> int | None:
     return best
 
 
+def _schema_history(txn: Txn) -> list[dict]:
+    """The migration steps the database took, as schema_history recorded them (none before it had the table)."""
+    if not txn.has_table("schema_history"):
+        return []
+    return [{"version": version, "summary": summary, "applied_at": iso(at)}
+            for version, summary, at in txn.all("SELECT version, summary, applied_at FROM schema_history"
+                                                " ORDER BY version")]
+
+
 def check_database(txn: Txn) -> dict:
     """The engine's own health checks. SQLite checks every page and key; Postgres keeps its pages and keys whole
     itself, so its report says what a Postgres operator must know instead: whether a commit waits for the disk,
@@ -253,14 +262,14 @@ def check_database(txn: Txn) -> dict:
             "SELECT id, host, pid, seen_at, clock_ms - db_ms AS clock_skew_ms FROM processes ORDER BY started_at")]
         return {"engine": "postgres", "integrity": "ok", "foreign_keys": "ok",
                 "schema_version": txn.schema_version(), "program_schema_version": SCHEMA_VERSION,
-                "synchronous_commit": txn.one("SHOW synchronous_commit")[0], "processes": processes,
+                "schema_history": _schema_history(txn), "synchronous_commit": txn.one("SHOW synchronous_commit")[0], "processes": processes,
                 "clock_skew_ms": max((abs(p["clock_skew_ms"]) for p in processes), default=0)}
     integrity = [r[0] for r in txn.all("PRAGMA integrity_check")]
     foreign = txn.all("PRAGMA foreign_key_check")
     return {"engine": "sqlite", "integrity": "ok" if integrity == ["ok"] else integrity,
             "foreign_keys": "ok" if not foreign else len(foreign),
             "schema_version": txn.schema_version(), "program_schema_version": SCHEMA_VERSION,
-            "journal_mode": txn.one("PRAGMA journal_mode")[0]}
+            "schema_history": _schema_history(txn), "journal_mode": txn.one("PRAGMA journal_mode")[0]}
 
 
 # The todo verbs by their REST and CLI names: the body's model and the store function that runs it.
