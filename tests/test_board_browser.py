@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import uuid
 from pathlib import Path
@@ -19,6 +20,8 @@ import producers
 import pytest
 from conftest import ROOT, LiveServer, cli_inproc
 from helpers import add_route, make_webhook, post_delivery
+
+from switchboard.board.forge_pages import subject_path
 
 CHROMIUM = "/usr/bin/chromium"
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -64,7 +67,8 @@ class Site:
 
     def __init__(self, db_path: str):
         assert cli_inproc(db_path, "init")[0] == 0
-        self.server = LiveServer(db_path, "--ingest-rate", "0")
+        # (--notify-allow-private: the screenshots' forge connection is to tests/forges.py's server, on loopback.)
+        self.server = LiveServer(db_path, "--ingest-rate", "0", "--notify-allow-private")
         self.url = self.server.url
         self.http = httpx.Client(base_url=self.url, timeout=30)
         self.alice = self.human("alice")
@@ -93,7 +97,10 @@ class Site:
 
     def claim(self, endpoint: Principal, todo_id: str) -> dict:
         """Claim by id (other tests' todos may be pending on the same queue)."""
-        claim = self.http.post(f"/api/v1/todos/{todo_id}/claim", headers=endpoint.auth, json={"claimant": "w1"})
+        return self.claim_as(endpoint, todo_id, "w1")
+
+    def claim_as(self, endpoint: Principal, todo_id: str, claimant: str) -> dict:
+        claim = self.http.post(f"/api/v1/todos/{todo_id}/claim", headers=endpoint.auth, json={"claimant": claimant})
         assert claim.status_code == 200, claim.text
         return claim.json()
 
@@ -404,10 +411,75 @@ def test_on_a_phone_the_queues_and_deliveries_tables_cut_nothing_off(browser, si
         context.close()
 
 
-def test_screenshots_of_the_inbox_a_todo_and_the_rules_editor(browser, site, tmp_path):
+def _subject_story(site: Site, casey: Principal, router: Principal, forge) -> str:
+    """An issue on a GitHub webhook that writes through a forge connection: opened, claimed, commented on, done,
+    with the forge sending back the server's own status comment edits between. Its subject key."""
+    hook = make_webhook(site.http, casey, router.id, "github", "triage", name="homelab/infra issues")
+    assert site.http.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=casey.auth, json={
+        "rules": [{"id": "new-issues", "name": "a new issue goes to triage", "expr": '.issue.action == "opened"',
+                   "action": {"queue": "triage", "once": True}}], "default_action": {"drop": True}}).status_code == 200
+    connection = site.http.post("/api/v1/connections", headers=casey.auth, json={
+        "kind": "github", "api_url": forge.api, "token": forge.token, "repos": ["homelab/"]})
+    assert connection.status_code == 201, connection.text
+    assert site.http.put(f"/api/v1/webhooks/{hook['id']}/connection", headers=casey.auth,
+                         json={"connection_id": connection.json()["id"]}).status_code == 200
+    edits = iter(range(1, 100))
+
+    def deliver(event: str, sender: str, **patch) -> dict:
+        raw, headers = producers.github(event, hook["secret"], {
+            "issue": {"number": 12, "title": "Loki drops every log line from the edge router",
+                      "html_url": "https://github.com/homelab/infra/issues/12", "user": {"login": "casey-dev"},
+                      "labels": [{"name": "bug"}, {"name": "size/S"}]},
+            "repository": {"full_name": "homelab/infra", "name": "infra", "owner": {"login": "homelab"}},
+            "sender": {"login": sender}, **patch})
+        answer = post_delivery(site.http, hook, raw, headers)
+        assert answer.status_code == 202, answer.text
+        return answer.json()
+
+    def status_edit() -> None:  # what GitHub sends when the server edits its status comment
+        deliver("issue_comment.created", forge.login, action="edited",
+                comment={"user": {"login": forge.login}, "body": f"Switchboard status, edit {next(edits)}"})
+
+    todo_id = deliver("issues.opened", "casey-dev")["todos"][0]["id"]
+    status_edit()
+    lease = site.claim_as(router, todo_id, "qwen2.5-coder@gpu01")["lease_token"]
+    status_edit()
+    deliver("issue_comment.created", "casey-dev", comment={
+        "user": {"login": "casey-dev"}, "body": "The switches' logs arrive fine; only the router's are missing."})
+    site.act(router, todo_id, "heartbeat", lease_token=lease, note="Promtail rejects the router's syslog lines")
+    site.act(router, todo_id, "complete", lease_token=lease, summary="The router sends RFC 3164 syslog, which"
+             " Promtail's RFC 5424 listener rejected; added an rfc3164 listener on 1514 and pointed the router at it."
+             " Its logs reach Loki again.")
+    status_edit()
+    return "github:homelab/infra#12"
+
+
+def _queues_at_work(site: Site, casey: Principal) -> tuple[Principal, threading.Thread]:
+    """A GPU box's endpoint with three queues: work pending, a job running, one finished, and a worker between
+    jobs waiting on a claim (the thread ends when work comes for it)."""
+    gpu = site.endpoint(casey, "gpu01", ["lane-s", "lane-m", "lane-l"])
+    for title, queue in (("Rotate the restic keys on nas01", "lane-s"), ("Prune docker images on build01", "lane-m"),
+                         ("Bump Home Assistant to 2026.12", "lane-m"), ("Summarise last night's backup logs", "lane-l")):
+        site.push(casey, gpu, title, queue=queue)
+    running = site.http.post("/api/v1/todos/claim", headers=gpu.auth, json={"queue": "lane-m",
+                                                                          "claimant": "qwen2.5-coder@gpu01"}).json()
+    site.act(gpu, running["todo"]["id"], "heartbeat", lease_token=running["lease_token"], note="3 of 7 images pruned")
+    finished = site.http.post("/api/v1/todos/claim", headers=gpu.auth, json={"queue": "lane-l",
+                                                                           "claimant": "claude@laptop"}).json()
+    site.act(gpu, finished["todo"]["id"], "complete", lease_token=finished["lease_token"],
+             summary="3 of 4 jobs fine; nas02 skipped: its disk is full.")
+    waiting = threading.Thread(target=lambda: httpx.post(f"{site.url}/api/v1/todos/claim", headers=gpu.auth, json={
+        "queue": "lane-l", "wait_seconds": 30, "claimant": "claude@laptop"}, timeout=40))
+    waiting.start()
+    return gpu, waiting
+
+
+def test_screenshots_of_the_boards_pages(browser, site, tmp_path):
     """docs/board-*.png, desktop (1280 wide) and phone (390 wide), for people to look at: a human of their own
-    with one of each kind of waiting work. Taken into a temporary directory, so that a test run leaves the
-    clone as it was; SWITCHBOARD_UPDATE_SCREENSHOTS=1 writes them to docs/."""
+    with one of each kind of waiting work, an issue's story, and workers on their queues. Taken into a temporary
+    directory, so that a test run leaves the clone as it was; SWITCHBOARD_UPDATE_SCREENSHOTS=1 writes them to
+    docs/."""
+    from forges import FakeForge
     shots = DOCS if os.environ.get("SWITCHBOARD_UPDATE_SCREENSHOTS") == "1" else tmp_path
     casey = site.human("casey")
     router, lane = site.endpoint(casey, "router", ["triage"]), site.endpoint(casey, "lane-s", ["lane-s"])
@@ -437,19 +509,36 @@ def test_screenshots_of_the_inbox_a_todo_and_the_rules_editor(browser, site, tmp
          "action": {"queue": "lane-s", "once": True, "work_order": True}}],
         "default_action": {"queue": "triage"}}
     assert site.http.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=casey.auth, json=rules).status_code == 200
-    shots.mkdir(exist_ok=True)
-    for name, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
-        context = browser.new_context(viewport=viewport, base_url=site.url, device_scale_factor=1)
-        shot = context.new_page()
-        sign_in(shot, casey)
-        shot.screenshot(path=str(shots / f"board-inbox-{name}.png"), full_page=True)
-        shot.goto(f"/board/todos/{todo['id']}")
-        shot.screenshot(path=str(shots / f"board-todo-{name}.png"), full_page=True)
-        shot.goto(f"/board/webhooks/{hook['id']}")
-        shot.get_by_role("button", name="Dry run").click()
-        shot.locator("#dry-result").wait_for()
-        shot.locator("#rules").screenshot(path=str(shots / f"board-rules-{name}.png"))
-        context.close()
-    for name in ("inbox", "todo", "rules"):
+    forge = FakeForge("github", "ghp_" + "Scr33nsh0t" * 4, "switchboard-bot")
+    try:
+        subject = _subject_story(site, casey, router, forge)
+    finally:
+        forge.stop()
+    gpu, waiting = _queues_at_work(site, casey)
+    try:
+        shots.mkdir(exist_ok=True)
+        for name, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+            context = browser.new_context(viewport=viewport, base_url=site.url, device_scale_factor=1)
+            shot = context.new_page()
+            sign_in(shot, casey)
+            shot.screenshot(path=str(shots / f"board-inbox-{name}.png"), full_page=True)
+            shot.goto(f"/board/todos/{todo['id']}")
+            shot.screenshot(path=str(shots / f"board-todo-{name}.png"), full_page=True)
+            shot.goto(f"/board/webhooks/{hook['id']}")
+            shot.get_by_role("button", name="Dry run").click()
+            shot.locator("#dry-result").wait_for()
+            shot.locator("#rules").screenshot(path=str(shots / f"board-rules-{name}.png"))
+            shot.goto(subject_path(subject))
+            shot.locator("details.echoes summary").click()
+            shot.screenshot(path=str(shots / f"board-subject-{name}.png"), full_page=True)
+            shot.goto("/board/queues")
+            gpu_box = shot.locator("section.endpoint").filter(has=shot.locator("h2", has_text=re.compile("^gpu01 ")))
+            gpu_box.locator("tr").filter(has_text="1 waiting claim").wait_for()
+            gpu_box.screenshot(path=str(shots / f"board-queues-{name}.png"))
+            context.close()
+    finally:
+        site.push(casey, gpu, "Check the UPS battery", queue="lane-l")  # the waiting claim's work: it ends
+        waiting.join(40)
+    for name in ("inbox", "todo", "rules", "subject", "queues"):
         for size in ("desktop", "phone"):
             assert (shots / f"board-{name}-{size}.png").stat().st_size > 5_000

@@ -48,7 +48,23 @@ def board_subject(txn: Txn, principal: Principal, key: str) -> dict:
     for entry in subject["timeline"]:
         if "todo_id" in entry:
             entry["todo_title"] = by_id[entry["todo_id"]]["title"] if entry["todo_id"] in by_id else None
-    return {"subject": {**subject, "todos": todos}, "path": subject_path(key)}
+    return {"subject": {**subject, "todos": todos, "timeline": fold_own_output(subject["timeline"])},
+            "path": subject_path(key)}
+
+
+def fold_own_output(timeline: list[dict]) -> list[dict]:
+    """The story with the deliveries of the server's own comments (an output's comment, each edit of the status
+    comment: the forge sends each back, and the gate drops it as `own_output`) folded into one entry where the
+    last of them stood, which lists each: they are noise beside the subject's own events, which stay as they
+    were."""
+    echoes = [entry for entry in timeline if entry["type"] == "delivery" and entry.get("stage") == "own_output"]
+    if not echoes:
+        return timeline
+    folded = {"type": "own_output", "at": echoes[-1]["at"], "echoes": echoes,
+              "text": "A delivery of the server's own comment, ignored" if len(echoes) == 1
+              else f"{len(echoes)} deliveries of the server's own comments and their edits, ignored"}
+    last, echo_ids = echoes[-1], {id(entry) for entry in echoes}
+    return [folded if entry is last else entry for entry in timeline if entry is last or id(entry) not in echo_ids]
 
 
 def board_connections(txn: Txn, principal: Principal) -> dict:

@@ -4,6 +4,7 @@ package's templates."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import hmac
@@ -36,7 +37,7 @@ from switchboard.board.queries import (
     BOARD_UNSAFE,
     EVENT_DISPOSITIONS,
     FORM_TYPE,
-    INBOX_FIRST_ACTION,
+    INBOX_GROUP_STATES,
     INBOX_GROUPS,
     INBOX_STATES,
     BoardRefusal,
@@ -61,6 +62,7 @@ from switchboard.board.queries import (
     board_touch,
     board_webhook,
     board_webhooks,
+    bulk_offer,
 )
 from switchboard.configuration import (
     BULK_MAX,
@@ -83,7 +85,6 @@ from switchboard.http.rest import Api
 from switchboard.http.streams import sse_frame
 from switchboard.limits import TrustedProxies
 from switchboard.models import (
-    BULK_ACTIONS,
     BulkAction,
     EndpointCreate,
     NotifyCreate,
@@ -205,6 +206,9 @@ def _release_notice(done: dict) -> str:
     return what[0].upper() + what[1:] if disposition == "routed" else f"Released; {what}"
 
 
+# How a doorbell session listens, as a queue's line names it (with its count: "1 waiting claim").
+LISTENING = {"claim": ("waiting claim", "waiting claims"), "sse": ("doorbell stream", "doorbell streams"),
+             "mcp": ("MCP stream", "MCP streams")}
 BULK_DONE = {"retry": "Retried", "cancel": "Cancelled", "reroute": "Rerouted", "defer": "Deferred",
              "discard": "Discarded", "approve": "Approved"}
 # A bulk form's filter fields (prefixed f_, beside the action's own `queue`, `reason` and `until`).
@@ -438,8 +442,8 @@ class Board:
         templates.filters["iso"] = lambda value: iso(_as_ms(value)) or ""
         templates.globals["inbox_groups"] = INBOX_GROUPS
         templates.globals["inbox_states"] = INBOX_STATES
-        templates.globals["inbox_first_action"] = INBOX_FIRST_ACTION
-        templates.globals["bulk_actions"] = BULK_ACTIONS
+        templates.globals["inbox_group_states"] = INBOX_GROUP_STATES
+        templates.globals["bulk_offer"] = bulk_offer
         templates.globals["bulk_max"] = BULK_MAX
         templates.globals["subject_path"] = subject_path
         return templates
@@ -762,6 +766,11 @@ class Board:
         for endpoint in data["endpoints"]:
             endpoint["sessions"] = [{**s, "since": int(s["since"] * 1000)}
                                     for s in self.flows.doorbell.sessions_of(endpoint["id"])]
+            # Each queue's line names who listens for it now (a session for no queue in particular takes any).
+            for name, queue in endpoint["queues"].items():
+                listening = collections.Counter(s["via"] for s in endpoint["sessions"]
+                                                if s["queues"] is None or name in s["queues"])
+                queue["listening"] = [(LISTENING.get(via, (via, via)), n) for via, n in sorted(listening.items())]
             # MCP sessions without an open stream (those with one are doorbell sessions, listed above), while
             # they were used in the last BOARD_MCP_IDLE_SECONDS: a client never has to say it left.
             endpoint["sessions"] += [

@@ -7,6 +7,7 @@ import json
 import re
 import secrets
 import sqlite3
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from switchboard.payload import stored_payload, value_at
 from switchboard.providers import PROVIDER_TABLE
 from switchboard.store.connections import list_connections
 from switchboard.store.deliveries import EVENT_WITH_BODY, get_event
+from switchboard.store.human_actions import ACTION_STATES
 from switchboard.store.principals import (
     Principal,
     authenticate,
@@ -53,6 +55,8 @@ BOARD_IDLE_MS = 12 * 3_600_000
 BOARD_TOUCH_MS = 60_000  # a session's last use is written at most this often
 BOARD_PAGE_SIZE = 25
 BOARD_MCP_IDLE_SECONDS = 15 * 60
+BOARD_RECENT_MS = BOARD_MCP_IDLE_SECONDS * 1000  # a worker that finished work this recently is named on its queue
+BOARD_RECENT_TODOS = 200  # ... read from at most this many of the latest finished todos
 BOARD_FORM_BYTES = 1 << 20
 BOARD_JSON_CHARS = 200_000
 FORM_TYPE = "application/x-www-form-urlencoded"
@@ -72,11 +76,13 @@ INBOX_GROUPS: dict[str, tuple[str, str]] = {
     "deferred": ("Deferred", "state = 'deferred'"),
 }
 # The one state each inbox group is, where it is one (held is two: held deliveries and work on the hold queue), so
-# that a bulk action may take "all of them" as a filter; and the action its bulk form offers first.
+# that a bulk action may take "all of them" as a filter; and the states each group's bulk form acts on.
 INBOX_STATES = {"review": "review", "questions": "needs_input", "dead": "failed", "blocked": "blocked",
                 "deferred": "deferred"}
-INBOX_FIRST_ACTION = {"held": "discard", "review": "approve", "questions": "cancel", "dead": "retry",
-                      "blocked": "cancel", "deferred": "cancel"}
+INBOX_GROUP_STATES = {"held": ("quarantined", "pending"), **{name: (state,) for name, state in INBOX_STATES.items()}}
+# The bulk actions in the order a form offers them: the one a list of these states most likely wants first (a dead
+# letter's retry, a review's approval, a held delivery's discard), the ones that apply to any open work after.
+BULK_PREFERENCE = ("retry", "approve", "discard", "cancel", "reroute", "defer")
 _INBOX_CASE = "CASE " + " ".join(f"WHEN {where} THEN '{name}'" for name, (_, where) in INBOX_GROUPS.items()) + " END"
 _OPEN = "state NOT IN ('done', 'cancelled')"  # open work: what the inbox and the queues page show
 # Producer text keeps no bidirectional controls or lone surrogates on a page: they would make it read otherwise.
@@ -88,6 +94,7 @@ EVENT_DISPOSITIONS = ("routed", "dropped", "repeat", "quarantined", "ping")
 # stored envelope does not keep (a pull request's action and title) only up to this size.
 SUMMARY_BODY_BYTES = 256 << 10
 SUMMARY_TITLE_CHARS = 60
+SUMMARY_CHARS = 140  # a completion's summary in a list's column (the todo's page has all of it)
 
 
 @dataclass(frozen=True)
@@ -289,17 +296,26 @@ def board_inbox(txn: Txn, principal: Principal, group: str | None, after: tuple[
     return {"groups": groups, **bulk_choices(txn, principal)}
 
 
+def _queue_of(endpoint: dict, name: str) -> dict:
+    """A queue's line on the queues page (made the first time it is named)."""
+    return endpoint["queues"].setdefault(name, {"counts": {}, "oldest_pending": None, "working": [], "recent": []})
+
+
 def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) -> dict:
-    """Per endpoint and queue: open counts by state, the age of the oldest pending todo, and how many were done in
-    the last hour and day; the running work with its claimant, lease and latest heartbeat note."""
+    """Per endpoint and queue: open counts by state, the age of the oldest pending todo, how many were done in the
+    last hour and day, and the workers the store knows of (those holding a live lease on it, and those that
+    finished its work in the last BOARD_RECENT_MS); the running work with its claimant, lease and latest heartbeat
+    note. (The sessions listening now are the doorbell's, in memory: the page adds them.)"""
     clause, params = scope_clause(principal)
-    endpoints = {e["id"]: {**e, "queues": {q: {"counts": {}, "oldest_pending": None} for q in e["queues"]},
-                           "control": queue_views(txn, e["id"], e["queues"])}
-                 for e in list_endpoints(txn, principal)["endpoints"]}
+    endpoints = {}
+    for e in list_endpoints(txn, principal)["endpoints"]:
+        endpoints[e["id"]] = {**e, "queues": {}, "control": queue_views(txn, e["id"], e["queues"])}
+        for name in e["queues"]:
+            _queue_of(endpoints[e["id"]], name)
     # The counts are todo_counts' (a few rows); the oldest pending todo of a queue is the first of its range.
     for row in txn.all(f"SELECT endpoint_id, queue, state, n FROM todo_counts WHERE {clause} AND {_OPEN} AND n > 0",
                        params):
-        queue = endpoints[row["endpoint_id"]]["queues"].setdefault(row["queue"], {"counts": {}, "oldest_pending": None})
+        queue = _queue_of(endpoints[row["endpoint_id"]], row["queue"])
         queue["counts"][row["state"]] = row["n"]
         if row["state"] == "pending":
             queue["oldest_pending"] = txn.one("SELECT min(created_at) FROM todos WHERE endpoint_id = ?"
@@ -319,30 +335,50 @@ def board_queues(txn: Txn, principal: Principal, after: tuple[int, str] | None) 
     more = running[BOARD_PAGE_SIZE - 1] if len(running) > BOARD_PAGE_SIZE else None
     for endpoint_id, working in _working(txn, clause, params).items():
         endpoints[endpoint_id]["working"] = working
+        for claimant in working:
+            for queue, jobs in claimant["jobs_by_queue"].items():
+                _queue_of(endpoints[endpoint_id], queue)["working"].append({"claimant": claimant["claimant"],
+                                                                            "jobs": jobs})
+    for row in _recent_finishers(txn, clause, params):
+        if row["endpoint_id"] not in endpoints:
+            continue
+        queue = _queue_of(endpoints[row["endpoint_id"]], row["queue"])
+        if all(w["claimant"] != row["claimant"] for w in queue["working"] + queue["recent"]):
+            queue["recent"].append({"claimant": row["claimant"], "at": row["ended_at"]})
     # Done in the last hour and day: todo_done_minutes' few rows a queue, not the day's finished todos.
     minute = txn.now // 60_000
     for row in txn.all(f"SELECT endpoint_id, queue, sum(CASE WHEN minute > ? THEN n ELSE 0 END) AS hour, sum(n) AS day"
                        f" FROM todo_done_minutes WHERE {clause} AND minute > ? GROUP BY endpoint_id, queue",
                        (minute - 60, *params, minute - 1440)):
         if row["endpoint_id"] in endpoints:
-            queue = endpoints[row["endpoint_id"]]["queues"].setdefault(row["queue"], {"counts": {},
-                                                                                      "oldest_pending": None})
-            queue["done"] = {"hour": row["hour"], "day": row["day"]}
+            _queue_of(endpoints[row["endpoint_id"]], row["queue"])["done"] = {"hour": row["hour"], "day": row["day"]}
     running_total = sum(q["counts"].get("claimed", 0) for e in endpoints.values() for q in e["queues"].values())
     return {"endpoints": list(endpoints.values()), "running": running[:BOARD_PAGE_SIZE], "running_total": running_total,
             "more": f"{more['created_at']}.{more['id']}" if more else None, **bulk_choices(txn, principal)}
 
 
 def board_todos(txn: Txn, principal: Principal, selection: Selection, after: tuple[int, str] | None) -> dict:
-    """The todo list in every state, newest first, a page at a time (select_page); how many match the filter
+    """The todo list in every state, newest first, a page at a time (select_page), each with its completion's
+    summary (the latest completed attempt's, on one line and cut to SUMMARY_CHARS); how many match the filter
     (None when only a title scan could say), and the queues a bulk reroute may name."""
     page, more = select_page(txn, principal, selection, BOARD_PAGE_SIZE, after)
     rows = txn.all(f"SELECT id, endpoint_id, queue, state, outcome, title, source, kind, subject_key, attempt,"
-                   f" max_attempts, dead_letter, created_at, updated_at FROM todos WHERE id IN"
-                   f" ({', '.join('?' * len(page))}) ORDER BY created_at DESC, id DESC", page) if page else []
-    return {"todos": [dict(r) for r in rows], "more": f"{more[0]}.{more[1]}" if more else None,
+                   f" max_attempts, dead_letter, created_at, updated_at, (SELECT a.summary FROM attempts a WHERE"
+                   f" a.todo_id = todos.id AND a.outcome = 'completed' ORDER BY a.seq DESC LIMIT 1) AS summary"
+                   f" FROM todos WHERE id IN ({', '.join('?' * len(page))}) ORDER BY created_at DESC, id DESC",
+                   page) if page else []
+    todos = [{**r, "summary": _one_line(r["summary"]), "summary_cut": _one_line(r["summary"], SUMMARY_CHARS)}
+             for r in map(dict, rows)]
+    return {"todos": todos, "more": f"{more[0]}.{more[1]}" if more else None,
             "total": count_selection(txn, principal, selection, BULK_MAX),
             "endpoint_choices": list_endpoints(txn, principal)["endpoints"], **bulk_choices(txn, principal)}
+
+
+def bulk_offer(states: Iterable[str] | None) -> list[str]:
+    """The bulk actions a list of todos in `states` offers, the one it most likely wants first: only those the
+    states allow (a filter of done or cancelled work allows none). A list of every state offers them all."""
+    states = set(states or ())
+    return [action for action in BULK_PREFERENCE if not states or states & set(ACTION_STATES[action])]
 
 
 def bulk_choices(txn: Txn, principal: Principal) -> dict:
@@ -363,11 +399,25 @@ def _working(txn: Txn, clause: str, params: tuple) -> dict[str, list[dict]]:
     working: dict[str, dict[str, dict]] = {}
     for row in rows:
         claimant = working.setdefault(row["endpoint_id"], {}).setdefault(
-            row["claimant"], {"claimant": row["claimant"], "queues": [], "jobs": 0, "since": row["since"]})
+            row["claimant"], {"claimant": row["claimant"], "queues": [], "jobs": 0, "since": row["since"],
+                              "jobs_by_queue": {}})
         claimant["queues"].append(row["queue"])
         claimant["jobs"] += row["jobs"]
+        claimant["jobs_by_queue"][row["queue"]] = row["jobs"]
         claimant["since"] = min(claimant["since"], row["since"])
     return {endpoint_id: list(by_claimant.values()) for endpoint_id, by_claimant in working.items()}
+
+
+def _recent_finishers(txn: Txn, clause: str, params: tuple) -> list[sqlite3.Row]:
+    """Who finished work in the last BOARD_RECENT_MS, per endpoint and queue, latest first: a worker between two
+    claims holds no lease, and its waiting claim carries no name, but the store knows who it was. Read from the
+    latest BOARD_RECENT_TODOS finished todos (todos_finished's newest stretch) and their attempts, by key."""
+    since = txn.now - BOARD_RECENT_MS
+    rows = txn.all(f"SELECT t.endpoint_id, t.queue, a.claimant, a.ended_at FROM (SELECT id, endpoint_id, queue"
+                   f" FROM todos INDEXED BY todos_finished WHERE state IN ('done', 'failed', 'cancelled')"
+                   f" AND updated_at > ? AND {clause} ORDER BY updated_at DESC LIMIT ?) t"
+                   f" JOIN attempts a ON a.todo_id = t.id AND a.ended_at > ?", (since, *params, BOARD_RECENT_TODOS, since))
+    return sorted(rows, key=lambda row: row["ended_at"], reverse=True)
 
 
 def board_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
@@ -428,7 +478,12 @@ def _one_line(value: object, cut: int | None = None) -> str | None:
     if not isinstance(value, str) or not value.strip():
         return None
     text = " ".join(value.split())
-    return text if cut is None or len(text) <= cut else text[:cut - 1].rstrip() + "…"
+    if cut is None or len(text) <= cut:
+        return text
+    short = text[:cut - 1]
+    if " " in short[cut // 2:]:  # cut between words where one ends in the latter half
+        short = short.rsplit(" ", 1)[0]
+    return short.rstrip(" ,;:") + "…"
 
 
 def _line(source: str, kind: str | None, record: dict, payload: object) -> dict:
