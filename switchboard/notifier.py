@@ -190,9 +190,12 @@ def shape_request(kind: str, url: str, token: str | None, message: Composed,
 # listens there, so a channel's test cannot scan the box's ports.
 REFUSED_ADDRESS = ("refused: the channel's host is a loopback, link-local or unspecified address, which this"
                    " server does not send to")
-# … and what adding such a channel answers (400): the same whatever the port, with what the operator may do.
-REFUSED_CHANNEL = (f"url: {REFUSED_ADDRESS} (unless the server's operator allows it: serve --notify-allow-private,"
-                   f" or --notify-allow ADDRESS[:PORT])")
+# … and what adding such a channel answers (400): the same whatever the port, with what the operator may do. A CLI
+# command is not the server: its allowance is its own environment's, so its refusal names the variables.
+SERVE_ALLOWANCE = "unless the server's operator allows it: serve --notify-allow-private, or --notify-allow ADDRESS[:PORT]"
+COMMAND_ALLOWANCE = ("unless this command's environment allows it: SWITCHBOARD_NOTIFY_ALLOW_PRIVATE=1, or"
+                     " SWITCHBOARD_NOTIFY_ALLOW=ADDRESS[:PORT]")
+REFUSED_CHANNEL = f"url: {REFUSED_ADDRESS} ({SERVE_ALLOWANCE})"
 # How long adding a channel waits for its host name to resolve; past that (or when it does not resolve) the
 # channel is added, and every send resolves and checks it again.
 NOTIFY_CHECK_RESOLVE_SECONDS = 2.0
@@ -264,8 +267,8 @@ class Addresses:
         address = _plain(address)
         return any(address in network and wanted in (None, port) for network, wanted in self.allowed)
 
-    async def vet(self, url: str) -> None:
-        """Refuse a new channel (400, REFUSED_CHANNEL) whose host is, or names, an address `permits` refuses:
+    async def vet(self, url: str, refusal: str = REFUSED_CHANNEL) -> None:
+        """Refuse a new channel (400, `refusal`) whose host is, or names, an address `permits` refuses:
         an address literal at once; a name resolved in a thread of its own, waiting at most
         NOTIFY_CHECK_RESOLVE_SECONDS. A name that does not resolve in time, or at all, passes: each send resolves
         and checks its host again (a name may point elsewhere by then), so nothing reaches a refused address."""
@@ -282,7 +285,7 @@ class Addresses:
         except (TimeoutError, OSError):
             return
         if not all(self.permits(address, port) for address in found):
-            raise ApiError("invalid_argument", REFUSED_CHANNEL)
+            raise ApiError("invalid_argument", refusal)
 
 
 def host_and_port(url: httpx.URL) -> tuple[str, int]:

@@ -407,9 +407,9 @@ def _vet_channel_url(url: str) -> None:
     SWITCHBOARD_NOTIFY_ALLOW: the serve flags' variables)."""
     import asyncio
 
-    from switchboard.notifier import Addresses  # httpx and the resolver, for this one command
+    from switchboard.notifier import COMMAND_ALLOWANCE, REFUSED_ADDRESS, Addresses  # httpx, for this one command
 
-    asyncio.run(Addresses.configured().vet(url))
+    asyncio.run(Addresses.configured().vet(url, f"url: {REFUSED_ADDRESS} ({COMMAND_ALLOWANCE})"))
 
 
 def cli_notify_list(args: argparse.Namespace, db: Database) -> dict:

@@ -46,14 +46,17 @@ def read_token_file(path: str) -> str:
 
 
 def cli_connection_add(args: argparse.Namespace, db: Database) -> dict:
-    """Ask the forge who the token is (from here, under the serve flags' allowance of internal addresses:
+    """Ask the forge who the token is (from here, under this command's own allowance of internal addresses:
     SWITCHBOARD_NOTIFY_ALLOW_PRIVATE, SWITCHBOARD_NOTIFY_ALLOW), then store the connection with its sealed token."""
-    from switchboard.forge import token_login
+    from switchboard.forge import REFUSED_FORGE, token_login
+    from switchboard.notifier import COMMAND_ALLOWANCE
 
     human = db.read_sync(find_human, args.human)
     body = parse_model(ConnectionCreate, {"kind": args.kind, "api_url": args.api, "token": read_token_file(
         args.token_file), "repos": [r.strip() for r in args.repos.split(",") if r.strip()]})
     sender = _sender(args, db)
+    # Checked here first, so that a refusal names what allows it for this command (not serve's flags).
+    asyncio.run(sender.addresses.vet(body.api_url, f"api_url: {REFUSED_FORGE} ({COMMAND_ALLOWANCE})"))
     login = asyncio.run(token_login(sender, body.kind, body.api_url, body.token))
     return db.write_sync(add_connection, OPERATOR, sender.box, body, login, human["id"])
 

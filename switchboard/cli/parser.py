@@ -482,8 +482,10 @@ CREATES_DATABASE = (cli_init, cli_serve)
 
 
 def _fail(args: argparse.Namespace, body: dict) -> int:
+    """An error goes to stderr, with --json as its one JSON object: stdout stays empty, so a script's
+    `--json > FILE` or `--out FILE` never saves an error as if it were the answer."""
     if args.json:
-        print(json.dumps(body))
+        print(json.dumps(body), file=sys.stderr)
     else:
         print(f"error: {body['error']}: {body['message']}", file=sys.stderr)
     return 1
