@@ -41,7 +41,15 @@ from starlette.testclient import TestClient
 from switchboard.app import create_app
 from switchboard.configuration import NOTIFY_MAX_CHANNELS
 from switchboard.crypto import SecretBox
-from switchboard.notifier import COMMAND_ALLOWANCE, REFUSED_ADDRESS, REFUSED_CHANNEL, Addresses, compose, internal, shape_request
+from switchboard.notifier import (
+    COMMAND_ALLOWANCE,
+    REFUSED_ADDRESS,
+    REFUSED_CHANNEL,
+    Addresses,
+    compose,
+    internal,
+    shape_request,
+)
 from switchboard.store.outbox import Outgoing
 
 # -- small receivers of our own ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from switchboard.models import ConnectionCreate, SubjectListQuery, WebhookConnec
 from switchboard.store.connections import add_connection, connect_webhook, disconnect_webhook, list_connections
 from switchboard.store.connections import remove_connection as remove_connection_body
 from switchboard.store.principals import OPERATOR, find_human
-from switchboard.store.subjects import get_subject, list_subjects
+from switchboard.store.subjects import list_subjects, subject_answer
 
 if TYPE_CHECKING:
     from switchboard.forge import ForgeSender
@@ -90,7 +90,25 @@ def cli_webhook_disconnect(args: argparse.Namespace, db: Database) -> dict:
 
 
 def cli_subject_show(args: argparse.Namespace, db: Database) -> dict:
-    return db.read_sync(get_subject, OPERATOR, args.key)
+    answer = db.read_sync(subject_answer, OPERATOR, args.key)
+    return answer if args.json else {**answer, "timeline": [_timeline_line(e) for e in answer["timeline"]]}
+
+
+def _timeline_line(entry: dict) -> dict:
+    """A timeline entry on one table line for people: who did it (sender, actor), by which rule, in which queue,
+    and what happened in words."""
+    if entry["type"] == "delivery":
+        made = f" -> {','.join(entry['todos'])}" if entry.get("todos") else ""
+        what = f"{entry['disposition']}{' (' + entry['cause'] + ')' if entry.get('cause') else ''}{made}"
+    elif entry["type"] == "transition":
+        what = f"{entry['from'] or 'new'} -> {entry['to']}"
+    elif entry["type"] == "output":
+        what = f"{entry['output_type']} {entry['state']}{': ' + entry['error'] if entry.get('error') else ''}"
+    else:
+        what = f"absorbed {','.join(entry.get('absorbed') or []) or 'nothing'}"
+    return {"at": entry["at"], "type": entry["type"], "todo_id": entry.get("todo_id"), "queue": entry.get("queue"),
+            "kind": entry.get("kind"), "action": entry.get("action"), "sender": entry.get("sender"),
+            "rule": entry.get("rule_id"), "actor": entry.get("actor"), "what": what}
 
 
 def cli_subject_list(args: argparse.Namespace, db: Database) -> dict:

@@ -29,7 +29,7 @@ TABLE_COLUMNS = {
     "connections": ("id", "kind", "login", "api_url", "repos", "last_used_at", "last_error"),
     "subjects": ("key", "state", "open_todos", "queues", "last_activity_at", "title"),
     "outputs": ("id", "type", "state", "target", "error", "sent_at"),
-    "timeline": ("at", "type", "todo_id", "kind", "disposition", "to", "output_type", "state"),
+    "timeline": ("at", "type", "todo_id", "queue", "kind", "action", "sender", "rule", "actor", "what"),
 }
 
 

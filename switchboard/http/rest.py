@@ -101,7 +101,7 @@ from switchboard.store.principals import (
 )
 from switchboard.store.queues import list_queues, pause_queue, resume_queue, set_queue_limits
 from switchboard.store.rules import get_rules
-from switchboard.store.subjects import get_subject, list_subjects
+from switchboard.store.subjects import list_subjects, subject_answer
 from switchboard.store.todos import get_todo, list_todos
 from switchboard.store.transitions import claim_queues, revoke_endpoint
 from switchboard.store.upkeep import AGENT_ACTIONS, HUMAN_ACTIONS
@@ -183,7 +183,7 @@ REST_ROUTES: list[ApiRoute] = [
              query=SubjectListQuery, answer=SubjectListAnswer, auth="human", store=list_subjects),
     ApiRoute("GET", "/api/v1/subjects/{key:path}", "", "one subject (its key URL-encoded): its todos in every queue"
              " and one timeline of deliveries, transitions, outputs and receipts, as the caller may see them",
-             answer=SubjectAnswer, store=get_subject),
+             answer=SubjectAnswer, store=subject_answer),
     *_action_routes(),
     ApiRoute("POST", "/api/v1/todos/{todo_id}/release-quarantine", "", "release a held delivery: re-evaluate"
              " the rules, or send it to a queue", body=ReleaseQuarantine, answer=TodoAnswer, auth="human",
