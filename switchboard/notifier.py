@@ -25,8 +25,8 @@ from prometheus_client import Counter
 
 from switchboard.configuration import UNSAFE_TEXT, VERSION, ApiError, iso, log, switch_value
 from switchboard.crypto import SecretBox
-from switchboard.database import Database
-from switchboard.store.outbox import Outgoing, due_messages, record_sending
+from switchboard.database import Database, Txn
+from switchboard.store.outbox import OUTPUTS_HELD_RECHECK_MS, Outgoing, due_messages, outputs_held, record_sending
 
 if TYPE_CHECKING:
     import httpx
@@ -361,6 +361,14 @@ class _HumanSlots:
     users: int = 0
 
 
+def due_unless_held(txn: Txn, *args: Any) -> tuple[list[Outgoing], int | None]:
+    """due_messages, unless outputs are held (a restored copy): then nothing, and a look again soon, in the same
+    transaction, so a hold that commits first is never overtaken by a send."""
+    if outputs_held(txn) is not None:
+        return [], txn.now + OUTPUTS_HELD_RECHECK_MS
+    return due_messages(txn, *args)
+
+
 class Notifier:
     """The sender loop. `wake()` may be called from any thread (the writer calls it after a commit that wrote
     to the outbox); the loop also wakes when the next held-back message falls due, and when a send ends."""
@@ -407,7 +415,7 @@ class Notifier:
             try:
                 room = NOTIFY_MAX_SENDS - len(self.tasks)
                 if room > 0:  # else a send ending wakes the loop
-                    due, next_due = await self.db.write(due_messages, int(NOTIFY_RATE_SECONDS * 1000),
+                    due, next_due = await self.db.write(due_unless_held, int(NOTIFY_RATE_SECONDS * 1000),
                                                         frozenset(self.busy), dict(self.started), room,
                                                         NOTIFY_SENDS_PER_HUMAN)
                     client = await self.client() if due else None

@@ -48,7 +48,16 @@ from switchboard.providers import PROVIDER_TABLE
 from switchboard.store.bulk import BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step, step_pacing
 from switchboard.store.deliveries import list_events
 from switchboard.store.human_actions import push_todo
-from switchboard.store.outbox import add_channel, list_channels, queue_test_message, remove_channel
+from switchboard.store.outbox import (
+    BACKUP_HOLD_REASON,
+    add_channel,
+    hold_outputs,
+    list_channels,
+    outputs_status,
+    queue_test_message,
+    remove_channel,
+    resume_outputs,
+)
 from switchboard.store.principals import (
     OPERATOR,
     add_human,
@@ -497,6 +506,13 @@ def cli_backup(args: argparse.Namespace, db: Database) -> dict:
     if out.exists():
         raise ApiError("conflict", f"{out} exists; choose a new file")
     db.backup(str(out))
+    # The copy is born with outputs held: restored (in a drill, or for real), it sends nothing until the
+    # operator runs `outputs resume` on it; this database is untouched.
+    copy = Database(str(out), inline_rings=False)
+    try:
+        copy.write_sync(hold_outputs, BACKUP_HOLD_REASON)
+    finally:
+        copy.close()
     removed = []
     if args.dir is not None and args.keep is not None:
         dated = sorted(p for p in Path(args.dir).iterdir() if BACKUP_NAME.match(p.name))
@@ -504,7 +520,23 @@ def cli_backup(args: argparse.Namespace, db: Database) -> dict:
             old.unlink()
             removed.append(str(old.resolve()))
     return {"backup": str(out.resolve()), "removed": removed,
-            "key_file": "back up switchboard.key (or SWITCHBOARD_SECRET_KEY) separately, once"}
+            "key_file": "back up switchboard.key (or SWITCHBOARD_SECRET_KEY) separately, once",
+            "outputs": "held in the copy: restored, it sends nothing until `outputs resume`"}
+
+
+def cli_outputs_status(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(outputs_status)
+
+
+def cli_outputs_hold(args: argparse.Namespace, db: Database) -> dict:
+    """Hold everything that goes out (forge outputs, status comments, notifications): before serving a restored
+    copy that did not come from `backup` (pg_restore, a copied file)."""
+    return db.write_sync(hold_outputs, args.reason)
+
+
+def cli_outputs_resume(args: argparse.Namespace, db: Database) -> dict:
+    """The operator says so: what waited goes out (a running server looks again within a second or so)."""
+    return db.write_sync(resume_outputs)
 
 
 def cli_prune(args: argparse.Namespace, db: Database) -> dict:
@@ -541,7 +573,7 @@ def _sandbox_health() -> str:
 def cli_check(args: argparse.Namespace, db: Database) -> dict:
     sealed = db.read_sync(sealed_sample)
     report = {**db.read_sync(check_database), "key": _key_health(args.db, sealed, args.key_file),
-              "sandbox": _sandbox_health()}
+              "sandbox": _sandbox_health(), "outputs": db.read_sync(outputs_status)}
     problems = []
     if report["integrity"] != "ok" or report["foreign_keys"] != "ok":
         problems.append("the database is damaged: restore the latest backup")

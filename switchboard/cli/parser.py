@@ -29,6 +29,9 @@ from switchboard.cli.commands import (
     cli_notify_list,
     cli_notify_remove,
     cli_notify_test,
+    cli_outputs_hold,
+    cli_outputs_resume,
+    cli_outputs_status,
     cli_prune,
     cli_queue_limits,
     cli_queue_list,
@@ -439,6 +442,13 @@ def _add_operations(commands: argparse._SubParsersAction, common: argparse.Argum
                        " the other engine (a SQLite file into a postgresql:// URL, or back), checked table by table",
                        common)
     copy.add_argument("target", help="the empty database: a postgresql:// URL, or a new SQLite file")
+    outputs = _group(commands, "outputs", "what goes out (forge outputs, status comments, notifications): held in a"
+                     " restored copy until resumed", "{status,hold,resume}")
+    _subcommand(outputs, "status", cli_outputs_status, "whether outputs are held, and what waits to go out", common)
+    hold = _subcommand(outputs, "hold", cli_outputs_hold, "send nothing out until `outputs resume` (what comes"
+                       " meanwhile waits); every backup's copy is born held", common)
+    hold.add_argument("--reason", help="why, for status and check (default: held by the operator)")
+    _subcommand(outputs, "resume", cli_outputs_resume, "send what waited, and what comes, again", common)
 
 
 def program_name() -> str:
