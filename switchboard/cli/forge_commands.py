@@ -9,12 +9,18 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from switchboard.cli.output import read_json_file
+from switchboard.cli.output import existing, read_json_file, with_out
 from switchboard.configuration import ApiError
 from switchboard.crypto import SecretBox, sealed_sample
 from switchboard.database import Database
 from switchboard.models import ConnectionCreate, SubjectListQuery, WebhookConnect, parse_model
-from switchboard.store.connections import add_connection, connect_webhook, disconnect_webhook, list_connections
+from switchboard.store.connections import (
+    add_connection,
+    connect_webhook,
+    connection_view,
+    disconnect_webhook,
+    list_connections,
+)
 from switchboard.store.connections import remove_connection as remove_connection_body
 from switchboard.store.principals import OPERATOR, find_human
 from switchboard.store.subjects import list_subjects, subject_answer
@@ -54,11 +60,31 @@ def cli_connection_add(args: argparse.Namespace, db: Database) -> dict:
     human = db.read_sync(find_human, args.human)
     body = parse_model(ConnectionCreate, {"kind": args.kind, "api_url": args.api, "token": read_token_file(
         args.token_file), "repos": [r.strip() for r in args.repos.split(",") if r.strip()]})
+    if args.if_missing:
+        found = _connection_to(db, human["id"], body)
+        if found is not None:
+            return existing(args, found, f"connection to {body.api_url}", None)
     sender = _sender(args, db)
     # Checked here first, so that a refusal names what allows it for this command (not serve's flags).
     asyncio.run(sender.addresses.vet(body.api_url, f"api_url: {REFUSED_FORGE} ({COMMAND_ALLOWANCE})"))
     login = asyncio.run(token_login(sender, body.kind, body.api_url, body.token))
-    return db.write_sync(add_connection, OPERATOR, sender.box, body, login, human["id"])
+    return with_out(args, db.write_sync(add_connection, OPERATOR, sender.box, body, login, human["id"]))
+
+
+def _connection_to(db: Database, human_id: str, body: ConnectionCreate) -> dict | None:
+    """The human's connection of that kind to that API, for --if-missing: reused only for the same repos (its
+    token stays as it is: `connection remove` and add again replaces it)."""
+    rows = db.read_sync(lambda txn: txn.all("SELECT * FROM forge_connections WHERE human_id = ? AND kind = ? AND"
+                                            " api_url = ? ORDER BY created_at, id",
+                                            (human_id, body.kind, body.api_url.rstrip("/"))))
+    if not rows:
+        return None
+    found = connection_view(rows[0])
+    if len(rows) > 1 or found["repos"] != list(dict.fromkeys(body.repos)):
+        raise ApiError("conflict", f"{len(rows)} connection(s) of this human to {body.api_url} exist"
+                                   f" ({', '.join(r['id'] for r in rows)}, repos {', '.join(found['repos'])}): remove"
+                                   " them, or add with the same --repos")
+    return found
 
 
 def cli_connection_list(args: argparse.Namespace, db: Database) -> dict:

@@ -105,6 +105,12 @@ def _group(commands: argparse._SubParsersAction, name: str, help_text: str, meta
     return commands.add_parser(name, help=help_text).add_subparsers(dest="sub", required=True, metavar=metavar)
 
 
+def _if_missing(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--if-missing", dest="if_missing", action="store_true",
+                        help=f"when {what} exists, answer it (`existing`: true) and make nothing, so a set-up script"
+                             " may run again; a --out file must then hold the answer of the run that made it")
+
+
 def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     serve = _subcommand(commands, "serve", cli_serve,
                         "run the server (creates the database on first start); every flag also reads"
@@ -181,6 +187,7 @@ def _add_principals(commands: argparse._SubParsersAction, common: argparse.Argum
                                                        " webhooks, all")
     vend.add_argument("--lease", type=int, help="default lease seconds (60..86400)")
     vend.add_argument("--out", help="also write the answer (with the token) to this file, mode 0600")
+    _if_missing(vend, "the human's endpoint of this name, with this scope")
     _subcommand(endpoint, "list", cli_endpoint_list, "list every endpoint", common)
     _subcommand(endpoint, "revoke", cli_endpoint_revoke, "revoke an endpoint (its open work becomes dead"
                 " letters)", common).add_argument("id", help="endpoint id (ep_…)")
@@ -299,6 +306,7 @@ def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.Argumen
     create.add_argument("--secret", help="supply the secret instead of minting one (Stripe, Slack: theirs)")
     create.add_argument("--base-url", dest="base_url", help="public base of the ingest URL")
     create.add_argument("--out", help="also write the answer (URL and secret) to this file, mode 0600")
+    _if_missing(create, "the endpoint's webhook of this --name (same provider and queue; --trust is applied)")
     _add_trust_options(create)
     rename = _subcommand(webhook, "rename", cli_webhook_rename, "name a webhook, or clear its name", common)
     rename.add_argument("id", help="webhook id (wh_…)")
@@ -409,6 +417,8 @@ def _add_forge(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
                      help="a file (mode 0600) holding the token: issues read and write, nothing else")
     add.add_argument("--repos", required=True, help="comma-separated owners (acme/) or repositories (acme/site) it"
                                                     " may write to")
+    add.add_argument("--out", help="also write the answer to this file, mode 0600 (never the token)")
+    _if_missing(add, "the human's connection of this kind to this API, with these repos")
     _subcommand(connection, "list", cli_connection_list, "every connection (no tokens)", common)
     _subcommand(connection, "test", cli_connection_test, "ask the forge again who the token is (exit 1 when it"
                 " does not answer as before)", common).add_argument("id", help="connection id (fc_…)")
