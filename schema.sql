@@ -374,6 +374,15 @@ CREATE INDEX IF NOT EXISTS notify_outbox_due ON notify_outbox(next_at) WHERE sen
 CREATE INDEX IF NOT EXISTS notify_outbox_by_channel ON notify_outbox(channel_id, created_at)
     WHERE sent_at IS NULL AND gave_up_at IS NULL;
 
+-- Outputs held: while this one row exists, nothing goes out (forge outputs, status comments, notifications);
+-- it accumulates and is sent once the operator resumes. Every backup is born with it, so a restored copy (a drill)
+-- is no live server until the operator says so.
+CREATE TABLE IF NOT EXISTS outputs_hold (
+    scope   TEXT PRIMARY KEY CHECK (scope = 'all'),
+    since   INTEGER NOT NULL,
+    reason  TEXT NOT NULL CHECK (length(reason) BETWEEN 1 AND 512)
+) WITHOUT ROWID;
+
 -- Replays: a stored delivery evaluated again under the webhook's current rules, by a human.
 CREATE TABLE IF NOT EXISTS event_replays (
     id          TEXT PRIMARY KEY CHECK (id LIKE 'rp\_%' ESCAPE '\'),

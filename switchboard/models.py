@@ -893,6 +893,36 @@ class TimelineEntry(BaseModel):
     type: Literal["delivery", "transition", "output", "receipt"]
 
 
+class SubjectTodo(AnswerModel):
+    """A todo as a subject names it: a list's fields but its documents (payload, work_order, work_item, trace,
+    result); `link` fetches it whole."""
+    id: str
+    endpoint_id: str
+    queue: str
+    state: Literal[TODO_STATES]
+    outcome: Literal["completed", "approved", "absorbed", "discarded"] | None
+    title: str
+    source: str
+    kind: str | None
+    subject_key: str | None
+    priority: int
+    attempt: int
+    max_attempts: int
+    dead_letter: bool
+    lease_expires_at: Instant
+    available_at: Instant
+    created_at: Instant
+    updated_at: Instant
+    last_error: str | None
+    key: str | None
+    state_reason: str | None
+    answer: str | None
+    deferred_until: Instant
+    event_id: str | None
+    rings: RingsAnswer
+    link: str = Field(description="/api/v1/todos/{id}: the todo whole")
+
+
 class SubjectAnswer(AnswerModel):
     key: str
     title: str | None
@@ -902,7 +932,7 @@ class SubjectAnswer(AnswerModel):
     number: int | None
     labels: list[str]
     state: Literal["open", "waiting", "done"]
-    todos: list[TodoAnswer]
+    todos: list[SubjectTodo]
     timeline: list[TimelineEntry]
 
 

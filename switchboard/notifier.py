@@ -25,8 +25,8 @@ from prometheus_client import Counter
 
 from switchboard.configuration import UNSAFE_TEXT, VERSION, ApiError, iso, log, switch_value
 from switchboard.crypto import SecretBox
-from switchboard.database import Database
-from switchboard.store.outbox import Outgoing, due_messages, record_sending
+from switchboard.database import Database, Txn
+from switchboard.store.outbox import OUTPUTS_HELD_RECHECK_MS, Outgoing, due_messages, outputs_held, record_sending
 
 if TYPE_CHECKING:
     import httpx
@@ -190,9 +190,12 @@ def shape_request(kind: str, url: str, token: str | None, message: Composed,
 # listens there, so a channel's test cannot scan the box's ports.
 REFUSED_ADDRESS = ("refused: the channel's host is a loopback, link-local or unspecified address, which this"
                    " server does not send to")
-# … and what adding such a channel answers (400): the same whatever the port, with what the operator may do.
-REFUSED_CHANNEL = (f"url: {REFUSED_ADDRESS} (unless the server's operator allows it: serve --notify-allow-private,"
-                   f" or --notify-allow ADDRESS[:PORT])")
+# … and what adding such a channel answers (400): the same whatever the port, with what the operator may do. A CLI
+# command is not the server: its allowance is its own environment's, so its refusal names the variables.
+SERVE_ALLOWANCE = "unless the server's operator allows it: serve --notify-allow-private, or --notify-allow ADDRESS[:PORT]"
+COMMAND_ALLOWANCE = ("unless this command's environment allows it: SWITCHBOARD_NOTIFY_ALLOW_PRIVATE=1, or"
+                     " SWITCHBOARD_NOTIFY_ALLOW=ADDRESS[:PORT]")
+REFUSED_CHANNEL = f"url: {REFUSED_ADDRESS} ({SERVE_ALLOWANCE})"
 # How long adding a channel waits for its host name to resolve; past that (or when it does not resolve) the
 # channel is added, and every send resolves and checks it again.
 NOTIFY_CHECK_RESOLVE_SECONDS = 2.0
@@ -264,8 +267,8 @@ class Addresses:
         address = _plain(address)
         return any(address in network and wanted in (None, port) for network, wanted in self.allowed)
 
-    async def vet(self, url: str) -> None:
-        """Refuse a new channel (400, REFUSED_CHANNEL) whose host is, or names, an address `permits` refuses:
+    async def vet(self, url: str, refusal: str = REFUSED_CHANNEL) -> None:
+        """Refuse a new channel (400, `refusal`) whose host is, or names, an address `permits` refuses:
         an address literal at once; a name resolved in a thread of its own, waiting at most
         NOTIFY_CHECK_RESOLVE_SECONDS. A name that does not resolve in time, or at all, passes: each send resolves
         and checks its host again (a name may point elsewhere by then), so nothing reaches a refused address."""
@@ -282,7 +285,7 @@ class Addresses:
         except (TimeoutError, OSError):
             return
         if not all(self.permits(address, port) for address in found):
-            raise ApiError("invalid_argument", REFUSED_CHANNEL)
+            raise ApiError("invalid_argument", refusal)
 
 
 def host_and_port(url: httpx.URL) -> tuple[str, int]:
@@ -358,6 +361,14 @@ class _HumanSlots:
     users: int = 0
 
 
+def due_unless_held(txn: Txn, *args: Any) -> tuple[list[Outgoing], int | None]:
+    """due_messages, unless outputs are held (a restored copy): then nothing, and a look again soon, in the same
+    transaction, so a hold that commits first is never overtaken by a send."""
+    if outputs_held(txn) is not None:
+        return [], txn.now + OUTPUTS_HELD_RECHECK_MS
+    return due_messages(txn, *args)
+
+
 class Notifier:
     """The sender loop. `wake()` may be called from any thread (the writer calls it after a commit that wrote
     to the outbox); the loop also wakes when the next held-back message falls due, and when a send ends."""
@@ -404,7 +415,7 @@ class Notifier:
             try:
                 room = NOTIFY_MAX_SENDS - len(self.tasks)
                 if room > 0:  # else a send ending wakes the loop
-                    due, next_due = await self.db.write(due_messages, int(NOTIFY_RATE_SECONDS * 1000),
+                    due, next_due = await self.db.write(due_unless_held, int(NOTIFY_RATE_SECONDS * 1000),
                                                         frozenset(self.busy), dict(self.started), room,
                                                         NOTIFY_SENDS_PER_HUMAN)
                     client = await self.client() if due else None

@@ -360,7 +360,8 @@ def cli(db_path: str, *args: str) -> tuple[int, dict]:
     _init_first(db_path, args)
     done = subprocess.run([sys.executable, str(ROOT / "switchboard.py"), *args, "--db", db_path, "--json"],
                           capture_output=True, text=True, timeout=60)
-    return done.returncode, json.loads(done.stdout) if done.stdout.strip() else {}
+    text = done.stdout if done.stdout.strip() else done.stderr.strip().rpartition("\n")[2]  # an error: stderr
+    return done.returncode, json.loads(text) if text.strip().startswith("{") else {}
 
 
 def cli_inproc(db_path: str, *args: str) -> tuple[int, dict]:
@@ -368,14 +369,14 @@ def cli_inproc(db_path: str, *args: str) -> tuple[int, dict]:
     process through `switchboard.main`. For set-up (principals, webhooks) where the CLI itself is not under test;
     tests of the CLI use `cli`."""
     _init_first(db_path, args)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main([*args, "--db", db_path, "--json"])
         except SystemExit as exc:  # a usage error: argparse exits 2, as the real CLI would
             code = exc.code
-    text = out.getvalue()
-    return code, json.loads(text) if text.strip() else {}
+    text = out.getvalue() if out.getvalue().strip() else err.getvalue().strip().rpartition("\n")[2]  # an error
+    return code, json.loads(text) if text.strip().startswith("{") else {}
 
 
 def _init_first(db_path: str, args: tuple) -> None:

@@ -41,7 +41,15 @@ from starlette.testclient import TestClient
 from switchboard.app import create_app
 from switchboard.configuration import NOTIFY_MAX_CHANNELS
 from switchboard.crypto import SecretBox
-from switchboard.notifier import REFUSED_ADDRESS, REFUSED_CHANNEL, Addresses, compose, internal, shape_request
+from switchboard.notifier import (
+    COMMAND_ALLOWANCE,
+    REFUSED_ADDRESS,
+    REFUSED_CHANNEL,
+    Addresses,
+    compose,
+    internal,
+    shape_request,
+)
 from switchboard.store.outbox import Outgoing
 
 # -- small receivers of our own ---------------------------------------------------------------------------
@@ -479,7 +487,9 @@ def test_a_channel_to_an_internal_address_is_refused_from_the_board_and_the_cli_
         assert [c["url"] for c in client.get("/api/v1/notify", headers=alice.auth).json()["channels"]] == [
             "http://192.0.2.10/…", "http://ntfy.invalid/…"]
     add = ("notify", "add", "--human", "alice", "--kind", "ntfy", "--url", "http://[::1]:9/topic", "--events", "held")
-    assert cli_inproc(db_path, *add) == (1, {"error": "invalid_argument", "message": REFUSED_CHANNEL})
+    # A command's allowance is its environment's, not serve's flags: its refusal names the variables.
+    assert cli_inproc(db_path, *add) == (1, {"error": "invalid_argument",
+                                             "message": f"url: {REFUSED_ADDRESS} ({COMMAND_ALLOWANCE})"})
     monkeypatch.setenv("SWITCHBOARD_NOTIFY_ALLOW_PRIVATE", "1")  # the operator allows it, as serve's flag does
     code, made = cli_inproc(db_path, *add)
     assert code == 0 and made["url"] == "http://[::1]:9/…"

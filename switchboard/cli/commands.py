@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from switchboard.cli.output import read_json_file, with_out
+from switchboard.cli.output import existing, read_json_file, with_out
 from switchboard.configuration import MAX_CLOCK_SKEW_MS, PACKS_DIR, SCHEMA_VERSION, ApiError
 from switchboard.crypto import SecretBox, key_file_path, parse_key, sealed_sample
 from switchboard.database import Database
@@ -48,10 +48,20 @@ from switchboard.providers import PROVIDER_TABLE
 from switchboard.store.bulk import BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step, step_pacing
 from switchboard.store.deliveries import list_events
 from switchboard.store.human_actions import push_todo
-from switchboard.store.outbox import add_channel, list_channels, queue_test_message, remove_channel
+from switchboard.store.outbox import (
+    BACKUP_HOLD_REASON,
+    add_channel,
+    hold_outputs,
+    list_channels,
+    outputs_status,
+    queue_test_message,
+    remove_channel,
+    resume_outputs,
+)
 from switchboard.store.principals import (
     OPERATOR,
     add_human,
+    endpoint_view,
     find_human,
     friend_link,
     list_endpoints,
@@ -119,8 +129,28 @@ def cli_endpoint_vend(args: argparse.Namespace, db: Database) -> dict:
         "verbs": [v for v in args.verbs.split(",") if v],
         **({"default_lease_seconds": args.lease} if args.lease is not None else {})})
     human = db.read_sync(find_human, args.human)
+    if args.if_missing:
+        found = db.read_sync(lambda txn: txn.one("SELECT * FROM endpoints WHERE human_id = ? AND name = ?",
+                                                 (human["id"], spec.name)))
+        if found is not None:
+            return _existing_endpoint(args, endpoint_view(found), spec)
     vended = db.write_sync(vend_endpoint, human["id"], spec)
     return with_out(args, {k: vended[k] for k in ("id", "name", "token", "queues", "verbs")})
+
+
+def _existing_endpoint(args: argparse.Namespace, found: dict, spec: EndpointCreate) -> dict:
+    """An endpoint of that name, reused only as it is: a scope is immutable (SPEC 2), so another one is refused."""
+    what = f"endpoint {spec.name!r}"
+    if found["revoked_at"] is not None:
+        raise ApiError("conflict", f"{what} ({found['id']}) is revoked; its name stays taken: vend under another name")
+    wanted = {"queues": spec.queues, "verbs": spec.expanded_verbs(),
+              "default_lease_seconds": spec.default_lease_seconds or found["default_lease_seconds"]}
+    differs = [k for k, v in wanted.items() if found[k] != v]
+    if differs:
+        raise ApiError("conflict", f"{what} exists ({found['id']}) with another {' and '.join(differs)}"
+                                   f" ({', '.join(f'{k}: {json.dumps(found[k])}' for k in differs)}); a scope"
+                                   " cannot change: vend a new endpoint and revoke the old one")
+    return existing(args, {k: found[k] for k in ("id", "name", "queues", "verbs")}, what, "token")
 
 
 def cli_endpoint_list(args: argparse.Namespace, db: Database) -> dict:
@@ -292,12 +322,36 @@ def cli_webhook_create(args: argparse.Namespace, db: Database) -> dict:
     trusted = _trust_fields(args, args.provider)
     if trusted is not None:
         fields["trusted_actors"] = trusted
+    if args.if_missing:
+        found = _webhook_named(args, db)
+        if found is not None:
+            if trusted is not None:  # the trust list as this run says, like `webhook trust --trust`
+                db.write_sync(set_trusted_actors, OPERATOR, found["id"], parse_model(TrustedActors, trusted))
+            return existing(args, found, f"webhook {args.name!r}", "secret")
     made = db.write_sync(create_webhook, OPERATOR, _secret_box(args, db), parse_model(WebhookCreate, fields),
                          _base_url(args))
     if "warning" in made:
         print(f"warning: {made['warning']}", file=sys.stderr)
     # The shape SPEC section 9 names (`webhook list` shows the name).
     return with_out(args, {k: made[k] for k in ("id", "url", "secret", "provider", "queue")})
+
+
+def _webhook_named(args: argparse.Namespace, db: Database) -> dict | None:
+    """The endpoint's webhook named --name, for --if-missing: reused only for the same provider and queue."""
+    if args.name is None:
+        raise ApiError("invalid_argument", "--if-missing needs --name: the name tells this webhook from others")
+    rows = db.read_sync(lambda txn: txn.all("SELECT id, name, provider, queue FROM webhooks WHERE endpoint_id = ?"
+                                            " AND name = ? ORDER BY created_at, id", (args.endpoint, args.name)))
+    if not rows:
+        return None
+    found = dict(rows[0])
+    if len(rows) > 1:
+        raise ApiError("conflict", f"endpoint {args.endpoint} has {len(rows)} webhooks named {args.name!r}: rename"
+                                   " or delete all but one")
+    if (found["provider"], found["queue"]) != (args.provider, args.queue):
+        raise ApiError("conflict", f"webhook {args.name!r} exists ({found['id']}) for {found['provider']} into"
+                                   f" {found['queue']}: give another --name, or delete it first")
+    return found
 
 
 def cli_webhook_rename(args: argparse.Namespace, db: Database) -> dict:
@@ -407,9 +461,9 @@ def _vet_channel_url(url: str) -> None:
     SWITCHBOARD_NOTIFY_ALLOW: the serve flags' variables)."""
     import asyncio
 
-    from switchboard.notifier import Addresses  # httpx and the resolver, for this one command
+    from switchboard.notifier import COMMAND_ALLOWANCE, REFUSED_ADDRESS, Addresses  # httpx, for this one command
 
-    asyncio.run(Addresses.configured().vet(url))
+    asyncio.run(Addresses.configured().vet(url, f"url: {REFUSED_ADDRESS} ({COMMAND_ALLOWANCE})"))
 
 
 def cli_notify_list(args: argparse.Namespace, db: Database) -> dict:
@@ -497,6 +551,13 @@ def cli_backup(args: argparse.Namespace, db: Database) -> dict:
     if out.exists():
         raise ApiError("conflict", f"{out} exists; choose a new file")
     db.backup(str(out))
+    # The copy is born with outputs held: restored (in a drill, or for real), it sends nothing until the
+    # operator runs `outputs resume` on it; this database is untouched.
+    copy = Database(str(out), inline_rings=False)
+    try:
+        copy.write_sync(hold_outputs, BACKUP_HOLD_REASON)
+    finally:
+        copy.close()
     removed = []
     if args.dir is not None and args.keep is not None:
         dated = sorted(p for p in Path(args.dir).iterdir() if BACKUP_NAME.match(p.name))
@@ -504,7 +565,23 @@ def cli_backup(args: argparse.Namespace, db: Database) -> dict:
             old.unlink()
             removed.append(str(old.resolve()))
     return {"backup": str(out.resolve()), "removed": removed,
-            "key_file": "back up switchboard.key (or SWITCHBOARD_SECRET_KEY) separately, once"}
+            "key_file": "back up switchboard.key (or SWITCHBOARD_SECRET_KEY) separately, once",
+            "outputs": "held in the copy: restored, it sends nothing until `outputs resume`"}
+
+
+def cli_outputs_status(args: argparse.Namespace, db: Database) -> dict:
+    return db.read_sync(outputs_status)
+
+
+def cli_outputs_hold(args: argparse.Namespace, db: Database) -> dict:
+    """Hold everything that goes out (forge outputs, status comments, notifications): before serving a restored
+    copy that did not come from `backup` (pg_restore, a copied file)."""
+    return db.write_sync(hold_outputs, args.reason)
+
+
+def cli_outputs_resume(args: argparse.Namespace, db: Database) -> dict:
+    """The operator says so: what waited goes out (a running server looks again within a second or so)."""
+    return db.write_sync(resume_outputs)
 
 
 def cli_prune(args: argparse.Namespace, db: Database) -> dict:
@@ -541,7 +618,7 @@ def _sandbox_health() -> str:
 def cli_check(args: argparse.Namespace, db: Database) -> dict:
     sealed = db.read_sync(sealed_sample)
     report = {**db.read_sync(check_database), "key": _key_health(args.db, sealed, args.key_file),
-              "sandbox": _sandbox_health()}
+              "sandbox": _sandbox_health(), "outputs": db.read_sync(outputs_status)}
     problems = []
     if report["integrity"] != "ok" or report["foreign_keys"] != "ok":
         problems.append("the database is damaged: restore the latest backup")

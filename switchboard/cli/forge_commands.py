@@ -9,15 +9,21 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from switchboard.cli.output import read_json_file
+from switchboard.cli.output import existing, read_json_file, with_out
 from switchboard.configuration import ApiError
 from switchboard.crypto import SecretBox, sealed_sample
 from switchboard.database import Database
 from switchboard.models import ConnectionCreate, SubjectListQuery, WebhookConnect, parse_model
-from switchboard.store.connections import add_connection, connect_webhook, disconnect_webhook, list_connections
+from switchboard.store.connections import (
+    add_connection,
+    connect_webhook,
+    connection_view,
+    disconnect_webhook,
+    list_connections,
+)
 from switchboard.store.connections import remove_connection as remove_connection_body
 from switchboard.store.principals import OPERATOR, find_human
-from switchboard.store.subjects import get_subject, list_subjects
+from switchboard.store.subjects import list_subjects, subject_answer
 
 if TYPE_CHECKING:
     from switchboard.forge import ForgeSender
@@ -46,16 +52,39 @@ def read_token_file(path: str) -> str:
 
 
 def cli_connection_add(args: argparse.Namespace, db: Database) -> dict:
-    """Ask the forge who the token is (from here, under the serve flags' allowance of internal addresses:
+    """Ask the forge who the token is (from here, under this command's own allowance of internal addresses:
     SWITCHBOARD_NOTIFY_ALLOW_PRIVATE, SWITCHBOARD_NOTIFY_ALLOW), then store the connection with its sealed token."""
-    from switchboard.forge import token_login
+    from switchboard.forge import REFUSED_FORGE, token_login
+    from switchboard.notifier import COMMAND_ALLOWANCE
 
     human = db.read_sync(find_human, args.human)
     body = parse_model(ConnectionCreate, {"kind": args.kind, "api_url": args.api, "token": read_token_file(
         args.token_file), "repos": [r.strip() for r in args.repos.split(",") if r.strip()]})
+    if args.if_missing:
+        found = _connection_to(db, human["id"], body)
+        if found is not None:
+            return existing(args, found, f"connection to {body.api_url}", None)
     sender = _sender(args, db)
+    # Checked here first, so that a refusal names what allows it for this command (not serve's flags).
+    asyncio.run(sender.addresses.vet(body.api_url, f"api_url: {REFUSED_FORGE} ({COMMAND_ALLOWANCE})"))
     login = asyncio.run(token_login(sender, body.kind, body.api_url, body.token))
-    return db.write_sync(add_connection, OPERATOR, sender.box, body, login, human["id"])
+    return with_out(args, db.write_sync(add_connection, OPERATOR, sender.box, body, login, human["id"]))
+
+
+def _connection_to(db: Database, human_id: str, body: ConnectionCreate) -> dict | None:
+    """The human's connection of that kind to that API, for --if-missing: reused only for the same repos (its
+    token stays as it is: `connection remove` and add again replaces it)."""
+    rows = db.read_sync(lambda txn: txn.all("SELECT * FROM forge_connections WHERE human_id = ? AND kind = ? AND"
+                                            " api_url = ? ORDER BY created_at, id",
+                                            (human_id, body.kind, body.api_url.rstrip("/"))))
+    if not rows:
+        return None
+    found = connection_view(rows[0])
+    if len(rows) > 1 or found["repos"] != list(dict.fromkeys(body.repos)):
+        raise ApiError("conflict", f"{len(rows)} connection(s) of this human to {body.api_url} exist"
+                                   f" ({', '.join(r['id'] for r in rows)}, repos {', '.join(found['repos'])}): remove"
+                                   " them, or add with the same --repos")
+    return found
 
 
 def cli_connection_list(args: argparse.Namespace, db: Database) -> dict:
@@ -87,7 +116,25 @@ def cli_webhook_disconnect(args: argparse.Namespace, db: Database) -> dict:
 
 
 def cli_subject_show(args: argparse.Namespace, db: Database) -> dict:
-    return db.read_sync(get_subject, OPERATOR, args.key)
+    answer = db.read_sync(subject_answer, OPERATOR, args.key)
+    return answer if args.json else {**answer, "timeline": [_timeline_line(e) for e in answer["timeline"]]}
+
+
+def _timeline_line(entry: dict) -> dict:
+    """A timeline entry on one table line for people: who did it (sender, actor), by which rule, in which queue,
+    and what happened in words."""
+    if entry["type"] == "delivery":
+        made = f" -> {','.join(entry['todos'])}" if entry.get("todos") else ""
+        what = f"{entry['disposition']}{' (' + entry['cause'] + ')' if entry.get('cause') else ''}{made}"
+    elif entry["type"] == "transition":
+        what = f"{entry['from'] or 'new'} -> {entry['to']}"
+    elif entry["type"] == "output":
+        what = f"{entry['output_type']} {entry['state']}{': ' + entry['error'] if entry.get('error') else ''}"
+    else:
+        what = f"absorbed {','.join(entry.get('absorbed') or []) or 'nothing'}"
+    return {"at": entry["at"], "type": entry["type"], "todo_id": entry.get("todo_id"), "queue": entry.get("queue"),
+            "kind": entry.get("kind"), "action": entry.get("action"), "sender": entry.get("sender"),
+            "rule": entry.get("rule_id"), "actor": entry.get("actor"), "what": what}
 
 
 def cli_subject_list(args: argparse.Namespace, db: Database) -> dict:

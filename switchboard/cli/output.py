@@ -29,7 +29,7 @@ TABLE_COLUMNS = {
     "connections": ("id", "kind", "login", "api_url", "repos", "last_used_at", "last_error"),
     "subjects": ("key", "state", "open_todos", "queues", "last_activity_at", "title"),
     "outputs": ("id", "type", "state", "target", "error", "sent_at"),
-    "timeline": ("at", "type", "todo_id", "kind", "disposition", "to", "output_type", "state"),
+    "timeline": ("at", "type", "todo_id", "queue", "kind", "action", "sender", "rule", "actor", "what"),
 }
 
 
@@ -100,3 +100,22 @@ def with_out(args: argparse.Namespace, made: dict) -> dict:
     if getattr(args, "out", None):
         write_private(args.out, made)
     return made
+
+
+def existing(args: argparse.Namespace, found: dict, what: str, credential: str | None) -> dict:
+    """--if-missing found `what` made already: its answer, marked `existing`, and nothing made. A `credential`
+    (token, secret) was shown once, by the run that made it: a --out file must hold that run's answer (the same
+    id), or the command fails loudly rather than leave a file without it; the file is never rewritten. An answer
+    without a credential is written to --out as usual."""
+    out = getattr(args, "out", None)
+    if out is not None and credential is not None:
+        try:
+            saved = json.loads(Path(out).read_text())
+        except (OSError, ValueError):
+            saved = None
+        if not isinstance(saved, dict) or saved.get("id") != found["id"]:
+            raise ApiError("conflict", f"{what} exists ({found['id']}) but {out} does not hold it: its {credential}"
+                                       " was shown once, to the run that made it; restore that file, or replace"
+                                       f" the {what.split()[0]} (its {credential} cannot be shown again)")
+        return {**found, "existing": True}
+    return with_out(args, {**found, "existing": True})

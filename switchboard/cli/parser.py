@@ -29,6 +29,9 @@ from switchboard.cli.commands import (
     cli_notify_list,
     cli_notify_remove,
     cli_notify_test,
+    cli_outputs_hold,
+    cli_outputs_resume,
+    cli_outputs_status,
     cli_prune,
     cli_queue_limits,
     cli_queue_list,
@@ -100,6 +103,12 @@ def _group(commands: argparse._SubParsersAction, name: str, help_text: str, meta
            ) -> argparse._SubParsersAction:
     """A command with subcommands (human add, todo push, …)."""
     return commands.add_parser(name, help=help_text).add_subparsers(dest="sub", required=True, metavar=metavar)
+
+
+def _if_missing(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--if-missing", dest="if_missing", action="store_true",
+                        help=f"when {what} exists, answer it (`existing`: true) and make nothing, so a set-up script"
+                             " may run again; a --out file must then hold the answer of the run that made it")
 
 
 def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -178,6 +187,7 @@ def _add_principals(commands: argparse._SubParsersAction, common: argparse.Argum
                                                        " webhooks, all")
     vend.add_argument("--lease", type=int, help="default lease seconds (60..86400)")
     vend.add_argument("--out", help="also write the answer (with the token) to this file, mode 0600")
+    _if_missing(vend, "the human's endpoint of this name, with this scope")
     _subcommand(endpoint, "list", cli_endpoint_list, "list every endpoint", common)
     _subcommand(endpoint, "revoke", cli_endpoint_revoke, "revoke an endpoint (its open work becomes dead"
                 " letters)", common).add_argument("id", help="endpoint id (ep_…)")
@@ -296,6 +306,7 @@ def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.Argumen
     create.add_argument("--secret", help="supply the secret instead of minting one (Stripe, Slack: theirs)")
     create.add_argument("--base-url", dest="base_url", help="public base of the ingest URL")
     create.add_argument("--out", help="also write the answer (URL and secret) to this file, mode 0600")
+    _if_missing(create, "the endpoint's webhook of this --name (same provider and queue; --trust is applied)")
     _add_trust_options(create)
     rename = _subcommand(webhook, "rename", cli_webhook_rename, "name a webhook, or clear its name", common)
     rename.add_argument("id", help="webhook id (wh_…)")
@@ -406,6 +417,8 @@ def _add_forge(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
                      help="a file (mode 0600) holding the token: issues read and write, nothing else")
     add.add_argument("--repos", required=True, help="comma-separated owners (acme/) or repositories (acme/site) it"
                                                     " may write to")
+    add.add_argument("--out", help="also write the answer to this file, mode 0600 (never the token)")
+    _if_missing(add, "the human's connection of this kind to this API, with these repos")
     _subcommand(connection, "list", cli_connection_list, "every connection (no tokens)", common)
     _subcommand(connection, "test", cli_connection_test, "ask the forge again who the token is (exit 1 when it"
                 " does not answer as before)", common).add_argument("id", help="connection id (fc_…)")
@@ -439,6 +452,13 @@ def _add_operations(commands: argparse._SubParsersAction, common: argparse.Argum
                        " the other engine (a SQLite file into a postgresql:// URL, or back), checked table by table",
                        common)
     copy.add_argument("target", help="the empty database: a postgresql:// URL, or a new SQLite file")
+    outputs = _group(commands, "outputs", "what goes out (forge outputs, status comments, notifications): held in a"
+                     " restored copy until resumed", "{status,hold,resume}")
+    _subcommand(outputs, "status", cli_outputs_status, "whether outputs are held, and what waits to go out", common)
+    hold = _subcommand(outputs, "hold", cli_outputs_hold, "send nothing out until `outputs resume` (what comes"
+                       " meanwhile waits); every backup's copy is born held", common)
+    hold.add_argument("--reason", help="why, for status and check (default: held by the operator)")
+    _subcommand(outputs, "resume", cli_outputs_resume, "send what waited, and what comes, again", common)
 
 
 def program_name() -> str:
@@ -482,8 +502,10 @@ CREATES_DATABASE = (cli_init, cli_serve)
 
 
 def _fail(args: argparse.Namespace, body: dict) -> int:
+    """An error goes to stderr, with --json as its one JSON object: stdout stays empty, so a script's
+    `--json > FILE` or `--out FILE` never saves an error as if it were the answer."""
     if args.json:
-        print(json.dumps(body))
+        print(json.dumps(body), file=sys.stderr)
     else:
         print(f"error: {body['error']}: {body['message']}", file=sys.stderr)
     return 1

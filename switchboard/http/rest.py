@@ -87,7 +87,7 @@ from switchboard.store.connections import (
 )
 from switchboard.store.deliveries import get_event, list_events
 from switchboard.store.human_actions import push_todo
-from switchboard.store.outbox import list_channels, remove_channel
+from switchboard.store.outbox import list_channels, outputs_held, remove_channel
 from switchboard.store.principals import (
     Principal,
     authenticate,
@@ -101,7 +101,7 @@ from switchboard.store.principals import (
 )
 from switchboard.store.queues import list_queues, pause_queue, resume_queue, set_queue_limits
 from switchboard.store.rules import get_rules
-from switchboard.store.subjects import get_subject, list_subjects
+from switchboard.store.subjects import list_subjects, subject_answer
 from switchboard.store.todos import get_todo, list_todos
 from switchboard.store.transitions import claim_queues, revoke_endpoint
 from switchboard.store.upkeep import AGENT_ACTIONS, HUMAN_ACTIONS
@@ -159,8 +159,8 @@ def _action_routes() -> list[ApiRoute]:
 REST_ROUTES: list[ApiRoute] = [
     ApiRoute("POST", "/hooks/{token}", "ingest", "a producer's signed delivery (the URL is the webhook's)",
              answer=DeliveryAnswer, status=202, auth="url"),
-    ApiRoute("GET", "/healthz", "healthz", "200 `ok <version>`, or 503 naming what died", auth="none",
-             media="text/plain"),
+    ApiRoute("GET", "/healthz", "healthz", "200 `ok <version>` (and when outputs are held, since when), or 503"
+             " naming what died", auth="none", media="text/plain"),
     ApiRoute("GET", "/metrics", "metrics_text", "Prometheus text (bearer $SWITCHBOARD_METRICS_TOKEN when set)",
              auth="metrics", media="text/plain"),
     ApiRoute("GET", "/api/v1/openapi.json", "openapi", "this document", auth="none"),
@@ -183,7 +183,7 @@ REST_ROUTES: list[ApiRoute] = [
              query=SubjectListQuery, answer=SubjectListAnswer, auth="human", store=list_subjects),
     ApiRoute("GET", "/api/v1/subjects/{key:path}", "", "one subject (its key URL-encoded): its todos in every queue"
              " and one timeline of deliveries, transitions, outputs and receipts, as the caller may see them",
-             answer=SubjectAnswer, store=get_subject),
+             answer=SubjectAnswer, store=subject_answer),
     *_action_routes(),
     ApiRoute("POST", "/api/v1/todos/{todo_id}/release-quarantine", "", "release a held delivery: re-evaluate"
              " the rules, or send it to a queue", body=ReleaseQuarantine, answer=TodoAnswer, auth="human",
@@ -364,14 +364,18 @@ class Api:
 
     # -- routes ----------------------------------------------------------------------------------
     async def healthz(self, request: Request) -> Response:
-        """200 `ok <version>`, or 503 naming what died (the process is then on its way out)."""
+        """200 `ok <version>` (saying so when outputs are held), or 503 naming what died (the process is then on its
+        way out)."""
         dead = list(self.flows.vitals.deaths) + ([self.db.failure or "the writer stopped"] if not self.db.alive() else [])
         if dead:
             return PlainTextResponse(f"unavailable: {dead[0]}", status_code=503)
         try:
-            await self.db.read(lambda txn: txn.one("SELECT 1"))
+            hold = await self.db.read(outputs_held)
         except (ApiError, *database_errors()):
             return PlainTextResponse("unavailable: the database cannot be read", status_code=503)
+        if hold is not None:  # alive, but a restored copy: it says so wherever the operator looks
+            return PlainTextResponse(f"ok {VERSION}; outputs held since {hold['since']}: nothing goes out until"
+                                     " `switchboard outputs resume`")
         return PlainTextResponse(f"ok {VERSION}")
 
     async def claim_next(self, request: Request) -> Response:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from switchboard.configuration import UNSAFE_TEXT, iso
 from switchboard.database import Txn
+from switchboard.store.outbox import OUTPUTS_HELD_RECHECK_MS, outputs_held
 from switchboard.store.outputs import STATUS_EDIT_MS, neutralize_mentions
 
 STATUS_MARKER = "<!-- switchboard:status -->"
@@ -59,6 +60,8 @@ def due_forge_work(txn: Txn, busy: frozenset[str], room: int) -> tuple[list[Forg
     """What to send now, at most `room` jobs: for each subject, its oldest pending output once due (the later ones
     wait for it: outputs reach an issue in the order they were accepted), and each status comment that is due;
     and when the next one falls due. Pending work is few rows, read through partial indexes."""
+    if outputs_held(txn) is not None:  # a restored copy (outputs hold): nothing goes out until the operator resumes
+        return [], txn.now + OUTPUTS_HELD_RECHECK_MS
     jobs: list[ForgeJob] = []
     next_due: int | None = None
     heads = txn.all("SELECT o.*, c.kind, c.api_url, c.token_sealed, c.login FROM forge_outputs o"

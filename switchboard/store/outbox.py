@@ -199,3 +199,48 @@ def record_sending(txn: Txn, message: Outgoing, error: str | None) -> None:
                 (attempt, retry_at, attempt, txn.now, *ids))
     txn.execute("UPDATE notify_channels SET last_error = ?, last_error_at = ?, failures = failures + 1 WHERE id = ?",
                 (error[:300], txn.now, message.channel["id"]))
+
+
+# -- outputs held: a restored copy sends nothing until the operator says so --------------------------------
+
+# A held sender looks again this often: a resume may come from another process (the CLI), which wakes nothing.
+OUTPUTS_HELD_RECHECK_MS = 1_000
+BACKUP_HOLD_REASON = "a copy made by backup: nothing goes out until `outputs resume` (see docs/operations.md)"
+
+
+def outputs_held(txn: Txn) -> dict | None:
+    """The hold, when nothing may go out now ({since, reason}), else None: the senders' guard, read in the
+    transaction that picks what to send, and /healthz's."""
+    hold = txn.one("SELECT since, reason FROM outputs_hold")
+    return None if hold is None else {"since": iso(hold["since"]), "reason": hold["reason"]}
+
+
+def outputs_status(txn: Txn) -> dict:
+    """Whether outputs are held (since when, why) and what waits to go out: forge outputs, status comments due,
+    notifications."""
+    hold = outputs_held(txn)
+    waiting = {
+        "forge_outputs": txn.one("SELECT count(*) FROM forge_outputs WHERE state = 'pending'")[0],
+        "status_comments": txn.one("SELECT count(*) FROM forge_status WHERE due_at IS NOT NULL")[0],
+        "notifications": txn.one("SELECT count(*) FROM notify_outbox WHERE sent_at IS NULL AND gave_up_at IS NULL"
+                                 " AND event <> 'test'")[0]}
+    return {"held": hold is not None, "since": hold["since"] if hold else None,
+            "reason": hold["reason"] if hold else None, "waiting": waiting}
+
+
+def hold_outputs(txn: Txn, reason: str | None) -> dict:
+    """Hold everything that goes out. Held again, the first hold's time stays, and its reason unless a new one
+    is given."""
+    reason = " ".join((reason or "").split())[:512] or None
+    txn.execute("INSERT INTO outputs_hold (scope, since, reason) VALUES ('all', ?, ?)"
+                " ON CONFLICT (scope) DO UPDATE SET reason = coalesce(?, outputs_hold.reason)",
+                (txn.now, reason or "held by the operator", reason))
+    txn.logs.append(f"outputs held: {reason or 'again'}")
+    return outputs_status(txn)
+
+
+def resume_outputs(txn: Txn) -> dict:
+    """Let what waited, and what comes, go out."""
+    if txn.execute("DELETE FROM outputs_hold").rowcount:
+        txn.logs.append("outputs resumed: what waited goes out now")
+    return outputs_status(txn)

@@ -8,7 +8,7 @@ import binascii
 import json
 import re
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from switchboard.configuration import TERMINAL_STATES, ApiError, iso
 from switchboard.database import Txn
@@ -179,6 +179,7 @@ def _delivery_entry(row: sqlite3.Row, visible_todos: set[str]) -> dict:
             "kind": row["kind"], "action": issue.get("action") or None,
             "sender": (record.get("actor") or {}).get("sender"), "disposition": row["disposition"],
             "rule_id": trace.get("rule_id"), "stage": trace.get("stage"), "cause": trace.get("cause"),
+            "queue": action.get("queue") if isinstance(action := trace.get("action"), dict) else None,
             "labels": issue.get("labels") if issue else None, "label": issue.get("label") if issue else None,
             "todos": [t["id"] for t in outcome.get("todos", []) if t.get("id") in visible_todos]}
 
@@ -201,10 +202,31 @@ def _subject_events(txn: Txn, principal: Principal, key: str, todo_events: set[s
     return sorted(rows, key=lambda r: (r["received_at"], r["id"]))[-SUBJECT_DELIVERIES:]
 
 
-def get_subject(txn: Txn, principal: Principal, key: str) -> dict:
-    """One subject as the caller may see it: its facts, its todos in every queue (as lists answer them), and one
-    timeline, oldest first, of its deliveries, its todos' transitions, their outputs and receipts. A human sees
-    their own webhooks' deliveries and endpoints' todos; an endpoint its own todos; nothing visible is 404."""
+# What the subject answer leaves out of each todo: the producer's and the worker's documents, which made one
+# issue's answer tens of KB (each todo's whole delivery again). Its `link` fetches the todo whole.
+TODO_DOCUMENTS = ("payload", "work_order", "work_item", "trace", "result")
+
+
+def subject_todo(row: sqlite3.Row) -> dict:
+    """A todo as the subject answer names it: every field a list gives but the documents, and its link."""
+    view = todo_view(row)
+    for name in TODO_DOCUMENTS:
+        del view[name]
+    return {**view, "link": f"/api/v1/todos/{row['id']}"}
+
+
+def subject_answer(txn: Txn, principal: Principal, key: str) -> dict:
+    """`GET /api/v1/subjects/{key}` and `subject show`: the subject with its todos named and linked (subject_todo),
+    not repeated whole."""
+    return get_subject(txn, principal, key, subject_todo)
+
+
+def get_subject(txn: Txn, principal: Principal, key: str, todo_form: Callable[[sqlite3.Row], dict] = todo_view
+                ) -> dict:
+    """One subject as the caller may see it: its facts, its todos in every queue (in `todo_form`: whole for the
+    Board's page, named for the answer), and one timeline, oldest first, of its deliveries, its todos'
+    transitions, their outputs and receipts. A human sees their own webhooks' deliveries and endpoints' todos; an
+    endpoint its own todos; nothing visible is 404."""
     if principal.kind == "endpoint":
         principal.require_verb("get_todo")
     clause, params = scope_clause(principal)
@@ -233,6 +255,7 @@ def get_subject(txn: Txn, principal: Principal, key: str) -> dict:
             view = output_view(o)
             timeline.append((o["created_at"], 2, o["id"], {
                 "at": o["created_at"], "type": "output", "output_id": o["id"], "todo_id": o["todo_id"],
+                "queue": queues[o["todo_id"]],
                 "output_type": o["type"], "state": o["state"], "labels": view.get("labels"),
                 "error": o["error"], "sent_at": view["sent_at"]}))
         for r in txn.all(f"SELECT * FROM receipts WHERE todo_id IN ({_marks(ids)}) ORDER BY written_at, id", ids):
@@ -240,6 +263,7 @@ def get_subject(txn: Txn, principal: Principal, key: str) -> dict:
                                                       " ORDER BY todo_id", (r["id"],))]
             timeline.append((r["written_at"], 3, r["id"], {
                 "at": r["written_at"], "type": "receipt", "receipt_id": r["id"], "todo_id": r["todo_id"],
+                "queue": queues[r["todo_id"]],
                 "absorbed": absorbed}))
     timeline.sort(key=lambda entry: entry[:3])
     latest = next((stored_json(e["envelope"]) for e in reversed(events) if e["envelope"]), None) or {}
@@ -249,5 +273,5 @@ def get_subject(txn: Txn, principal: Principal, key: str) -> dict:
         "labels": issue.get("labels") or []}
     return {"key": key, **facts, **parse_subject_key(key),
             "state": row["state"] if row is not None else _state_of(todos),
-            "todos": [todo_view(t) for t in todos],
+            "todos": [todo_form(t) for t in todos],
             "timeline": [{**entry, "at": iso(entry["at"])} for *_, entry in timeline]}
