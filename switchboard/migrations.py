@@ -138,6 +138,11 @@ MIGRATIONS: dict[int, Migration] = {
         " `check` shows",
         postgres=("CREATE TABLE schema_history (version BIGINT PRIMARY KEY, summary TEXT NOT NULL,"
                   " applied_at BIGINT NOT NULL)",)),
+    10: Migration(
+        "outputs can be held: outputs_hold's one row stops every forge output, status comment and notification"
+        " until `outputs resume` (every backup's copy is born held)",
+        postgres=("CREATE TABLE outputs_hold (scope TEXT PRIMARY KEY CHECK (scope = 'all'), since BIGINT NOT NULL,"
+                  " reason TEXT NOT NULL CHECK (length(reason) BETWEEN 1 AND 512))",)),
 }
 
 # Columns that moved to a table of their own: (table, column) -> (new table, the copy). Whichever migration first
