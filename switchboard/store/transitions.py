@@ -135,9 +135,11 @@ def claim_once(txn: Txn, webhook_id: str, key: str, event_id: str, queue: str) -
 
 
 def transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence: dict | None,
-                **changes: Any) -> dict:
+                **changes: Any) -> dict | None:
     """The one place a todo changes state: the row, its history line, the log line, and what follows. Returns
-    the columns it wrote (see _as_written)."""
+    the columns it wrote (see _as_written), or None when the todo had left `todo["state"]` by then: another
+    transaction moved it first (where writers run side by side, a todo read without a lock may be changed before
+    this writes), and nothing is written over that move. A caller holding the row's lock always writes."""
     columns = {"state": to_state, "updated_at": txn.now, **changes}
     if to_state != "claimed":
         columns.update(lease_expires_at=None, lease_token_hash=None)
@@ -145,7 +147,10 @@ def transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence:
         columns.setdefault("available_at", txn.now)
         columns.update(ring_count=0, last_ring_at=None, ring_acked_at=None)
     assignments = ", ".join(f"{name} = ?" for name in columns)
-    txn.execute(f"UPDATE todos SET {assignments} WHERE id = ?", (*columns.values(), todo["id"]))
+    if not txn.execute(f"UPDATE todos SET {assignments} WHERE id = ? AND state = ?",
+                       (*columns.values(), todo["id"], todo["state"])).rowcount:
+        txn.logs.append(f"todo {todo['id']} left {todo['state']} before {actor} moved it to {to_state}: not moved")
+        return None
     txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence) VALUES (?, ?, ?, ?, ?, ?)",
                 (todo["id"], txn.now, actor, todo["state"], to_state,
                  json.dumps(evidence) if evidence is not None else None))
@@ -264,10 +269,11 @@ def write_receipt(txn: Txn, holder: sqlite3.Row, actor: str) -> None:
     if not txn.one("SELECT 1 FROM absorptions WHERE holder_id = ? LIMIT 1", (holder["id"],)):
         return
     seq = txn.one("SELECT MAX(seq) FROM attempts WHERE todo_id = ?", (holder["id"],))[0]
+    # Locked as they are read: a human's cancel, reroute or defer of one of them commits first, or waits.
     absorbed = [r["id"] for r in txn.all(
         "SELECT t.id FROM absorptions a JOIN todos t ON t.id = a.absorbed_id"
         " WHERE a.holder_id = ? AND a.holder_seq = ? AND t.state = 'pending' AND t.endpoint_id = ? AND t.queue = ?"
-        " AND t.subject_key = ? ORDER BY t.created_at, t.rowid",
+        f" AND t.subject_key = ? ORDER BY t.created_at, t.rowid{txn.for_update}",
         (holder["id"], seq, holder["endpoint_id"], holder["queue"], holder["subject_key"]))]
     if not absorbed:
         txn.execute("DELETE FROM absorptions WHERE holder_id = ?", (holder["id"],))
