@@ -48,9 +48,11 @@ def revoke_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> dict:
     if row["revoked_at"] is not None:
         return endpoint_view(row)
     txn.execute("UPDATE endpoints SET revoked_at = ? WHERE id = ?", (txn.now, endpoint_id))
-    # Held deliveries stay held on the owner's quarantine queue: a human releases or discards them.
+    # Held deliveries stay held on the owner's quarantine queue: a human releases or discards them. Each open todo
+    # is locked as it is read, and read as it is once a claim or a verb under way on it commits: a claim racing
+    # the revocation must have its attempt ended here, not left open on a failed todo.
     open_todos = txn.all(f"SELECT * FROM todos WHERE endpoint_id = ? AND state NOT IN {TERMINAL_STATES}"
-                         f" AND state <> 'quarantined'", (endpoint_id,))
+                         f" AND state <> 'quarantined' ORDER BY id{txn.for_update}", (endpoint_id,))
     for todo in open_todos:
         if todo["state"] == "claimed":
             end_attempt(txn, todo, "failed", "endpoint revoked")
