@@ -201,8 +201,11 @@ def _became_pending(txn: Txn, todo_id: str) -> None:
 def mark_rung(txn: Txn, row: sqlite3.Row) -> dict | None:
     """Count a ring on the todo and queue it for the doorbell. A queue that is paused, or whose caps admit no more
     claims, withholds it: counted on the todo (its re-ring sweep goes on) and sent to no one; the queue rings for
-    what waits when it opens again (ring_claimable)."""
-    txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ?", (txn.now, row["id"]))
+    what waits when it opens again (ring_claimable). None: withheld, or the todo is no longer pending."""
+    # Only while it is pending: a todo read without a lock may have been claimed (or moved) since, and needs no ring.
+    if not txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ? AND state = 'pending'",
+                       (txn.now, row["id"])).rowcount:
+        return None
     if ring_room(txn, row["endpoint_id"], row["queue"]) == 0:
         return None
     return _queue_ring(txn, row)

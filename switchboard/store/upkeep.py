@@ -85,13 +85,16 @@ def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
     for todo in expired:
         transition(txn, todo, "done", "system", {"expired_after_days": QUARANTINE_DAYS}, outcome="discarded",
                     state_reason="expired")
+    # The rings too: a todo another transaction holds is being claimed or changed and needs no ring now (waiting
+    # for it, while holding the todos rung before it, could deadlock with a claim).
     unrung = txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count = 0 AND available_at <= ?"
-                     f" AND silent = 0 AND {CLAIMABLE} ORDER BY available_at LIMIT ?", (txn.now, txn.now, limit))
+                     f" AND silent = 0 AND {CLAIMABLE} ORDER BY available_at LIMIT ?{txn.skip_locked}",
+                     (txn.now, txn.now, limit))
     rerung: list[sqlite3.Row] = []
     for count, wait_ms in enumerate(RERING_AFTER_MS, start=1):
         rerung += txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count > 0 AND ring_count = ?"
                           f" AND last_ring_at <= ?"
-                          f" AND available_at <= ? AND silent = 0 AND {CLAIMABLE} LIMIT ?",
+                          f" AND available_at <= ? AND silent = 0 AND {CLAIMABLE} LIMIT ?{txn.skip_locked}",
                           (count, txn.now - wait_ms, txn.now, txn.now, limit))
     if txn.inline_rings:
         for todo in unrung + rerung:
