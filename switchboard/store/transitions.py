@@ -358,6 +358,11 @@ _PRIOR_ATTEMPTS = ("SELECT json_group_array(json_object('seq', seq, 'claimant', 
                    " WHERE todo_id = t.id ORDER BY seq DESC LIMIT 5) AS recent")
 
 
+# A todo that is still claimable, as todo_view reads it, with its last attempts (the `?`s: its id and now).
+_CLAIMABLE_ROW = (f"SELECT t.*, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id ="
+                  f" (SELECT id FROM todos WHERE id = ? AND state = 'pending' AND {CLAIMABLE})")
+
+
 def _prior_attempts(text: str | None) -> list[dict]:
     """_PRIOR_ATTEMPTS's array, oldest first (Postgres's aggregate of no rows is NULL)."""
     return sorted(json.loads(text or "[]"), key=lambda attempt: attempt["seq"])
@@ -411,18 +416,26 @@ def claim_next(txn: Txn, principal: Principal, body: ClaimNow, rung_for: str | N
     marks = ",".join("?" * len(gate.open))
 
     def best(only: str = "") -> str:
-        return (f"SELECT t.*, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at"
-                f" <= ? LIMIT 1) AS lapsed, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id ="
-                f" (SELECT id FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks}) AND"
-                f" available_at <= ? AND {CLAIMABLE}{only} ORDER BY priority DESC, created_at, rowid LIMIT 1"
-                f"{txn.skip_locked})")
+        return (f"SELECT id, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at"
+                f" <= ? LIMIT 1) AS lapsed FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN"
+                f" ({marks}) AND available_at <= ? AND {CLAIMABLE}{only} ORDER BY priority DESC, created_at, rowid"
+                f" LIMIT 1{txn.skip_locked}")
 
     params = (principal.id, txn.now, principal.id, *gate.open, txn.now, txn.now)
-    row = txn.one(best(" AND id = ?"), (*params, rung_for)) if rung_for else None
-    if row is None:
-        row = txn.one(best(), params)
-    if (row is None or row["lapsed"]) and _reap_endpoint(txn, principal.id):
-        row = txn.one(best(), params)
+    picked = txn.one(best(" AND id = ?"), (*params, rung_for)) if rung_for else None
+    if picked is None:
+        picked = txn.one(best(), params)
+    if (picked is None or picked["lapsed"]) and _reap_endpoint(txn, principal.id):
+        picked = txn.one(best(), params)
+    row = None
+    while picked is not None:
+        # The todo read again once it is locked, by a statement of its own: where writers run side by side, the
+        # pick saw the other tables as they were when it began, and a run about the same subject may have absorbed
+        # this todo (or its fields moved) before the lock was granted. Then the next best is picked.
+        row = txn.one(_CLAIMABLE_ROW, (picked["id"], txn.now))
+        if row is not None:
+            break
+        picked = txn.one(best(), params)
     if row is None:
         return empty
     gate.count(txn, row["queue"])
