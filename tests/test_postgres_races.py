@@ -71,6 +71,7 @@ class Racer(threading.Thread):
         super().__init__(name=name, daemon=True)
         self.act = act
         self.got = None
+        self.done_unhindered = False  # finished while the other racer was still held: it never waited on it
 
     def run(self) -> None:
         try:
@@ -92,6 +93,7 @@ def race(url: str, first: Racer, second: Racer, held: Held) -> dict[str, str]:
     wait_until(lambda: lock_waits(url) >= 1, f"{first.name} waits on the row the test holds")
     second.start()
     wait_until(lambda: lock_waits(url) >= 2 or not second.is_alive(), f"{second.name} waits or is done")
+    second.done_unhindered = not second.is_alive()
     held.release()
     for racer in (first, second):
         racer.join(30)
@@ -163,6 +165,34 @@ def test_a_cancel_racing_the_failure_of_its_dependency_stays_cancelled(db_path, 
     assert counts_match_rows(db_path)
 
 
+@postgres_only
+def test_a_cancel_racing_the_receipt_that_closes_its_follow_up_stays_cancelled(db_path, world, alice):
+    """A run absorbed a follow-up, and completes while the human cancels that follow-up: the receipt leaves the
+    cancelled follow-up out instead of closing it as absorbed."""
+    reviewer = world.endpoint(alice, ["review"])
+    hook = world.webhook(alice, reviewer, "github", "review")
+
+    def push(n: int) -> str:
+        raw, headers = github("pull_request.synchronize", hook["secret"],
+                              {"number": 2, "pull_request": {"number": 2, "head": {"sha": f"{n:040x}"}}})
+        return world.deliver(hook, raw, headers).json()["todos"][0]["id"]
+
+    first = push(1)
+    lease = world.claim(reviewer)
+    followup = push(2)
+    absorbed = world.act(reviewer, first, "absorb", lease_token=lease["lease_token"])
+    assert [t["id"] for t in absorbed.json()["absorbed"]] == [followup], absorbed.text
+    got = race(db_path,
+               Racer("cancel", lambda: world.act(alice, followup, "cancel", reason="superseded")),
+               Racer("complete", lambda: world.act(reviewer, first, "complete", lease_token=lease["lease_token"],
+                                                   summary="reviewed")),
+               Held(db_path, *count_row(reviewer.id, "review", "cancelled")))
+    assert got["cancel"].startswith("200") and got["complete"].startswith("200"), got
+    assert todo_row(db_path, followup)["state"] == "cancelled", got
+    assert query(db_path, "SELECT count(*) FROM receipt_items WHERE todo_id = ?", (followup,))[0][0] == 0, got
+    assert counts_match_rows(db_path)
+
+
 # -- 3. the scheduler's re-ring and a claim --------------------------------------------------------------
 
 @postgres_only
@@ -173,11 +203,12 @@ def test_the_schedulers_re_ring_passes_by_a_todo_being_claimed(db_path, world, a
     todo = world.push(alice, agent, "q", "rung once")["id"]
     assert todo_row(db_path, todo)["ring_count"] == 1
     clock.advance(RERING_AFTER_MS[0] / 1000 + 1)
+    tick = Racer("tick", lambda: world.db.write_sync(scheduler_tick))
     got = race(db_path,
                Racer("claim", lambda: world.client.post("/api/v1/todos/claim", headers=agent.auth, json={})),
-               Racer("tick", lambda: world.db.write_sync(scheduler_tick)),
-               Held(db_path, *count_row(agent.id, "q", "claimed")))
+               tick, Held(db_path, *count_row(agent.id, "q", "claimed")))
     assert got["claim"].startswith("200") and todo in got["claim"], got
+    assert tick.done_unhindered, f"the sweep waited on the claim: {got}"
     assert "'rerung': 0" in got["tick"], got
     assert todo_row(db_path, todo)["state"] == "claimed" and todo_row(db_path, todo)["ring_count"] == 1, got
 
@@ -259,11 +290,11 @@ def test_a_dead_letter_retried_during_a_prune_is_kept(db_path, world, alice, clo
     lease = world.claim(agent)
     assert world.act(agent, todo, "fail", lease_token=lease["lease_token"], error="x", retry=False).status_code == 200
     clock.advance(RETENTION_MS / 1000 + 60)
-    got = race(db_path,
-               Racer("retry", lambda: world.act(alice, todo, "retry")),
-               Racer("prune", lambda: world.db.write_sync(prune_batch)),
+    prune = Racer("prune", lambda: world.db.write_sync(prune_batch))
+    got = race(db_path, Racer("retry", lambda: world.act(alice, todo, "retry")), prune,
                Held(db_path, *count_row(agent.id, "q", "pending")))
     assert got["retry"].startswith("200"), got
+    assert prune.done_unhindered and "'todos': 0" in got["prune"], f"the prune waited on the retry: {got}"
     assert todo_row(db_path, todo) is not None and todo_row(db_path, todo)["state"] == "pending", got
     assert world.client.get(f"/api/v1/todos/{todo}", headers=alice.auth).status_code == 200, got
     assert counts_match_rows(db_path)
