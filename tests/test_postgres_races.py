@@ -166,9 +166,9 @@ def test_a_cancel_racing_the_failure_of_its_dependency_stays_cancelled(db_path, 
 
 
 @postgres_only
-def test_a_cancel_racing_the_receipt_that_closes_its_follow_up_stays_cancelled(db_path, world, alice):
-    """A run absorbed a follow-up, and completes while the human cancels that follow-up: the receipt leaves the
-    cancelled follow-up out instead of closing it as absorbed."""
+def test_a_defer_racing_the_receipt_that_closes_its_follow_up_stays_deferred(db_path, world, alice):
+    """A run absorbed a follow-up, and completes while the human defers that follow-up: the receipt leaves the
+    deferred follow-up out instead of closing it as absorbed."""
     reviewer = world.endpoint(alice, ["review"])
     hook = world.webhook(alice, reviewer, "github", "review")
 
@@ -183,12 +183,12 @@ def test_a_cancel_racing_the_receipt_that_closes_its_follow_up_stays_cancelled(d
     absorbed = world.act(reviewer, first, "absorb", lease_token=lease["lease_token"])
     assert [t["id"] for t in absorbed.json()["absorbed"]] == [followup], absorbed.text
     got = race(db_path,
-               Racer("cancel", lambda: world.act(alice, followup, "cancel", reason="superseded")),
+               Racer("defer", lambda: world.act(alice, followup, "defer", reason="after the release")),
                Racer("complete", lambda: world.act(reviewer, first, "complete", lease_token=lease["lease_token"],
                                                    summary="reviewed")),
-               Held(db_path, *count_row(reviewer.id, "review", "cancelled")))
-    assert got["cancel"].startswith("200") and got["complete"].startswith("200"), got
-    assert todo_row(db_path, followup)["state"] == "cancelled", got
+               Held(db_path, *count_row(reviewer.id, "review", "deferred")))
+    assert got["defer"].startswith("200") and got["complete"].startswith("200"), got
+    assert todo_row(db_path, followup)["state"] == "deferred", got
     assert query(db_path, "SELECT count(*) FROM receipt_items WHERE todo_id = ?", (followup,))[0][0] == 0, got
     assert counts_match_rows(db_path)
 
