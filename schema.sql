@@ -116,7 +116,10 @@ CREATE TABLE IF NOT EXISTS events (
     subject_key   TEXT
 );
 CREATE UNIQUE INDEX IF NOT EXISTS events_delivery ON events(webhook_id, delivery_key) WHERE webhook_id IS NOT NULL;
-CREATE INDEX IF NOT EXISTS events_body ON events(webhook_id, body_hash) WHERE webhook_id IS NOT NULL;
+-- One event per body on a signed webhook: a signed body replayed under a fresh delivery id is that event's
+-- duplicate, and of two deliveries of one body recorded at once only one commits (the other finds it).
+CREATE UNIQUE INDEX IF NOT EXISTS events_signed_body ON events(webhook_id, body_hash)
+    WHERE webhook_id IS NOT NULL AND trust_mode = 'signed';
 CREATE INDEX IF NOT EXISTS events_received ON events(received_at);
 CREATE INDEX IF NOT EXISTS events_by_webhook ON events(webhook_id, received_at) WHERE webhook_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS events_by_subject ON events(subject_key, received_at) WHERE subject_key IS NOT NULL;

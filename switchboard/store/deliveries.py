@@ -97,11 +97,12 @@ def find_webhook(txn: Txn, token: str) -> sqlite3.Row | None:
 
 
 # The first outcome of a delivery seen before on webhook `w`: by delivery id, or (signed webhooks) by body, which
-# catches a replayed body under a fresh delivery id. The arms run in order, each by its index; the `?`s are the
-# delivery key and the body hash.
+# catches a replayed body under a fresh delivery id. The arms run in order, each by its unique index (the events of a
+# signed webhook are signed); the `?`s are the delivery key and the body hash. The indexes also decide between two
+# deliveries recorded at once: the second insert fails and its body runs again, finding the first.
 _FIRST_OUTCOME = ("SELECT outcome FROM events WHERE webhook_id = w.id AND delivery_key = ? UNION ALL SELECT * FROM"
-                  " (SELECT outcome FROM events WHERE w.trust_mode = 'signed' AND webhook_id = w.id AND body_hash = ?"
-                  " LIMIT 1) AS by_body LIMIT 1")
+                  " (SELECT outcome FROM events WHERE w.trust_mode = 'signed' AND trust_mode = 'signed'"
+                  " AND webhook_id = w.id AND body_hash = ? LIMIT 1) AS by_body LIMIT 1")
 
 
 def duplicate_of(txn: Txn, webhook: sqlite3.Row, key: str, body_hash: str) -> dict | None:

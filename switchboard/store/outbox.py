@@ -44,6 +44,8 @@ def add_channel(txn: Txn, principal: Principal, box: SecretBox, body: NotifyCrea
     owner = human_id or principal.human_id
     if principal.kind != "operator":
         principal.require_human("notification channels")
+    # Additions for one human take turns, so that each counts the others' channels (as the connections' quota).
+    txn.lock_key("notify_channels", owner)
     held = txn.one("SELECT count(*) AS n FROM notify_channels WHERE human_id = ?", (owner,))["n"]
     if held >= NOTIFY_MAX_CHANNELS:
         raise ApiError("conflict", f"this human already has {held} notification channels, the most one may have:"

@@ -48,9 +48,11 @@ def revoke_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> dict:
     if row["revoked_at"] is not None:
         return endpoint_view(row)
     txn.execute("UPDATE endpoints SET revoked_at = ? WHERE id = ?", (txn.now, endpoint_id))
-    # Held deliveries stay held on the owner's quarantine queue: a human releases or discards them.
+    # Held deliveries stay held on the owner's quarantine queue: a human releases or discards them. Each open todo
+    # is locked as it is read, and read as it is once a claim or a verb under way on it commits: a claim racing
+    # the revocation must have its attempt ended here, not left open on a failed todo.
     open_todos = txn.all(f"SELECT * FROM todos WHERE endpoint_id = ? AND state NOT IN {TERMINAL_STATES}"
-                         f" AND state <> 'quarantined'", (endpoint_id,))
+                         f" AND state <> 'quarantined' ORDER BY id{txn.for_update}", (endpoint_id,))
     for todo in open_todos:
         if todo["state"] == "claimed":
             end_attempt(txn, todo, "failed", "endpoint revoked")
@@ -135,9 +137,11 @@ def claim_once(txn: Txn, webhook_id: str, key: str, event_id: str, queue: str) -
 
 
 def transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence: dict | None,
-                **changes: Any) -> dict:
+                **changes: Any) -> dict | None:
     """The one place a todo changes state: the row, its history line, the log line, and what follows. Returns
-    the columns it wrote (see _as_written)."""
+    the columns it wrote (see _as_written), or None when the todo had left `todo["state"]` by then: another
+    transaction moved it first (where writers run side by side, a todo read without a lock may be changed before
+    this writes), and nothing is written over that move. A caller holding the row's lock always writes."""
     columns = {"state": to_state, "updated_at": txn.now, **changes}
     if to_state != "claimed":
         columns.update(lease_expires_at=None, lease_token_hash=None)
@@ -145,7 +149,10 @@ def transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence:
         columns.setdefault("available_at", txn.now)
         columns.update(ring_count=0, last_ring_at=None, ring_acked_at=None)
     assignments = ", ".join(f"{name} = ?" for name in columns)
-    txn.execute(f"UPDATE todos SET {assignments} WHERE id = ?", (*columns.values(), todo["id"]))
+    if not txn.execute(f"UPDATE todos SET {assignments} WHERE id = ? AND state = ?",
+                       (*columns.values(), todo["id"], todo["state"])).rowcount:
+        txn.logs.append(f"todo {todo['id']} left {todo['state']} before {actor} moved it to {to_state}: not moved")
+        return None
     txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence) VALUES (?, ?, ?, ?, ?, ?)",
                 (todo["id"], txn.now, actor, todo["state"], to_state,
                  json.dumps(evidence) if evidence is not None else None))
@@ -194,8 +201,11 @@ def _became_pending(txn: Txn, todo_id: str) -> None:
 def mark_rung(txn: Txn, row: sqlite3.Row) -> dict | None:
     """Count a ring on the todo and queue it for the doorbell. A queue that is paused, or whose caps admit no more
     claims, withholds it: counted on the todo (its re-ring sweep goes on) and sent to no one; the queue rings for
-    what waits when it opens again (ring_claimable)."""
-    txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ?", (txn.now, row["id"]))
+    what waits when it opens again (ring_claimable). None: withheld, or the todo is no longer pending."""
+    # Only while it is pending: a todo read without a lock may have been claimed (or moved) since, and needs no ring.
+    if not txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ? AND state = 'pending'",
+                       (txn.now, row["id"])).rowcount:
+        return None
     if ring_room(txn, row["endpoint_id"], row["queue"]) == 0:
         return None
     return _queue_ring(txn, row)
@@ -264,10 +274,11 @@ def write_receipt(txn: Txn, holder: sqlite3.Row, actor: str) -> None:
     if not txn.one("SELECT 1 FROM absorptions WHERE holder_id = ? LIMIT 1", (holder["id"],)):
         return
     seq = txn.one("SELECT MAX(seq) FROM attempts WHERE todo_id = ?", (holder["id"],))[0]
+    # Locked as they are read: a human's cancel, reroute or defer of one of them commits first, or waits.
     absorbed = [r["id"] for r in txn.all(
         "SELECT t.id FROM absorptions a JOIN todos t ON t.id = a.absorbed_id"
         " WHERE a.holder_id = ? AND a.holder_seq = ? AND t.state = 'pending' AND t.endpoint_id = ? AND t.queue = ?"
-        " AND t.subject_key = ? ORDER BY t.created_at, t.rowid",
+        f" AND t.subject_key = ? ORDER BY t.created_at, t.rowid{txn.for_update}",
         (holder["id"], seq, holder["endpoint_id"], holder["queue"], holder["subject_key"]))]
     if not absorbed:
         txn.execute("DELETE FROM absorptions WHERE holder_id = ?", (holder["id"],))
@@ -347,6 +358,11 @@ _PRIOR_ATTEMPTS = ("SELECT json_group_array(json_object('seq', seq, 'claimant', 
                    " WHERE todo_id = t.id ORDER BY seq DESC LIMIT 5) AS recent")
 
 
+# A todo that is still claimable, as todo_view reads it, with its last attempts (the `?`s: its id and now).
+_CLAIMABLE_ROW = (f"SELECT t.*, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id ="
+                  f" (SELECT id FROM todos WHERE id = ? AND state = 'pending' AND {CLAIMABLE})")
+
+
 def _prior_attempts(text: str | None) -> list[dict]:
     """_PRIOR_ATTEMPTS's array, oldest first (Postgres's aggregate of no rows is NULL)."""
     return sorted(json.loads(text or "[]"), key=lambda attempt: attempt["seq"])
@@ -400,18 +416,26 @@ def claim_next(txn: Txn, principal: Principal, body: ClaimNow, rung_for: str | N
     marks = ",".join("?" * len(gate.open))
 
     def best(only: str = "") -> str:
-        return (f"SELECT t.*, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at"
-                f" <= ? LIMIT 1) AS lapsed, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id ="
-                f" (SELECT id FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks}) AND"
-                f" available_at <= ? AND {CLAIMABLE}{only} ORDER BY priority DESC, created_at, rowid LIMIT 1"
-                f"{txn.skip_locked})")
+        return (f"SELECT id, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at"
+                f" <= ? LIMIT 1) AS lapsed FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN"
+                f" ({marks}) AND available_at <= ? AND {CLAIMABLE}{only} ORDER BY priority DESC, created_at, rowid"
+                f" LIMIT 1{txn.skip_locked}")
 
     params = (principal.id, txn.now, principal.id, *gate.open, txn.now, txn.now)
-    row = txn.one(best(" AND id = ?"), (*params, rung_for)) if rung_for else None
-    if row is None:
-        row = txn.one(best(), params)
-    if (row is None or row["lapsed"]) and _reap_endpoint(txn, principal.id):
-        row = txn.one(best(), params)
+    picked = txn.one(best(" AND id = ?"), (*params, rung_for)) if rung_for else None
+    if picked is None:
+        picked = txn.one(best(), params)
+    if (picked is None or picked["lapsed"]) and _reap_endpoint(txn, principal.id):
+        picked = txn.one(best(), params)
+    row = None
+    while picked is not None:
+        # The todo read again once it is locked, by a statement of its own: where writers run side by side, the
+        # pick saw the other tables as they were when it began, and a run about the same subject may have absorbed
+        # this todo (or its fields moved) before the lock was granted. Then the next best is picked.
+        row = txn.one(_CLAIMABLE_ROW, (picked["id"], txn.now))
+        if row is not None:
+            break
+        picked = txn.one(best(), params)
     if row is None:
         return empty
     gate.count(txn, row["queue"])

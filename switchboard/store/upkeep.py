@@ -85,13 +85,16 @@ def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
     for todo in expired:
         transition(txn, todo, "done", "system", {"expired_after_days": QUARANTINE_DAYS}, outcome="discarded",
                     state_reason="expired")
+    # The rings too: a todo another transaction holds is being claimed or changed and needs no ring now (waiting
+    # for it, while holding the todos rung before it, could deadlock with a claim).
     unrung = txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count = 0 AND available_at <= ?"
-                     f" AND silent = 0 AND {CLAIMABLE} ORDER BY available_at LIMIT ?", (txn.now, txn.now, limit))
+                     f" AND silent = 0 AND {CLAIMABLE} ORDER BY available_at LIMIT ?{txn.skip_locked}",
+                     (txn.now, txn.now, limit))
     rerung: list[sqlite3.Row] = []
     for count, wait_ms in enumerate(RERING_AFTER_MS, start=1):
         rerung += txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count > 0 AND ring_count = ?"
                           f" AND last_ring_at <= ?"
-                          f" AND available_at <= ? AND silent = 0 AND {CLAIMABLE} LIMIT ?",
+                          f" AND available_at <= ? AND silent = 0 AND {CLAIMABLE} LIMIT ?{txn.skip_locked}",
                           (count, txn.now - wait_ms, txn.now, txn.now, limit))
     if txn.inline_rings:
         for todo in unrung + rerung:
@@ -148,10 +151,11 @@ PRUNE_PAUSE_MS = 20
 # What retention deletes, in this order: terminal todos, then events no todo points at (a todo's payload is its
 # event's body), then sent notifications; each the oldest first, by `stamp`. A walk reads the rows meeting `walk`
 # (its index's own condition, so that SQLite walks the index in order) and deletes those that are `eligible`.
-_RETAINED = (("todos", "todos", f"state IN {TERMINAL_STATES}", "1", "updated_at"),
+_RETAINED = (("todos", "todos", f"state IN {TERMINAL_STATES}", "1 = 1", "updated_at"),
              ("events", "events", "1 = 1", "NOT EXISTS (SELECT 1 FROM todos t WHERE t.event_id = events.id)",
               "received_at"),
-             ("notifications", "notify_outbox", "(sent_at IS NOT NULL OR gave_up_at IS NOT NULL)", "1", "created_at"))
+             ("notifications", "notify_outbox", "(sent_at IS NOT NULL OR gave_up_at IS NOT NULL)", "1 = 1",
+              "created_at"))
 
 
 def retention_progress(txn: Txn) -> dict:
@@ -187,9 +191,10 @@ def _prune_walk(txn: Txn, place: dict, rows_of: str, eligible: str, stamp: str, 
     `most` of) the eligible ones that are past the age limit, or the oldest beyond the row cap. Marks the walk done
     at the first row that is neither, or at the end."""
     cutoff = txn.now - RETENTION_MS
-    table = rows_of.split()[0]
+    # A row another transaction holds is being changed (a dead letter retried, an event replayed): the walk passes
+    # it by, and the next prune looks again.
     rows = txn.all(f"SELECT rowid, {stamp} AS stamp, {eligible} AS eligible FROM {rows_of} AND {stamp} >= ?"
-                   f" AND ({stamp}, rowid) > (?, ?) ORDER BY {stamp}, rowid LIMIT ?",
+                   f" AND ({stamp}, rowid) > (?, ?) ORDER BY {stamp}, rowid LIMIT ?{txn.skip_locked}",
                    (place["after"][0], *place["after"], PRUNE_WALK))
     doomed = []
     for row in rows:
@@ -198,14 +203,19 @@ def _prune_walk(txn: Txn, place: dict, rows_of: str, eligible: str, stamp: str, 
             break
         place["after"] = (row["stamp"], row["rowid"])
         if row["eligible"]:
-            doomed.append((row["rowid"],))
+            doomed.append(row["rowid"])
             place["excess"] -= 1
             if len(doomed) == most:
                 break
     else:
         place["done"] = len(rows) < PRUNE_WALK
-    txn.executemany(f"DELETE FROM {table} WHERE rowid = ?", doomed)
-    return len(doomed)
+    if not doomed:
+        return 0
+    # Eligibility is asked again as the rows go, where it is current: a todo pointing at an event may have been
+    # made since the walk read it (the eligible column was the walk's snapshot), and a row whose stamp moved since
+    # (a todo retried and finished again) is no longer the row the walk chose.
+    return txn.execute(f"DELETE FROM {rows_of} AND {eligible} AND {stamp} <= ? AND rowid IN"
+                       f" ({', '.join('?' * len(doomed))})", (place["after"][0], *doomed)).rowcount
 
 
 def prune(db: Database, stop: threading.Event | None = None) -> dict:

@@ -85,6 +85,8 @@ def create_webhook(txn: Txn, principal: Principal, box: SecretBox, spec: Webhook
         raise ApiError("invalid_argument", f"queue: {spec.queue} is reserved")
     if not _human_grants_queue(txn, owner["human_id"], spec.queue):
         raise ApiError("invalid_argument", f"queue: no endpoint of the owner is scoped to {spec.queue}")
+    # Creations for one endpoint take turns, so that each counts the others' webhooks (as the connections' quota).
+    txn.lock_key("webhooks", owner["id"])
     count = txn.one("SELECT count(*) FROM webhooks WHERE endpoint_id = ?", (owner["id"],))[0]
     if count >= owner["webhook_max"]:
         raise ApiError("conflict", f"endpoint {owner['id']} already has its {owner['webhook_max']} webhooks")
