@@ -63,6 +63,17 @@ def _latest(*paths: str) -> str:
             f" AND v.envelope IS NOT NULL ORDER BY v.received_at DESC, v.id DESC LIMIT 1")
 
 
+# Migration 11: every copy of a signed body but the earliest gives up its hash (events_body still serves the
+# lookup), so the unique index can be built on a database that stored one body twice.
+_SIGNED_BODY_ONCE = (
+    "UPDATE events SET body_hash = NULL WHERE webhook_id IS NOT NULL AND trust_mode = 'signed'"
+    " AND body_hash IS NOT NULL AND EXISTS (SELECT 1 FROM events f WHERE f.webhook_id = events.webhook_id"
+    " AND f.trust_mode = 'signed' AND f.body_hash = events.body_hash"
+    " AND (f.received_at, f.rowid) < (events.received_at, events.rowid))",
+    "DROP INDEX IF EXISTS events_body",
+    "CREATE UNIQUE INDEX IF NOT EXISTS events_signed_body ON events(webhook_id, body_hash)"
+    " WHERE webhook_id IS NOT NULL AND trust_mode = 'signed'")
+
 # Explicit, ordered migrations: MIGRATIONS[v] upgrades a database from version v to v + 1. Steps 1 to 8 are SQLite's
 # alone (no Postgres database was ever older than 9).
 MIGRATIONS: dict[int, Migration] = {
@@ -143,6 +154,11 @@ MIGRATIONS: dict[int, Migration] = {
         " until `outputs resume` (every backup's copy is born held)",
         postgres=("CREATE TABLE outputs_hold (scope TEXT PRIMARY KEY CHECK (scope = 'all'), since BIGINT NOT NULL,"
                   " reason TEXT NOT NULL CHECK (length(reason) BETWEEN 1 AND 512))",)),
+    11: Migration(
+        "one event per signed body: the unique index events_signed_body replaces events_body, so the same body"
+        " delivered at once to two processes under two delivery ids is recorded once (an older copy of a body"
+        " already stored twice keeps its row but gives up its hash: the dedup answers from the earliest)",
+        before=_SIGNED_BODY_ONCE, postgres=_SIGNED_BODY_ONCE),
 }
 
 # Columns that moved to a table of their own: (table, column) -> (new table, the copy). Whichever migration first

@@ -178,8 +178,8 @@ def test_the_cli_never_creates_a_database_by_accident(tmp_path):
     assert done.returncode == 1 and str(tmp_path / "relative.db") in done.stderr, done.stderr
     assert not (tmp_path / "relative.db").exists()
     done = run("human", "list", "--json", env={"SWITCHBOARD_DB": str(missing)}, cwd=tmp_path)
-    assert done.returncode == 1
-    body = json.loads(done.stdout)
+    assert done.returncode == 1 and done.stdout == ""
+    body = json.loads(done.stderr)
     assert body["error"] == "not_found" and str(missing) in body["message"], body
     assert not missing.parent.exists() and not (tmp_path / "switchboard.db").exists()
     # init creates it, and SWITCHBOARD_DB is where every command then looks.
