@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -13,43 +14,15 @@ import httpx
 from conftest import ROOT, cli
 from forges import FakeForge
 
-# The README's lane block as it should read (the README is the docs helper's: this text goes there as is).
-LANE_BLOCK = r'''
-sb() { python switchboard.py "$@"; }   # an error goes to stderr (--json too): nothing hides in > /dev/null or a file
-id_of() { python -c 'import json,sys; print(json.load(open(sys.argv[1]))["id"])' "$1"; }
-# Credentials go to a private directory (0700), each file 0600, never into the checkout.
-CREDS="${XDG_CONFIG_HOME:-$HOME/.config}/switchboard"
-# Safe to run again: --if-missing answers what an earlier run made (from the files it wrote) instead of making it
-# twice, and a failing command stops the block (set -e) with its error on stderr and no file written.
-( set -eu
-mkdir -p "$CREDS" && chmod 700 "$CREDS"
-# The human: on a fresh database, alice is made here; after the walk-through above she exists (token: $HUMAN).
-sb human list | grep ' alice ' > /dev/null || sb human add alice --out "$CREDS/alice.json" > /dev/null
-sb endpoint vend --human alice --name router --queues hold --verbs webhooks --if-missing --out "$CREDS/router.json" > /dev/null
-for lane in lane-s lane-m lane-l lane-vision triage; do
-  sb endpoint vend --human alice --name "$lane" --queues "$lane" --verbs drain --if-missing --out "$CREDS/$lane.json" > /dev/null
-done
-sb webhook create --endpoint "$(id_of "$CREDS/router.json")" --name github --provider github --queue hold \
-   --trust "alice,alice-agent" --base-url https://switchboard.lab.example --if-missing \
-   --out "$CREDS/github-hook.json" > /dev/null
-HOOK=$(id_of "$CREDS/github-hook.json")
-for lane in lane-s lane-m lane-l lane-vision triage; do sb route add "$HOOK" "$(id_of "$CREDS/$lane.json")" > /dev/null; done
-cat > "$CREDS/params.json" <<JSON
-{"require_verified": true, "trusted_humans": ["alice"], "trusted_agents": ["alice-agent"],
- "cairn_actors": ["alice-agent"], "repo_prefixes": ["homelab/"]}
-JSON
-chmod 600 "$CREDS/params.json"
-sb rules set "$HOOK" --pack fleet --params "$CREDS/params.json" > /dev/null
-# The forge connection: the server keeps the token sealed (it is never shown again) and adds the labels the triage
-# worker asks for. Its login is a trusted actor of every webhook connected to it, on the gate and in the pack, so
-# the label events it causes route to the lanes without naming the bot anywhere.
-sb connection add --human alice --kind github --api https://api.github.com --token-file "$CREDS/forge.token" \
-   --repos homelab/ --if-missing --out "$CREDS/github-forge.json" > /dev/null
-sb webhook connect "$HOOK" "$(id_of "$CREDS/github-forge.json")" > /dev/null
-echo "lanes ready: webhook $HOOK"
-)   # (not followed by && or ||: bash would then ignore set -e inside)
-HOOK=$(id_of "$CREDS/github-hook.json")
-'''
+
+def readme_block(heading: str, containing: str) -> str:
+    """The first sh block of the README after `heading` that contains `containing`."""
+    section = (ROOT / "README.md").read_text().split(heading, 1)[1]
+    return next(found for found in re.findall(r"```sh\n(.*?)```", section, re.S) if containing in found)
+
+
+# The README's lane block, as a person pastes it.
+LANE_BLOCK = readme_block("## The seed's loop, copy-paste", "sb route add")
 
 
 def run(script: str, env: dict) -> tuple[int, str, str]:
