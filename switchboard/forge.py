@@ -21,10 +21,13 @@ from switchboard.database import Database
 from switchboard.notifier import Addresses, host_and_port, outbound_client, resolve
 from switchboard.store.connections import own_connection, record_connection_test
 from switchboard.store.forge_outbox import (
+    SEND_DEADLINE_MS,
     STATUS_MARKER,
     ForgeJob,
     SendOutcome,
     backoff_ms,
+    begin_output,
+    begin_status,
     due_forge_work,
     output_marker,
     record_output,
@@ -307,37 +310,50 @@ class ForgeSender:
         task.add_done_callback(done)
 
     async def deliver(self, client: httpx.AsyncClient, job: ForgeJob) -> None:
-        """Send one job and record how it went."""
-        outcome = await self._send(client, job)
+        """Send one job and record how it went. Its attempt is recorded before the first request (begin_output,
+        begin_status), so a send whose answer is lost (a crash, a cut connection, a new leader) is known to have
+        been tried; one another sender began first is left to it."""
         if job.what == "output":
-            state = await self.db.write(record_output, job.output["id"], outcome)
+            attempt = job.output["attempts"] + 1
+            if not await self.db.write(begin_output, job.output["id"], job.output["attempts"]):
+                return
+            outcome = await self._send(client, job, attempt)
+            state = await self.db.write(record_output, job.output["id"], attempt, outcome)
             if self.outputs is not None and state != "pending":
                 self.outputs.labels(job.output["type"], state).inc()
             if not outcome.ok:
                 log.warning("forge output %s (%s) to %s#%d: %s%s", job.output["id"], job.output["type"], job.repo,
                             job.number, outcome.error, "; tried again later" if state == "pending" else "")
-        else:
-            await self.db.write(record_status, job.connection["id"], job.status["subject_key"],
-                                job.status["version"], outcome)
-            if self.statuses is not None:
-                self.statuses.labels("written" if outcome.ok else "failed").inc()
-            if not outcome.ok:
-                log.warning("status comment on %s#%d: %s", job.repo, job.number, outcome.error)
+            return
+        if not await self.db.write(begin_status, job.connection["id"], job.status["subject_key"],
+                                   job.status["due_at"]):
+            return
+        outcome = await self._send(client, job, job.status["attempts"] + 1)
+        await self.db.write(record_status, job.connection["id"], job.status["subject_key"], job.status["version"],
+                            outcome)
+        if self.statuses is not None:
+            self.statuses.labels("written" if outcome.ok else "failed").inc()
+        if not outcome.ok:
+            log.warning("status comment on %s#%d: %s", job.repo, job.number, outcome.error)
 
-    async def _send(self, client: httpx.AsyncClient, job: ForgeJob) -> SendOutcome:
-        attempt = (job.output or job.status)["attempts"] + 1
+    async def _send(self, client: httpx.AsyncClient, job: ForgeJob, attempt: int) -> SendOutcome:
+        """The send's requests, within SEND_DEADLINE_MS in all (its lease outlasts them)."""
         try:
             api = self.api(client, job.connection)
-            if job.what == "output":
-                return SendOutcome(True, forge_id=await self._send_output(api, job))
-            return SendOutcome(True, forge_id=await self._send_status(api, job))
-        except ForgeError as error:
-            if not error.transient:
-                return SendOutcome(False, error.message)
-            return SendOutcome(False, error.message, error.retry_at or self.db.clock.now_ms() + backoff_ms(attempt))
+            with anyio.fail_after(SEND_DEADLINE_MS / 1000):
+                if job.what == "output":
+                    return SendOutcome(True, forge_id=await self._send_output(api, job))
+                return SendOutcome(True, forge_id=await self._send_status(api, job))
+        except TimeoutError:
+            error = ForgeError(f"the send did not end within {SEND_DEADLINE_MS // 1000} s", transient=True)
+        except ForgeError as failure:
+            error = failure
         except Exception as exc:  # noqa: BLE001 - a send that broke is a failed output, never a dead loop
             log.exception("forge send %s failed", job.key)
             return SendOutcome(False, f"{type(exc).__name__}: the send broke")
+        if not error.transient:
+            return SendOutcome(False, error.message)
+        return SendOutcome(False, error.message, error.retry_at or self.db.clock.now_ms() + backoff_ms(attempt))
 
     async def _send_output(self, api: ForgeApi, job: ForgeJob) -> str | None:
         output = job.output
@@ -348,7 +364,7 @@ class ForgeSender:
             await api.remove_labels(job.repo, job.number, json.loads(output["labels"]))
             return None
         marker = output_marker(output["id"])
-        if output["attempts"]:  # an earlier try may have posted it and lost the answer: at most once
+        if output["attempts"]:  # an earlier try may have posted it and its answer been lost: at most once
             found = await api.find_comment(job.repo, job.number, marker, job.connection["login"],
                                            output["created_at"] - MARKER_SINCE_SLACK_MS)
             if found is not None:

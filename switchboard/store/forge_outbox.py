@@ -16,6 +16,11 @@ STATUS_MARKER = "<!-- switchboard:status -->"
 OUTPUT_BACKOFF_MS = 5_000
 OUTPUT_BACKOFF_CAP_MS = 15 * 60_000
 OUTPUT_MAX_ATTEMPTS = 12
+# A send (every request of it) ends within SEND_DEADLINE_MS. Its attempt is counted before its first request and
+# the output (or status comment) leased to it until SEND_LEASE_MS: no other sender (a new leader) takes it while its
+# request may still reach the forge, and the next one, after an unknown outcome, looks for its marker first.
+SEND_DEADLINE_MS = 60_000
+SEND_LEASE_MS = SEND_DEADLINE_MS + 15_000
 # Worker and producer text a status comment quotes: at most this many characters each.
 STATUS_QUOTE_CHARS = 600
 _ASCII_PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")
@@ -34,7 +39,7 @@ class ForgeJob:
     repo: str
     number: int
     output: dict | None = None  # id, type, labels, body, attempts, created_at
-    status: dict | None = None  # subject_key, version, comment_id, attempts, text
+    status: dict | None = None  # subject_key, version, comment_id, attempts, due_at, text
 
 
 @dataclass
@@ -89,38 +94,53 @@ def due_forge_work(txn: Txn, busy: frozenset[str], room: int) -> tuple[list[Forg
         if len(jobs) < room:
             jobs.append(ForgeJob("status", key, _connection(row), row["repo"], row["number"], status={
                 "subject_key": row["subject_key"], "version": row["version"], "comment_id": row["comment_id"],
-                "attempts": row["attempts"],
+                "attempts": row["attempts"], "due_at": row["due_at"],
                 "text": status_text(txn, row["connection_id"], row["subject_key"])}))
     return jobs, next_due
 
 
-def record_output(txn: Txn, output_id: str, outcome: SendOutcome) -> str:
-    """After a send: the output is sent, waits to be tried again, or failed (with the forge's word). Returns its
-    state."""
+def begin_output(txn: Txn, output_id: str, attempts: int) -> bool:
+    """Before a send's first request: its attempt counted and the output leased to it (see SEND_LEASE_MS), in one
+    statement that re-checks it is still pending, due and at the attempt the sender read. False: another sender
+    began it first (or it is sent, failed, or gone), and this one sends nothing."""
+    return txn.execute("UPDATE forge_outputs SET attempts = attempts + 1, next_at = ? WHERE id = ? AND state ="
+                       " 'pending' AND attempts = ? AND next_at <= ?",
+                       (txn.now + SEND_LEASE_MS, output_id, attempts, txn.now)).rowcount == 1
+
+
+def record_output(txn: Txn, output_id: str, attempt: int, outcome: SendOutcome) -> str:
+    """After a send begun as `attempt` (begin_output): the output is sent, waits to be tried again, or failed (with
+    the forge's word). Returns its state. A send overtaken by a later attempt changes nothing."""
     txn.lock("forge_outputs", "id = ?", (output_id,))
     row = txn.one("SELECT * FROM forge_outputs WHERE id = ?", (output_id,))
-    if row is None or row["state"] != "pending":
+    if row is None or row["state"] != "pending" or row["attempts"] != attempt:
         return row["state"] if row is not None else "failed"
     if outcome.ok:
-        txn.execute("UPDATE forge_outputs SET state = 'sent', sent_at = ?, forge_id = ?, error = NULL,"
-                    " attempts = attempts + 1 WHERE id = ?", (txn.now, outcome.forge_id, output_id))
+        txn.execute("UPDATE forge_outputs SET state = 'sent', sent_at = ?, forge_id = ?, error = NULL WHERE id = ?",
+                    (txn.now, outcome.forge_id, output_id))
         txn.execute("UPDATE forge_connections SET last_used_at = ? WHERE id = ?", (txn.now, row["connection_id"]))
         txn.logs.append(f"forge output {output_id} ({row['type']}) sent to {row['repo']}#{row['number']}")
         return "sent"
-    attempts = row["attempts"] + 1
+    attempts = row["attempts"]
     error = (outcome.error or "failed")[:500]
     if outcome.retry_at is not None and attempts < OUTPUT_MAX_ATTEMPTS:
-        txn.execute("UPDATE forge_outputs SET attempts = ?, next_at = ?, error = ? WHERE id = ?",
-                    (attempts, max(outcome.retry_at, txn.now), error, output_id))
+        txn.execute("UPDATE forge_outputs SET next_at = ?, error = ? WHERE id = ?",
+                    (max(outcome.retry_at, txn.now), error, output_id))
         return "pending"
     if outcome.retry_at is not None:
         error = f"gave up after {attempts} attempts: {error}"[:500]
-    txn.execute("UPDATE forge_outputs SET state = 'failed', attempts = ?, error = ? WHERE id = ?",
-                (attempts, error, output_id))
+    txn.execute("UPDATE forge_outputs SET state = 'failed', error = ? WHERE id = ?", (error, output_id))
     txn.execute("UPDATE forge_connections SET last_error = ?, last_error_at = ? WHERE id = ?",
                 (error[:300], txn.now, row["connection_id"]))
     txn.logs.append(f"forge output {output_id} ({row['type']}) to {row['repo']}#{row['number']} failed: {error}")
     return "failed"
+
+
+def begin_status(txn: Txn, connection_id: str, subject_key: str, due_at: int) -> bool:
+    """Before a status comment's send: leased to it (see SEND_LEASE_MS; a change meanwhile keeps the lease, as
+    mark_status leaves a due_at standing), re-checked in the statement. False: another sender began it first."""
+    return txn.execute("UPDATE forge_status SET due_at = ? WHERE connection_id = ? AND subject_key = ? AND due_at = ?",
+                       (txn.now + SEND_LEASE_MS, connection_id, subject_key, due_at)).rowcount == 1
 
 
 def record_status(txn: Txn, connection_id: str, subject_key: str, shown: int, outcome: SendOutcome) -> None:
