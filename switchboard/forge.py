@@ -136,12 +136,15 @@ class ForgeApi:
         raise ForgeError(self.scrub(_message(answer.data, status)))
 
     def _reset_at(self, headers: dict[str, str]) -> int | None:
-        """When the forge says to come back: Retry-After (seconds), else X-RateLimit-Reset (a Unix time)."""
+        """When the forge says to come back: Retry-After (seconds), else X-RateLimit-Reset (a Unix time); None
+        when it names no moment in the future (`Retry-After: 0`, a reset already past by this box's clock), which
+        waits the backoff instead."""
         now = self.now_ms()
         for name, to_ms in (("retry-after", lambda v: now + int(float(v) * 1000)),
                             ("x-ratelimit-reset", lambda v: int(float(v) * 1000))):
             with contextlib.suppress(KeyError, ValueError, OverflowError):
-                return min(max(to_ms(headers[name]), now + 1000), now + RATE_LIMIT_WAIT_CAP_MS)
+                reset = to_ms(headers[name])
+                return min(reset, now + RATE_LIMIT_WAIT_CAP_MS) if reset > now else None
         return None
 
     async def _request(self, method: str, path: str, body: Any, params: dict | None) -> ForgeAnswer:
@@ -337,7 +340,8 @@ class ForgeSender:
             log.warning("status comment on %s#%d: %s", job.repo, job.number, outcome.error)
 
     async def _send(self, client: httpx.AsyncClient, job: ForgeJob, attempt: int) -> SendOutcome:
-        """The send's requests, within SEND_DEADLINE_MS in all (its lease outlasts them)."""
+        """The send's requests, within SEND_DEADLINE_MS in all (its lease outlasts them). A transient failure is
+        tried again after the documented backoff, or at the forge's reset when that is later."""
         try:
             api = self.api(client, job.connection)
             with anyio.fail_after(SEND_DEADLINE_MS / 1000):
@@ -353,7 +357,7 @@ class ForgeSender:
             return SendOutcome(False, f"{type(exc).__name__}: the send broke")
         if not error.transient:
             return SendOutcome(False, error.message)
-        return SendOutcome(False, error.message, error.retry_at or self.db.clock.now_ms() + backoff_ms(attempt))
+        return SendOutcome(False, error.message, max(error.retry_at or 0, self.db.clock.now_ms() + backoff_ms(attempt)))
 
     async def _send_output(self, api: ForgeApi, job: ForgeJob) -> str | None:
         output = job.output

@@ -12,7 +12,9 @@ from switchboard.database import Txn
 from switchboard.store.outputs import STATUS_EDIT_MS, neutralize_mentions
 
 STATUS_MARKER = "<!-- switchboard:status -->"
-# A transient failure is tried again after 5 s, doubling to at most 15 min; after this many tries it fails.
+# A transient failure is tried again after 5 s, doubling to at most 15 min; after this many tries it fails. A rate
+# limit waits at least as long, so the tries span over an hour (backoff_ms's sum), the longest a forge's rate limit
+# lasts (GitHub's hour).
 OUTPUT_BACKOFF_MS = 5_000
 OUTPUT_BACKOFF_CAP_MS = 15 * 60_000
 OUTPUT_MAX_ATTEMPTS = 12
