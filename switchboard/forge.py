@@ -57,6 +57,15 @@ REFUSED_CONNECTION = (f"api_url: {REFUSED_FORGE} (unless the server's operator a
 RATE_LIMIT_WAIT_CAP_MS = 3_600_000
 
 
+def path_segment(value: str) -> str:
+    """A name (a label, an owner, a repository, an id the forge gave) as one segment of a forge URL's path: every
+    character but the unreserved ones percent-encoded, so `/`, `?`, `#` and `%` stay inside it. A name of only dots
+    (or none) would be a dot segment, which names the path above it: refused."""
+    if value.strip(".") == "":
+        raise ForgeError(f"{value!r} cannot be named in a forge URL (it is only dots)")
+    return urllib.parse.quote(value, safe="")
+
+
 class ForgeError(Exception):
     """A request that did not do what it was for. `transient`: tried again later (at `retry_at`, when the forge said
     when); else failed for good with the forge's own words."""
@@ -186,7 +195,7 @@ class ForgeApi:
     @staticmethod
     def issue_path(repo: str, number: int) -> str:
         owner, name = repo.split("/", 1)
-        return f"/repos/{urllib.parse.quote(owner, safe='')}/{urllib.parse.quote(name, safe='')}/issues/{number}"
+        return f"/repos/{path_segment(owner)}/{path_segment(name)}/issues/{int(number)}"
 
     async def whoami(self) -> str:
         """The login the token belongs to (`GET /user`, the same on both forges)."""
@@ -210,11 +219,12 @@ class ForgeApi:
             present = {label["name"].lower(): label.get("id") for label in await self.issue_labels(repo, number)}
             for name in labels:
                 if name.lower() in present:
-                    await self.call("DELETE", f"{self.issue_path(repo, number)}/labels/{present[name.lower()]}")
+                    await self.call("DELETE", f"{self.issue_path(repo, number)}/labels/"
+                                              f"{path_segment(str(present[name.lower()]))}")
             return
         for name in labels:
-            gone = await self.call("DELETE", f"{self.issue_path(repo, number)}/labels/"
-                                             f"{urllib.parse.quote(name, safe='')}", allow=(404,))
+            gone = await self.call("DELETE", f"{self.issue_path(repo, number)}/labels/{path_segment(name)}",
+                                   allow=(404,))
             if gone.status == 404 and any(label["name"].lower() == name.lower()
                                           for label in await self.issue_labels(repo, number)):
                 raise ForgeError(self.scrub(_message(gone.data, 404)))
@@ -243,9 +253,8 @@ class ForgeApi:
     async def edit_comment(self, repo: str, comment_id: str, body: str) -> bool:
         """Edit a comment in place; False when it is gone (a human deleted it)."""
         owner, name = repo.split("/", 1)
-        answer = await self.call("PATCH", f"/repos/{urllib.parse.quote(owner, safe='')}/"
-                                          f"{urllib.parse.quote(name, safe='')}/issues/comments/"
-                                          f"{urllib.parse.quote(comment_id, safe='')}", {"body": body}, allow=(404,))
+        answer = await self.call("PATCH", f"/repos/{path_segment(owner)}/{path_segment(name)}/issues/comments/"
+                                          f"{path_segment(comment_id)}", {"body": body}, allow=(404,))
         return answer.status != 404
 
 

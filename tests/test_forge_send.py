@@ -7,9 +7,10 @@ are played by tests/forges.py, which records every request."""
 from __future__ import annotations
 
 import time
+from urllib.parse import unquote, urlsplit
 
 import pytest
-from conftest import ManualClock
+from conftest import ManualClock, snapshot
 from forges import REPO, FakeForge, Scene
 from helpers import query
 
@@ -99,3 +100,59 @@ def test_an_output_rate_limited_again_and_again_is_not_given_up_inside_an_hour(s
     [failed] = scene.settled(todo_id)
     assert failed["state"] == "failed" and failed["error"].startswith(f"gave up after {OUTPUT_MAX_ATTEMPTS} attempts")
     assert clock.now_ms() - accepted_at > HOUR_MS
+
+
+# -- names that are path segments ------------------------------------------------------------------------------
+
+PERMISSIVE = {"add_labels": {"allow": ["*"], "max": 10}, "remove_labels": {"allow": ["*"], "max": 10}}
+
+
+@pytest.mark.parametrize("label", [".", "..", "...."])
+@pytest.mark.parametrize("kind", ["add_labels", "remove_labels"])
+def test_a_label_of_only_dots_is_refused_naming_it(world, alice, github, db_path, kind, label):
+    scene = Scene(world, alice, github, policy=PERMISSIVE)
+    todo_id, lease = _claimed(scene, 40)
+    before = snapshot(db_path)
+    refused = scene.act(todo_id, "complete", lease_token=lease,
+                        outputs=[{"type": kind, "labels": ["size/S", label]}])
+    assert refused.status_code == 400 and refused.json()["error"] == "invalid_argument", refused.text
+    assert f"label {label!r} is only dots" in refused.json()["message"]
+    assert snapshot(db_path) == before and github.writes() == []
+
+
+def test_labels_that_look_like_paths_or_queries_stay_one_segment_of_the_url(world, alice, github):
+    """With a policy that allows any label, `a/b`, `%2F` and `?x` each reach the forge as the last segment of
+    `…/issues/N/labels/{name}`: the path the forge sees names that label of that issue, and nothing else."""
+    scene = Scene(world, alice, github, policy=PERMISSIVE)
+    todo_id, lease = _claimed(scene, 41)
+    names = ["a/b", "%2F", "?x", "#frag", "size/S"]
+    github.labels(REPO, 41).extend(names)
+    done = scene.act(todo_id, "complete", lease_token=lease, outputs=[{"type": "remove_labels", "labels": names[:4]}])
+    assert done.status_code == 200, done.text
+    [sent] = scene.settled(todo_id)
+    assert sent["state"] == "sent", sent
+    assert github.labels(REPO, 41) == ["size/S"]
+    deletes = [r["path"] for r in github.requests if r["method"] == "DELETE"]
+    assert len(deletes) == 4
+    for path, name in zip(deletes, names, strict=False):
+        parts = urlsplit(path)
+        assert parts.query == "" and parts.fragment == "", path
+        *issue, last = parts.path.split("/")
+        assert issue == ["", "repos", "acme", "site", "issues", "41", "labels"] and unquote(last) == name, path
+
+
+def test_a_gitea_label_id_of_dots_is_not_put_into_a_url(world, alice, db_path):
+    """Gitea removes a label by the id its own answer gave: an id that is a dot segment fails the output, and no
+    DELETE goes out."""
+    gitea = FakeForge("gitea", "0123456789abcdef" * 2 + "01234567", BOT)
+    try:
+        scene = Scene(world, alice, gitea, policy=PERMISSIVE)
+        todo_id, lease = _claimed(scene, 42)
+        gitea.labels(REPO, 42).append("triage")
+        gitea.label_ids["triage"] = ".."
+        scene.act(todo_id, "complete", lease_token=lease, outputs=[{"type": "remove_labels", "labels": ["triage"]}])
+        [failed] = scene.settled(todo_id)
+        assert failed["state"] == "failed" and "cannot be named in a forge URL" in failed["error"]
+        assert [r for r in gitea.requests if r["method"] == "DELETE"] == []
+    finally:
+        gitea.stop()
