@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from prometheus_client import Counter
 
-from switchboard.configuration import VERSION, ApiError, iso, log
+from switchboard.configuration import UNSAFE_TEXT, VERSION, ApiError, iso, log
 from switchboard.crypto import SecretBox
 from switchboard.database import Database
 from switchboard.notifier import Addresses, host_and_port, outbound_client, resolve
@@ -55,6 +56,15 @@ REFUSED_CONNECTION = (f"api_url: {REFUSED_FORGE} (unless the server's operator a
                       f" --notify-allow-private, or --notify-allow ADDRESS[:PORT])")
 # A rate limit's reset further off than this is waited for this long, then asked again.
 RATE_LIMIT_WAIT_CAP_MS = 3_600_000
+# A login as GitHub (letters, digits, hyphens; an app's `name[bot]`) and Gitea (also `.` and `_`) make them.
+LOGIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}(?:\[bot\])?")
+
+
+def escaped(text: str, limit: int = 200) -> str:
+    """The forge's words as a log line or an answer may carry them: control and bidirectional characters written
+    as escapes (a newline forges no line, an escape code reaches no terminal), cut to `limit`."""
+    text = text if len(text) <= limit else text[:limit - 1] + "…"
+    return re.sub(f"[{UNSAFE_TEXT}]", lambda found: ascii(found[0])[1:-1], text)
 
 
 def path_segment(value: str) -> str:
@@ -86,7 +96,7 @@ def _message(data: Any, status: int) -> str:
     """The forge's own words for a refusal: GitHub's and Gitea's `message` (with GitHub's validation errors)."""
     text = f"HTTP {status}"
     if isinstance(data, dict) and isinstance(data.get("message"), str):
-        text += f": {data['message']}"
+        text += f": {escaped(data['message'], 300)}"
         errors = data.get("errors")
         if isinstance(errors, list) and errors:
             text += f" ({json.dumps(errors)[:200]})"
@@ -198,11 +208,15 @@ class ForgeApi:
         return f"/repos/{path_segment(owner)}/{path_segment(name)}/issues/{int(number)}"
 
     async def whoami(self) -> str:
-        """The login the token belongs to (`GET /user`, the same on both forges)."""
+        """The login the token belongs to (`GET /user`, the same on both forges), checked to be one: it is stored,
+        trusted, compared and logged."""
         answer = await self.call("GET", "/user")
         login = (answer.data.get("login") or answer.data.get("username")) if isinstance(answer.data, dict) else None
         if not isinstance(login, str) or not login.strip():
             raise ForgeError("the forge's /user answer names no login")
+        if not LOGIN.fullmatch(login):
+            raise ForgeError(f"the forge's /user answer names '{escaped(login, 60)}' ({len(login)} characters),"
+                             f" which is not a login (letters, digits, '-', '.', '_'; at most 100)")
         return login
 
     async def issue_labels(self, repo: str, number: int) -> list[dict]:

@@ -6,6 +6,8 @@ are played by tests/forges.py, which records every request."""
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from urllib.parse import unquote, urlsplit
 
@@ -15,6 +17,7 @@ from forges import REPO, FakeForge, Scene
 from helpers import query
 
 from switchboard.app import create_app
+from switchboard.configuration import UNSAFE_TEXT
 from switchboard.store.forge_outbox import OUTPUT_MAX_ATTEMPTS, backoff_ms
 
 TOKEN = "ghp_" + "S3ndT0ken" * 4
@@ -156,3 +159,54 @@ def test_a_gitea_label_id_of_dots_is_not_put_into_a_url(world, alice, db_path):
         assert [r for r in gitea.requests if r["method"] == "DELETE"] == []
     finally:
         gitea.stop()
+
+
+# -- the forge's word about itself -------------------------------------------------------------------------------
+
+FORGED_LOGINS = {
+    "a newline": "bot\n2026-12-07 INFO forged line",
+    "an escape code": "bot\x1b[31mred\x1b[0m",
+    "300 characters": "b" * 300,
+    "a space": "two words",
+}
+
+
+@pytest.mark.parametrize("login", FORGED_LOGINS.values(), ids=FORGED_LOGINS.keys())
+def test_a_login_that_is_no_login_refuses_the_connection_with_a_clear_400(world, alice, db_path, caplog, login):
+    caplog.set_level(logging.DEBUG)
+    forge = FakeForge("github", TOKEN, login)
+    try:
+        before = snapshot(db_path)
+        refused = world.client.post("/api/v1/connections", headers=alice.auth, json={
+            "kind": "github", "api_url": forge.api, "token": TOKEN, "repos": ["acme/"]})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"] == "invalid_argument"
+        message = refused.json()["message"]
+        assert "which is not a login" in message and f"({len(login)} characters)" in message, message
+        assert not re.search(f"[{UNSAFE_TEXT}]", message), message
+        assert snapshot(db_path) == before
+    finally:
+        forge.stop()
+    logged = caplog.text + "".join(r.getMessage() for r in caplog.records)
+    assert "\x1b" not in logged and "\nforged line" not in logged and "b" * 61 not in logged
+
+
+def test_a_gitea_login_with_dots_and_underscores_is_a_login(world, alice):
+    gitea = FakeForge("gitea", "0123456789abcdef" * 2 + "01234567", "ci.bot_2")
+    try:
+        made = world.client.post("/api/v1/connections", headers=alice.auth, json={
+            "kind": "gitea", "api_url": gitea.api, "token": gitea.token, "repos": ["acme/"]})
+        assert made.status_code == 201 and made.json()["login"] == "ci.bot_2", made.text
+    finally:
+        gitea.stop()
+
+
+def test_the_forges_own_words_reach_the_log_and_the_output_escaped(scene, github, caplog):
+    caplog.set_level(logging.DEBUG)
+    github.plan = [lambda request: (422, {}, {"message": "Validation Failed\n2026-12-07 ERROR forged\x1b[2J"})]
+    todo_id, lease = _claimed(scene, 43)
+    scene.act(todo_id, "complete", lease_token=lease, outputs=[{"type": "add_labels", "labels": ["size/S"]}])
+    [failed] = scene.settled(todo_id)
+    assert failed["error"] == "HTTP 422: Validation Failed\\n2026-12-07 ERROR forged\\x1b[2J"
+    logged = caplog.text + "".join(r.getMessage() for r in caplog.records)
+    assert "\x1b" not in logged and "\n2026-12-07 ERROR forged" not in logged
