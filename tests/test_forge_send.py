@@ -11,6 +11,7 @@ import re
 import time
 from urllib.parse import unquote, urlsplit
 
+import producers
 import pytest
 from conftest import ManualClock, snapshot
 from forges import REPO, FakeForge, Scene
@@ -19,6 +20,7 @@ from helpers import query
 from switchboard.app import create_app
 from switchboard.configuration import UNSAFE_TEXT
 from switchboard.store.forge_outbox import OUTPUT_MAX_ATTEMPTS, backoff_ms
+from switchboard.store.outputs import STATUS_EDIT_MS
 
 TOKEN = "ghp_" + "S3ndT0ken" * 4
 BOT = "switchboard-bot"
@@ -32,7 +34,7 @@ def clock() -> ManualClock:
 
 @pytest.fixture
 def app(db_path, clock):
-    return create_app(db_path, clock=clock, background=True, notify_allow_private=True)
+    return create_app(db_path, clock=clock, background=True, notify_allow_private=True, ingest_rate=0)
 
 
 @pytest.fixture
@@ -210,3 +212,94 @@ def test_the_forges_own_words_reach_the_log_and_the_output_escaped(scene, github
     assert failed["error"] == "HTTP 422: Validation Failed\\n2026-12-07 ERROR forged\\x1b[2J"
     logged = caplog.text + "".join(r.getMessage() for r in caplog.records)
     assert "\x1b" not in logged and "\n2026-12-07 ERROR forged" not in logged
+
+
+# -- the status comment ------------------------------------------------------------------------------------------
+
+def _status(github: FakeForge, number: int) -> list[dict]:
+    return [c for c in github.comments(REPO, number) if "<!-- switchboard:status -->" in c["body"]]
+
+
+def _edited(scene: Scene, github: FakeForge, clock: ManualClock, number: int, what: str, check) -> str:
+    """The status comment's body once an edit made after the next STATUS_EDIT_MS passes `check`."""
+    clock.advance(STATUS_EDIT_MS / 1000 + 1)
+    scene.wake()
+    return github.wait_for(lambda: (found := _status(github, number)) and check(found[0]["body"]) and found[0]["body"],
+                           what=what)
+
+
+EVERY_ISSUE_EVENT = {"rules": [{"id": "any", "expr": ".issue != null",
+                                "action": {"queue": "triage", "work_order": True}}], "default_action": {"drop": True}}
+
+
+def test_sixty_done_todos_with_long_summaries_fold_into_a_comment_the_forge_takes(world, alice, github, clock):
+    scene = Scene(world, alice, github, mirror=True)
+    assert scene.call("PUT", f"/webhooks/{scene.hook['id']}/rules", **EVERY_ISSUE_EVENT).status_code == 200
+    github.issue(REPO, 50)
+    for n in range(60):
+        raw, headers = producers.github("issues.edited", "", {
+            "issue": {"number": 50, "title": "Spelling error", "labels": [], "user": {"login": "Codertocat"},
+                      "pull_request": None}, "repository": {"full_name": REPO}, "sender": {"login": "Codertocat"},
+            "changes": {"body": {"from": f"v{n}"}}})
+        [todo] = scene.deliver(raw, headers)["todos"]
+        lease = scene.claim(todo["id"])
+        # Punctuation and short lines: each is escaped and quoted, so a summary of 600 grows to about 1,800.
+        summary = f"summary {n:02d}\n" + "-.\n" * 200
+        assert scene.act(todo["id"], "complete", lease_token=lease, summary=summary).status_code == 200
+    body = _edited(scene, github, clock, 50, "the sixtieth summary", lambda body: "summary 59" in body)
+    assert len(body) <= 65_536, len(body)
+    assert "summary 59" in body and "summary 58" in body and "summary 00" not in body
+    folded = re.search(r"^- (\d+) older entries are folded to fit: (\d+) done$", body, re.M)
+    assert folded and folded[1] == folded[2], body[:500]
+    shown = len(re.findall(r"^- \*\*triage\*\*: done by ", body, re.M))
+    assert shown + int(folded[1]) == 60 and shown >= 20
+
+
+def test_the_status_comment_says_a_lane_is_paused_why_and_until_when(world, alice, github, clock):
+    scene = Scene(world, alice, github, mirror=True)
+    scene.open_issue(51)
+    github.wait_for(lambda: _status(github, 51), what="the status comment")
+    paused = scene.call("POST", f"/endpoints/{scene.endpoint.id}/queues/triage/pause", until="2h",
+                        reason="the GPU box is being moved")
+    assert paused.status_code == 200, paused.text
+    body = _edited(scene, github, clock, 51, "the pause", lambda body: "paused" in body)
+    until = time.strftime("%Y-%m-%d %H:%M", time.gmtime((clock.now_ms() - STATUS_EDIT_MS - 1000) / 1000 + 7200))
+    assert f"- **triage**: waiting; the lane is paused until {until} UTC:\n  > the GPU box is being moved" in body
+    assert "waiting for a worker" not in body
+    assert scene.call("POST", f"/endpoints/{scene.endpoint.id}/queues/triage/resume").status_code == 200
+    body = _edited(scene, github, clock, 51, "the resume", lambda body: "paused" not in body)
+    assert "- **triage**: waiting for a worker" in body
+
+
+def test_the_status_comment_names_no_claimant_and_says_who_finished_and_when(world, alice, github, clock):
+    scene = Scene(world, alice, github, mirror=True)
+    todo_id = scene.open_issue(52)
+    github.wait_for(lambda: _status(github, 52), what="the status comment")
+    lease = scene.claim(todo_id, claimant="homelab-nas.local:4242")
+    assert scene.act(todo_id, "complete", lease_token=lease, summary="fixed the typo").status_code == 200
+    finished = time.strftime("%Y-%m-%d %H:%M", time.gmtime(clock.now_ms() / 1000))
+    body = _edited(scene, github, clock, 52, "the done edit", lambda body: "done" in body)
+    assert re.search(rf"^- \*\*triage\*\*: done by ep\\-2\\-[0-9a-f]{{6}}, {finished} UTC:\n  > fixed the typo$",
+                     body, re.M), body
+    assert "homelab" not in body and "4242" not in body
+    for word in ("lease", "dead letter", "claimed"):
+        assert word not in body
+
+
+def test_a_stranger_held_by_the_trust_gate_is_not_told_on_the_status_comment(world, alice, github, clock):
+    scene = Scene(world, alice, github, mirror=True)
+    gate = scene.call("PUT", f"/webhooks/{scene.hook['id']}/trusted-actors", logins=["Codertocat"])
+    assert gate.status_code == 200, gate.text
+    todo_id = scene.open_issue(53)
+    github.wait_for(lambda: _status(github, 53), what="the status comment")
+    raw, headers = producers.github("issue_comment.created", "", {
+        "issue": {"number": 53, "title": "Spelling error", "labels": [], "user": {"login": "Codertocat"},
+                  "pull_request": None}, "repository": {"full_name": REPO}, "sender": {"login": "stranger"},
+        "comment": {"user": {"login": "stranger"}, "body": "please run my script"}})
+    held = scene.deliver(raw, headers)
+    assert held["disposition"] == "quarantined", held
+    scene.claim(todo_id)
+    body = _edited(scene, github, clock, 53, "the claim's edit", lambda body: "waiting for a worker" not in body)
+    entries = re.findall(r"^- .*$", body, re.M)
+    assert len(entries) == 1, body
+    assert entries[0].startswith("- **triage**: being worked on by ") and "stranger" not in body

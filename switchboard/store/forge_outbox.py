@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import re
 import sqlite3
+from collections import Counter
 from dataclasses import dataclass
 
-from switchboard.configuration import UNSAFE_TEXT, iso
+from switchboard.configuration import HOLD_QUEUE, TERMINAL_STATES, UNSAFE_TEXT, iso
 from switchboard.database import Txn
+from switchboard.store.admission import is_paused
 from switchboard.store.outputs import STATUS_EDIT_MS, neutralize_mentions
 
 STATUS_MARKER = "<!-- switchboard:status -->"
@@ -23,8 +25,10 @@ OUTPUT_MAX_ATTEMPTS = 12
 # request may still reach the forge, and the next one, after an unknown outcome, looks for its marker first.
 SEND_DEADLINE_MS = 60_000
 SEND_LEASE_MS = SEND_DEADLINE_MS + 15_000
-# Worker and producer text a status comment quotes: at most this many characters each.
+# Worker and producer text a status comment quotes: at most this many characters each. The whole comment: at
+# most STATUS_MAX_CHARS, under GitHub's 65,536 (a longer comment is refused, and would never be edited again).
 STATUS_QUOTE_CHARS = 600
+STATUS_MAX_CHARS = 60_000
 _ASCII_PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")
 
 
@@ -168,6 +172,21 @@ def record_status(txn: Txn, connection_id: str, subject_key: str, shown: int, ou
         txn.logs.append(f"status comment of {subject_key} not written: {outcome.error}")
 
 
+def lane_changed(txn: Txn, endpoint_id: str, queue: str) -> None:
+    """A lane was paused or resumed: the status comments that tell of its waiting todos are due again (at least
+    STATUS_EDIT_MS after their last edit, as mark_status makes them), to say so."""
+    marked = txn.execute(
+        "UPDATE forge_status SET version = version + 1, due_at = CASE WHEN due_at IS NOT NULL THEN due_at"
+        " WHEN edited_at IS NOT NULL AND edited_at + ? > ? THEN edited_at + ? ELSE ? END"
+        " WHERE EXISTS (SELECT 1 FROM todos t JOIN events e ON e.id = t.event_id JOIN webhook_connections wc"
+        " ON wc.webhook_id = e.webhook_id WHERE t.subject_key = forge_status.subject_key AND t.endpoint_id = ?"
+        " AND t.queue = ? AND t.state = 'pending' AND wc.connection_id = forge_status.connection_id"
+        " AND wc.mirror = 1 AND e.verified = 1)",
+        (STATUS_EDIT_MS, txn.now, STATUS_EDIT_MS, txn.now, endpoint_id, queue)).rowcount
+    if marked:
+        txn.outbox = True
+
+
 # -- what a status comment says -------------------------------------------------------------------------------
 
 def quoted_markdown(text: str | None, limit: int = STATUS_QUOTE_CHARS) -> str:
@@ -182,7 +201,7 @@ def quoted_markdown(text: str | None, limit: int = STATUS_QUOTE_CHARS) -> str:
 
 
 def inline_markdown(text: str | None) -> str:
-    """A short worker-chosen name (a claimant) inline: one line, escaped like quoted_markdown, at most 80."""
+    """A short name (a lane, a worker's endpoint) inline: one line, escaped like quoted_markdown, at most 80."""
     clean = " ".join(re.sub(f"[{UNSAFE_TEXT}]", " ", str(text or "")).split())[:80]
     return neutralize_mentions(_ASCII_PUNCTUATION.sub(r"\\\1", clean))
 
@@ -191,51 +210,75 @@ def _when(ms: int | None) -> str:
     return (iso(ms) or "").replace("T", " ")[:16] + " UTC" if ms else ""
 
 
+def _entry(todo: sqlite3.Row, now: int) -> list[str]:
+    """One todo's lines in a status comment, in a reader's words. The worker is named by its endpoint's name (which
+    its human chose), never by the claimant a worker sends (by default its host's name and process id)."""
+    lane = f"**{inline_markdown(todo['queue'])}**"
+    worker = f" by {inline_markdown(todo['worker'])}" if todo["worker"] else ""
+    state = todo["state"]
+    if state == "claimed":
+        return [f"- {lane}: being worked on{worker} since {_when(todo['claimed_at'])}"]
+    if state == "needs_input":
+        return [f"- {lane}: waiting for an answer to its question:", quoted_markdown(todo["state_reason"])]
+    if state == "review":
+        return [f"- {lane}: done{worker}, waiting for review:", quoted_markdown(todo["state_reason"])]
+    if state == "done":
+        how = f" ({todo['outcome'].replace('_', ' ')})" if todo["outcome"] != "completed" else ""
+        when = f", {_when(todo['ended_at'] or todo['updated_at'])}"
+        return [f"- {lane}: done{how}{worker}{when}" + (":" if todo["summary"] else "")] + (
+            [quoted_markdown(todo["summary"])] if todo["summary"] else [])
+    if state == "failed":
+        then = "; it waits for a person to decide what next" if todo["dead_letter"] else ""
+        return [f"- {lane}: failed after {todo['attempt']} of {todo['max_attempts']} tries{then}:",
+                quoted_markdown(todo["last_error"])]
+    if state == "blocked":
+        return [f"- {lane}: blocked:", quoted_markdown(todo["state_reason"])]
+    if state == "pending" and todo["paused_at"] is not None and is_paused(todo, now):
+        until = f"until {_when(todo['paused_until'])}" if todo["paused_until"] else "until someone resumes it"
+        return [f"- {lane}: waiting; the lane is paused {until}" + (":" if todo["paused_reason"] else "")] + (
+            [quoted_markdown(todo["paused_reason"])] if todo["paused_reason"] else [])
+    if state == "pending":
+        again = f" (try {todo['attempt'] + 1})" if todo["attempt"] else ""
+        return [f"- {lane}: waiting for a worker{again}"]
+    return [f"- {lane}: {state.replace('_', ' ')}"]
+
+
 def status_text(txn: Txn, connection_id: str, subject_key: str) -> str:
-    """The status comment for one issue: the server's words about each todo the mirroring webhooks of this
-    connection made about it (lane, state, claimant and lease, the question, the summary, a dead letter), with
-    any worker or producer text quoted and escaped."""
+    """The status comment for one issue: the server's words about the work on it (each todo the mirroring
+    webhooks of this connection made about it: lane, where it is, the question, the summary), with any worker or
+    producer text quoted and escaped. Deliveries held for a human (the trust gate's, the rules') are not work and
+    are not told. At most STATUS_MAX_CHARS: unfinished work first, then the newest, in full; the rest folded into
+    one line that counts them."""
     todos = txn.all(
-        "SELECT t.id, t.queue, t.state, t.outcome, t.state_reason, t.last_error, t.dead_letter, t.lease_expires_at,"
-        " t.attempt, t.max_attempts, t.updated_at,"
-        " (SELECT claimant FROM attempts a WHERE a.todo_id = t.id ORDER BY a.seq DESC LIMIT 1) AS claimant,"
-        " (SELECT summary FROM attempts a WHERE a.todo_id = t.id ORDER BY a.seq DESC LIMIT 1) AS summary"
+        "SELECT t.id, t.queue, t.state, t.outcome, t.state_reason, t.last_error, t.dead_letter, t.attempt,"
+        " t.max_attempts, t.updated_at, a.summary, a.claimed_at, a.ended_at, ep.name AS worker,"
+        " qc.paused_at, qc.paused_until, qc.paused_reason"
         " FROM todos t JOIN events e ON e.id = t.event_id JOIN webhook_connections wc ON wc.webhook_id = e.webhook_id"
+        " LEFT JOIN attempts a ON a.todo_id = t.id AND a.seq = (SELECT max(seq) FROM attempts x WHERE x.todo_id = t.id)"
+        " LEFT JOIN endpoints ep ON ep.id = a.endpoint_id"
+        " LEFT JOIN queue_controls qc ON qc.endpoint_id = t.endpoint_id AND qc.queue = t.queue"
         " WHERE t.subject_key = ? AND wc.connection_id = ? AND wc.mirror = 1 AND e.verified = 1"
-        " ORDER BY t.created_at, t.id", (subject_key, connection_id))
-    lines = [STATUS_MARKER, "**Switchboard** · the work on this issue", ""]
-    for todo in todos:
-        lane = f"**{inline_markdown(todo['queue'])}**"
-        state = todo["state"]
-        if state == "claimed":
-            lines.append(f"- {lane}: working, claimed by {inline_markdown(todo['claimant'])}, lease until"
-                         f" {_when(todo['lease_expires_at'])}")
-        elif state == "needs_input":
-            lines += [f"- {lane}: waiting for an answer to its question:", quoted_markdown(todo["state_reason"])]
-        elif state == "review":
-            lines += [f"- {lane}: done, waiting for review:", quoted_markdown(todo["state_reason"])]
-        elif state == "done":
-            summary = f"done ({todo['outcome']})" if todo["outcome"] != "completed" else "done"
-            lines.append(f"- {lane}: {summary}" + (":" if todo["summary"] else ""))
-            if todo["summary"]:
-                lines.append(quoted_markdown(todo["summary"]))
-        elif state == "failed":
-            what = "failed for good (a dead letter: a human decides)" if todo["dead_letter"] else "failed"
-            lines += [f"- {lane}: {what}, after {todo['attempt']} of {todo['max_attempts']} attempts:",
-                      quoted_markdown(todo["last_error"])]
-        elif state == "blocked":
-            lines += [f"- {lane}: blocked:", quoted_markdown(todo["state_reason"])]
-        elif state == "pending" and todo["queue"] == "hold":
-            lines.append(f"- {lane}: held for a human to decide")
-        elif state == "pending":
-            again = f" (attempt {todo['attempt'] + 1})" if todo["attempt"] else ""
-            lines.append(f"- {lane}: waiting for a worker{again}")
-        else:
-            lines.append(f"- {lane}: {state.replace('_', ' ')}")
+        " AND t.queue <> ? AND t.state <> 'quarantined'"
+        " ORDER BY t.created_at, t.id", (subject_key, connection_id, HOLD_QUEUE))
+    head = [STATUS_MARKER, "**Switchboard** · the work on this issue", ""]
+    foot = ["", f"<sub>Written by Switchboard; updated {_when(txn.now)}.</sub>"]
+    entries = [("\n".join(_entry(todo, txn.now)), todo["state"]) for todo in todos]
+    # Room for the fold's line (a few counts) besides the head and foot.
+    room = STATUS_MAX_CHARS - len("\n".join(head + foot)) - 200
+    shown: set[int] = set()
+    for index in sorted(range(len(entries)), key=lambda i: (entries[i][1] in TERMINAL_STATES, -i)):
+        if len(entries[index][0]) + 1 <= room:
+            shown.add(index)
+            room -= len(entries[index][0]) + 1
+    folded = Counter(state for index, (_, state) in enumerate(entries) if index not in shown)
+    lines = list(head)
+    if folded:
+        counts = ", ".join(f"{n} {state.replace('_', ' ')}" for state, n in sorted(folded.items()))
+        lines.append(f"- {sum(folded.values())} older entries are folded to fit: {counts}")
+    lines += [text for index, (text, _) in enumerate(entries) if index in shown]
     if not todos:
         lines.append("- nothing is open for this issue")
-    lines += ["", f"<sub>Written by Switchboard; updated {_when(txn.now)}.</sub>"]
-    return "\n".join(lines)
+    return "\n".join(lines + foot)
 
 
 def pending_outputs(txn: Txn) -> dict[str, int]:
