@@ -29,6 +29,8 @@ SEND_LEASE_MS = SEND_DEADLINE_MS + 15_000
 # most STATUS_MAX_CHARS, under GitHub's 65,536 (a longer comment is refused, and would never be edited again).
 STATUS_QUOTE_CHARS = 600
 STATUS_MAX_CHARS = 60_000
+# A pause or a resume brings due the status comments of at most this many of the lane's waiting todos.
+LANE_MARK_TODOS = 200
 _ASCII_PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")
 
 
@@ -174,17 +176,21 @@ def record_status(txn: Txn, connection_id: str, subject_key: str, shown: int, ou
 
 def lane_changed(txn: Txn, endpoint_id: str, queue: str) -> None:
     """A lane was paused or resumed: the status comments that tell of its waiting todos are due again (at least
-    STATUS_EDIT_MS after their last edit, as mark_status makes them), to say so."""
-    marked = txn.execute(
-        "UPDATE forge_status SET version = version + 1, due_at = CASE WHEN due_at IS NOT NULL THEN due_at"
-        " WHEN edited_at IS NOT NULL AND edited_at + ? > ? THEN edited_at + ? ELSE ? END"
-        " WHERE EXISTS (SELECT 1 FROM todos t JOIN events e ON e.id = t.event_id JOIN webhook_connections wc"
-        " ON wc.webhook_id = e.webhook_id WHERE t.subject_key = forge_status.subject_key AND t.endpoint_id = ?"
-        " AND t.queue = ? AND t.state = 'pending' AND wc.connection_id = forge_status.connection_id"
-        " AND wc.mirror = 1 AND e.verified = 1)",
-        (STATUS_EDIT_MS, txn.now, STATUS_EDIT_MS, txn.now, endpoint_id, queue)).rowcount
-    if marked:
-        txn.outbox = True
+    STATUS_EDIT_MS after their last edit, as mark_status makes them), to say so: those of its newest
+    LANE_MARK_TODOS waiting todos (read through todos_by_state, so a pause costs the same however long the lane);
+    an older one's comment says so at its issue's next change."""
+    shown = {(row["connection_id"], row["subject_key"]) for row in txn.all(
+        "SELECT wc.connection_id, t.subject_key FROM (SELECT event_id, subject_key FROM todos WHERE endpoint_id = ?"
+        " AND state = 'pending' AND queue = ? ORDER BY created_at DESC LIMIT ?) t JOIN events e ON e.id = t.event_id"
+        " JOIN webhook_connections wc ON wc.webhook_id = e.webhook_id"
+        " WHERE t.subject_key IS NOT NULL AND wc.mirror = 1 AND e.verified = 1", (endpoint_id, queue, LANE_MARK_TODOS))}
+    for connection_id, subject_key in shown:
+        marked = txn.execute(
+            "UPDATE forge_status SET version = version + 1, due_at = CASE WHEN due_at IS NOT NULL THEN due_at"
+            " WHEN edited_at IS NOT NULL AND edited_at + ? > ? THEN edited_at + ? ELSE ? END"
+            " WHERE connection_id = ? AND subject_key = ?",
+            (STATUS_EDIT_MS, txn.now, STATUS_EDIT_MS, txn.now, connection_id, subject_key)).rowcount
+        txn.outbox = txn.outbox or marked == 1
 
 
 # -- what a status comment says -------------------------------------------------------------------------------
