@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,16 +16,19 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from prometheus_client import Counter
 
-from switchboard.configuration import VERSION, ApiError, iso, log
+from switchboard.configuration import UNSAFE_TEXT, VERSION, ApiError, iso, log
 from switchboard.crypto import SecretBox
 from switchboard.database import Database
 from switchboard.notifier import Addresses, host_and_port, outbound_client, resolve
 from switchboard.store.connections import own_connection, record_connection_test
 from switchboard.store.forge_outbox import (
+    SEND_DEADLINE_MS,
     STATUS_MARKER,
     ForgeJob,
     SendOutcome,
     backoff_ms,
+    begin_output,
+    begin_status,
     due_forge_work,
     output_marker,
     record_output,
@@ -52,6 +56,24 @@ REFUSED_CONNECTION = (f"api_url: {REFUSED_FORGE} (unless the server's operator a
                       f" --notify-allow-private, or --notify-allow ADDRESS[:PORT])")
 # A rate limit's reset further off than this is waited for this long, then asked again.
 RATE_LIMIT_WAIT_CAP_MS = 3_600_000
+# A login as GitHub (letters, digits, hyphens; an app's `name[bot]`) and Gitea (also `.` and `_`) make them.
+LOGIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}(?:\[bot\])?")
+
+
+def escaped(text: str, limit: int = 200) -> str:
+    """The forge's words as a log line or an answer may carry them: control and bidirectional characters written
+    as escapes (a newline forges no line, an escape code reaches no terminal), cut to `limit`."""
+    text = text if len(text) <= limit else text[:limit - 1] + "…"
+    return re.sub(f"[{UNSAFE_TEXT}]", lambda found: ascii(found[0])[1:-1], text)
+
+
+def path_segment(value: str) -> str:
+    """A name (a label, an owner, a repository, an id the forge gave) as one segment of a forge URL's path: every
+    character but the unreserved ones percent-encoded, so `/`, `?`, `#` and `%` stay inside it. A name of only dots
+    (or none) would be a dot segment, which names the path above it: refused."""
+    if value.strip(".") == "":
+        raise ForgeError(f"{value!r} cannot be named in a forge URL (it is only dots)")
+    return urllib.parse.quote(value, safe="")
 
 
 class ForgeError(Exception):
@@ -74,7 +96,7 @@ def _message(data: Any, status: int) -> str:
     """The forge's own words for a refusal: GitHub's and Gitea's `message` (with GitHub's validation errors)."""
     text = f"HTTP {status}"
     if isinstance(data, dict) and isinstance(data.get("message"), str):
-        text += f": {data['message']}"
+        text += f": {escaped(data['message'], 300)}"
         errors = data.get("errors")
         if isinstance(errors, list) and errors:
             text += f" ({json.dumps(errors)[:200]})"
@@ -133,12 +155,15 @@ class ForgeApi:
         raise ForgeError(self.scrub(_message(answer.data, status)))
 
     def _reset_at(self, headers: dict[str, str]) -> int | None:
-        """When the forge says to come back: Retry-After (seconds), else X-RateLimit-Reset (a Unix time)."""
+        """When the forge says to come back: Retry-After (seconds), else X-RateLimit-Reset (a Unix time); None
+        when it names no moment in the future (`Retry-After: 0`, a reset already past by this box's clock), which
+        waits the backoff instead."""
         now = self.now_ms()
         for name, to_ms in (("retry-after", lambda v: now + int(float(v) * 1000)),
                             ("x-ratelimit-reset", lambda v: int(float(v) * 1000))):
             with contextlib.suppress(KeyError, ValueError, OverflowError):
-                return min(max(to_ms(headers[name]), now + 1000), now + RATE_LIMIT_WAIT_CAP_MS)
+                reset = to_ms(headers[name])
+                return min(reset, now + RATE_LIMIT_WAIT_CAP_MS) if reset > now else None
         return None
 
     async def _request(self, method: str, path: str, body: Any, params: dict | None) -> ForgeAnswer:
@@ -180,14 +205,18 @@ class ForgeApi:
     @staticmethod
     def issue_path(repo: str, number: int) -> str:
         owner, name = repo.split("/", 1)
-        return f"/repos/{urllib.parse.quote(owner, safe='')}/{urllib.parse.quote(name, safe='')}/issues/{number}"
+        return f"/repos/{path_segment(owner)}/{path_segment(name)}/issues/{int(number)}"
 
     async def whoami(self) -> str:
-        """The login the token belongs to (`GET /user`, the same on both forges)."""
+        """The login the token belongs to (`GET /user`, the same on both forges), checked to be one: it is stored,
+        trusted, compared and logged."""
         answer = await self.call("GET", "/user")
         login = (answer.data.get("login") or answer.data.get("username")) if isinstance(answer.data, dict) else None
         if not isinstance(login, str) or not login.strip():
             raise ForgeError("the forge's /user answer names no login")
+        if not LOGIN.fullmatch(login):
+            raise ForgeError(f"the forge's /user answer names '{escaped(login, 60)}' ({len(login)} characters),"
+                             f" which is not a login (letters, digits, '-', '.', '_'; at most 100)")
         return login
 
     async def issue_labels(self, repo: str, number: int) -> list[dict]:
@@ -204,11 +233,12 @@ class ForgeApi:
             present = {label["name"].lower(): label.get("id") for label in await self.issue_labels(repo, number)}
             for name in labels:
                 if name.lower() in present:
-                    await self.call("DELETE", f"{self.issue_path(repo, number)}/labels/{present[name.lower()]}")
+                    await self.call("DELETE", f"{self.issue_path(repo, number)}/labels/"
+                                              f"{path_segment(str(present[name.lower()]))}")
             return
         for name in labels:
-            gone = await self.call("DELETE", f"{self.issue_path(repo, number)}/labels/"
-                                             f"{urllib.parse.quote(name, safe='')}", allow=(404,))
+            gone = await self.call("DELETE", f"{self.issue_path(repo, number)}/labels/{path_segment(name)}",
+                                   allow=(404,))
             if gone.status == 404 and any(label["name"].lower() == name.lower()
                                           for label in await self.issue_labels(repo, number)):
                 raise ForgeError(self.scrub(_message(gone.data, 404)))
@@ -237,9 +267,8 @@ class ForgeApi:
     async def edit_comment(self, repo: str, comment_id: str, body: str) -> bool:
         """Edit a comment in place; False when it is gone (a human deleted it)."""
         owner, name = repo.split("/", 1)
-        answer = await self.call("PATCH", f"/repos/{urllib.parse.quote(owner, safe='')}/"
-                                          f"{urllib.parse.quote(name, safe='')}/issues/comments/"
-                                          f"{urllib.parse.quote(comment_id, safe='')}", {"body": body}, allow=(404,))
+        answer = await self.call("PATCH", f"/repos/{path_segment(owner)}/{path_segment(name)}/issues/comments/"
+                                          f"{path_segment(comment_id)}", {"body": body}, allow=(404,))
         return answer.status != 404
 
 
@@ -307,37 +336,51 @@ class ForgeSender:
         task.add_done_callback(done)
 
     async def deliver(self, client: httpx.AsyncClient, job: ForgeJob) -> None:
-        """Send one job and record how it went."""
-        outcome = await self._send(client, job)
+        """Send one job and record how it went. Its attempt is recorded before the first request (begin_output,
+        begin_status), so a send whose answer is lost (a crash, a cut connection, a new leader) is known to have
+        been tried; one another sender began first is left to it."""
         if job.what == "output":
-            state = await self.db.write(record_output, job.output["id"], outcome)
+            attempt = job.output["attempts"] + 1
+            if not await self.db.write(begin_output, job.output["id"], job.output["attempts"]):
+                return
+            outcome = await self._send(client, job, attempt)
+            state = await self.db.write(record_output, job.output["id"], attempt, outcome)
             if self.outputs is not None and state != "pending":
                 self.outputs.labels(job.output["type"], state).inc()
             if not outcome.ok:
                 log.warning("forge output %s (%s) to %s#%d: %s%s", job.output["id"], job.output["type"], job.repo,
                             job.number, outcome.error, "; tried again later" if state == "pending" else "")
-        else:
-            await self.db.write(record_status, job.connection["id"], job.status["subject_key"],
-                                job.status["version"], outcome)
-            if self.statuses is not None:
-                self.statuses.labels("written" if outcome.ok else "failed").inc()
-            if not outcome.ok:
-                log.warning("status comment on %s#%d: %s", job.repo, job.number, outcome.error)
+            return
+        if not await self.db.write(begin_status, job.connection["id"], job.status["subject_key"],
+                                   job.status["due_at"]):
+            return
+        outcome = await self._send(client, job, job.status["attempts"] + 1)
+        await self.db.write(record_status, job.connection["id"], job.status["subject_key"], job.status["version"],
+                            outcome)
+        if self.statuses is not None:
+            self.statuses.labels("written" if outcome.ok else "failed").inc()
+        if not outcome.ok:
+            log.warning("status comment on %s#%d: %s", job.repo, job.number, outcome.error)
 
-    async def _send(self, client: httpx.AsyncClient, job: ForgeJob) -> SendOutcome:
-        attempt = (job.output or job.status)["attempts"] + 1
+    async def _send(self, client: httpx.AsyncClient, job: ForgeJob, attempt: int) -> SendOutcome:
+        """The send's requests, within SEND_DEADLINE_MS in all (its lease outlasts them). A transient failure is
+        tried again after the documented backoff, or at the forge's reset when that is later."""
         try:
             api = self.api(client, job.connection)
-            if job.what == "output":
-                return SendOutcome(True, forge_id=await self._send_output(api, job))
-            return SendOutcome(True, forge_id=await self._send_status(api, job))
-        except ForgeError as error:
-            if not error.transient:
-                return SendOutcome(False, error.message)
-            return SendOutcome(False, error.message, error.retry_at or self.db.clock.now_ms() + backoff_ms(attempt))
+            with anyio.fail_after(SEND_DEADLINE_MS / 1000):
+                if job.what == "output":
+                    return SendOutcome(True, forge_id=await self._send_output(api, job))
+                return SendOutcome(True, forge_id=await self._send_status(api, job))
+        except TimeoutError:
+            error = ForgeError(f"the send did not end within {SEND_DEADLINE_MS // 1000} s", transient=True)
+        except ForgeError as failure:
+            error = failure
         except Exception as exc:  # noqa: BLE001 - a send that broke is a failed output, never a dead loop
             log.exception("forge send %s failed", job.key)
             return SendOutcome(False, f"{type(exc).__name__}: the send broke")
+        if not error.transient:
+            return SendOutcome(False, error.message)
+        return SendOutcome(False, error.message, max(error.retry_at or 0, self.db.clock.now_ms() + backoff_ms(attempt)))
 
     async def _send_output(self, api: ForgeApi, job: ForgeJob) -> str | None:
         output = job.output
@@ -348,7 +391,7 @@ class ForgeSender:
             await api.remove_labels(job.repo, job.number, json.loads(output["labels"]))
             return None
         marker = output_marker(output["id"])
-        if output["attempts"]:  # an earlier try may have posted it and lost the answer: at most once
+        if output["attempts"]:  # an earlier try may have posted it and its answer been lost: at most once
             found = await api.find_comment(job.repo, job.number, marker, job.connection["login"],
                                            output["created_at"] - MARKER_SINCE_SLACK_MS)
             if found is not None:

@@ -137,7 +137,15 @@ class Leased(Body):
 
 # -- forge outputs: what a worker asks the server to write on the work order's issue -------------------------
 
-ForgeLabel = Annotated[str, StringConstraints(min_length=1, max_length=100, pattern=ONE_LINE)]
+def _forge_label(value: str) -> str:
+    # A label goes into the forge's URL as a path segment: one of only dots would name the path above it.
+    if value.strip(".") == "":
+        raise ValueError(f"label {value!r} is only dots, which no forge URL can name")
+    return value
+
+
+ForgeLabel = Annotated[str, StringConstraints(min_length=1, max_length=100, pattern=ONE_LINE),
+                       AfterValidator(_forge_label)]
 ForgeLabels = Annotated[list[ForgeLabel], Field(min_length=1, max_length=10)]
 MAX_OUTPUTS = 10
 MAX_COMMENT_BYTES = 65536

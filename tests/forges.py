@@ -340,9 +340,15 @@ class Scene:
         self.world.client.app.state.flows.forge.wake()
 
     def tried(self, todo_id: str, attempts: int) -> dict:
-        """The todo's first output once its `attempts`-th try is recorded (the sender looks again only then)."""
-        return self.forge.wait_for(lambda: (o := self.todo(todo_id)["outputs"][0])["attempts"] >= attempts and o,
-                                   what=f"try {attempts} of {todo_id}'s output")
+        """The todo's first output once its `attempts`-th try is recorded (the sender looks again only then): the
+        try is counted before its request, and its send is over once the sender is no longer busy with the issue."""
+        sender = self.world.client.app.state.flows.forge
+
+        def check():
+            output = self.todo(todo_id)["outputs"][0]
+            busy = f"output:{self.forge.kind}:{output['target']}" in sender.busy
+            return output["attempts"] >= attempts and not busy and self.todo(todo_id)["outputs"][0]
+        return self.forge.wait_for(check, what=f"try {attempts} of {todo_id}'s output")
 
     def settled(self, todo_id: str, states=("sent", "failed")) -> list[dict]:
         """The todo's outputs once none is pending."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 
 import producers
@@ -393,7 +394,9 @@ def test_the_status_comment_follows_claim_needs_input_and_done_in_one_comment(wo
     scene.wake()
     github.wait_for(lambda: _status(github, 80)[0]["edits"] == 1, what="the claim's edit")
     claimed = _status(github, 80)[0]["body"]
-    assert "**triage**: working, claimed by qwen \\<img src\\=x\\> \\@" + WORD_JOINER + "maintainers" in claimed
+    # The worker is named by its endpoint's name, escaped; the claimant it sent (by default its host) is not shown.
+    assert re.search(r"\*\*triage\*\*: being worked on by ep\\-2\\-[0-9a-f]{6} since ", claimed), claimed
+    assert "qwen" not in claimed
 
     # Two changes within 10 s of the last edit: one edit, no sooner than 10 s after the last.
     assert scene.act(todo_id, "needs-input", lease_token=lease, question="Which README?\n[click](http://evil)"
@@ -429,7 +432,8 @@ def test_a_dead_letter_shows_on_the_status_comment(world, alice, github, clock):
     scene.act(todo_id, "fail", lease_token=lease, error="the model is gone", retry=False)
     clock.advance(STATUS_EDIT_MS / 1000 + 1)
     scene.wake()
-    github.wait_for(lambda: "dead letter" in _status(github, 81)[0]["body"], what="the dead letter")
+    github.wait_for(lambda: "it waits for a person to decide what next" in _status(github, 81)[0]["body"],
+                    what="the dead letter")
     assert "  > the model is gone" in _status(github, 81)[0]["body"]
 
 

@@ -5,20 +5,33 @@ from __future__ import annotations
 
 import re
 import sqlite3
+from collections import Counter
 from dataclasses import dataclass
 
-from switchboard.configuration import UNSAFE_TEXT, iso
+from switchboard.configuration import HOLD_QUEUE, TERMINAL_STATES, UNSAFE_TEXT, iso
 from switchboard.database import Txn
+from switchboard.store.admission import is_paused
 from switchboard.store.outbox import OUTPUTS_HELD_RECHECK_MS, outputs_held
 from switchboard.store.outputs import STATUS_EDIT_MS, neutralize_mentions
 
 STATUS_MARKER = "<!-- switchboard:status -->"
-# A transient failure is tried again after 5 s, doubling to at most 15 min; after this many tries it fails.
+# A transient failure is tried again after 5 s, doubling to at most 15 min; after this many tries it fails. A rate
+# limit waits at least as long, so the tries span over an hour (backoff_ms's sum), the longest a forge's rate limit
+# lasts (GitHub's hour).
 OUTPUT_BACKOFF_MS = 5_000
 OUTPUT_BACKOFF_CAP_MS = 15 * 60_000
 OUTPUT_MAX_ATTEMPTS = 12
-# Worker and producer text a status comment quotes: at most this many characters each.
+# A send (every request of it) ends within SEND_DEADLINE_MS. Its attempt is counted before its first request and
+# the output (or status comment) leased to it until SEND_LEASE_MS: no other sender (a new leader) takes it while its
+# request may still reach the forge, and the next one, after an unknown outcome, looks for its marker first.
+SEND_DEADLINE_MS = 60_000
+SEND_LEASE_MS = SEND_DEADLINE_MS + 15_000
+# Worker and producer text a status comment quotes: at most this many characters each. The whole comment: at
+# most STATUS_MAX_CHARS, under GitHub's 65,536 (a longer comment is refused, and would never be edited again).
 STATUS_QUOTE_CHARS = 600
+STATUS_MAX_CHARS = 60_000
+# A pause or a resume brings due the status comments of at most this many of the lane's waiting todos.
+LANE_MARK_TODOS = 200
 _ASCII_PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")
 
 
@@ -35,7 +48,7 @@ class ForgeJob:
     repo: str
     number: int
     output: dict | None = None  # id, type, labels, body, attempts, created_at
-    status: dict | None = None  # subject_key, version, comment_id, attempts, text
+    status: dict | None = None  # subject_key, version, comment_id, attempts, due_at, text
 
 
 @dataclass
@@ -92,38 +105,53 @@ def due_forge_work(txn: Txn, busy: frozenset[str], room: int) -> tuple[list[Forg
         if len(jobs) < room:
             jobs.append(ForgeJob("status", key, _connection(row), row["repo"], row["number"], status={
                 "subject_key": row["subject_key"], "version": row["version"], "comment_id": row["comment_id"],
-                "attempts": row["attempts"],
+                "attempts": row["attempts"], "due_at": row["due_at"],
                 "text": status_text(txn, row["connection_id"], row["subject_key"])}))
     return jobs, next_due
 
 
-def record_output(txn: Txn, output_id: str, outcome: SendOutcome) -> str:
-    """After a send: the output is sent, waits to be tried again, or failed (with the forge's word). Returns its
-    state."""
+def begin_output(txn: Txn, output_id: str, attempts: int) -> bool:
+    """Before a send's first request: its attempt counted and the output leased to it (see SEND_LEASE_MS), in one
+    statement that re-checks it is still pending, due and at the attempt the sender read. False: another sender
+    began it first (or it is sent, failed, or gone), and this one sends nothing."""
+    return txn.execute("UPDATE forge_outputs SET attempts = attempts + 1, next_at = ? WHERE id = ? AND state ="
+                       " 'pending' AND attempts = ? AND next_at <= ?",
+                       (txn.now + SEND_LEASE_MS, output_id, attempts, txn.now)).rowcount == 1
+
+
+def record_output(txn: Txn, output_id: str, attempt: int, outcome: SendOutcome) -> str:
+    """After a send begun as `attempt` (begin_output): the output is sent, waits to be tried again, or failed (with
+    the forge's word). Returns its state. A send overtaken by a later attempt changes nothing."""
     txn.lock("forge_outputs", "id = ?", (output_id,))
     row = txn.one("SELECT * FROM forge_outputs WHERE id = ?", (output_id,))
-    if row is None or row["state"] != "pending":
+    if row is None or row["state"] != "pending" or row["attempts"] != attempt:
         return row["state"] if row is not None else "failed"
     if outcome.ok:
-        txn.execute("UPDATE forge_outputs SET state = 'sent', sent_at = ?, forge_id = ?, error = NULL,"
-                    " attempts = attempts + 1 WHERE id = ?", (txn.now, outcome.forge_id, output_id))
+        txn.execute("UPDATE forge_outputs SET state = 'sent', sent_at = ?, forge_id = ?, error = NULL WHERE id = ?",
+                    (txn.now, outcome.forge_id, output_id))
         txn.execute("UPDATE forge_connections SET last_used_at = ? WHERE id = ?", (txn.now, row["connection_id"]))
         txn.logs.append(f"forge output {output_id} ({row['type']}) sent to {row['repo']}#{row['number']}")
         return "sent"
-    attempts = row["attempts"] + 1
+    attempts = row["attempts"]
     error = (outcome.error or "failed")[:500]
     if outcome.retry_at is not None and attempts < OUTPUT_MAX_ATTEMPTS:
-        txn.execute("UPDATE forge_outputs SET attempts = ?, next_at = ?, error = ? WHERE id = ?",
-                    (attempts, max(outcome.retry_at, txn.now), error, output_id))
+        txn.execute("UPDATE forge_outputs SET next_at = ?, error = ? WHERE id = ?",
+                    (max(outcome.retry_at, txn.now), error, output_id))
         return "pending"
     if outcome.retry_at is not None:
         error = f"gave up after {attempts} attempts: {error}"[:500]
-    txn.execute("UPDATE forge_outputs SET state = 'failed', attempts = ?, error = ? WHERE id = ?",
-                (attempts, error, output_id))
+    txn.execute("UPDATE forge_outputs SET state = 'failed', error = ? WHERE id = ?", (error, output_id))
     txn.execute("UPDATE forge_connections SET last_error = ?, last_error_at = ? WHERE id = ?",
                 (error[:300], txn.now, row["connection_id"]))
     txn.logs.append(f"forge output {output_id} ({row['type']}) to {row['repo']}#{row['number']} failed: {error}")
     return "failed"
+
+
+def begin_status(txn: Txn, connection_id: str, subject_key: str, due_at: int) -> bool:
+    """Before a status comment's send: leased to it (see SEND_LEASE_MS; a change meanwhile keeps the lease, as
+    mark_status leaves a due_at standing), re-checked in the statement. False: another sender began it first."""
+    return txn.execute("UPDATE forge_status SET due_at = ? WHERE connection_id = ? AND subject_key = ? AND due_at = ?",
+                       (txn.now + SEND_LEASE_MS, connection_id, subject_key, due_at)).rowcount == 1
 
 
 def record_status(txn: Txn, connection_id: str, subject_key: str, shown: int, outcome: SendOutcome) -> None:
@@ -149,6 +177,25 @@ def record_status(txn: Txn, connection_id: str, subject_key: str, shown: int, ou
         txn.logs.append(f"status comment of {subject_key} not written: {outcome.error}")
 
 
+def lane_changed(txn: Txn, endpoint_id: str, queue: str) -> None:
+    """A lane was paused or resumed: the status comments that tell of its waiting todos are due again (at least
+    STATUS_EDIT_MS after their last edit, as mark_status makes them), to say so: those of its newest
+    LANE_MARK_TODOS waiting todos (read through todos_by_state, so a pause costs the same however long the lane);
+    an older one's comment says so at its issue's next change."""
+    shown = {(row["connection_id"], row["subject_key"]) for row in txn.all(
+        "SELECT wc.connection_id, t.subject_key FROM (SELECT event_id, subject_key FROM todos WHERE endpoint_id = ?"
+        " AND state = 'pending' AND queue = ? ORDER BY created_at DESC LIMIT ?) t JOIN events e ON e.id = t.event_id"
+        " JOIN webhook_connections wc ON wc.webhook_id = e.webhook_id"
+        " WHERE t.subject_key IS NOT NULL AND wc.mirror = 1 AND e.verified = 1", (endpoint_id, queue, LANE_MARK_TODOS))}
+    for connection_id, subject_key in shown:
+        marked = txn.execute(
+            "UPDATE forge_status SET version = version + 1, due_at = CASE WHEN due_at IS NOT NULL THEN due_at"
+            " WHEN edited_at IS NOT NULL AND edited_at + ? > ? THEN edited_at + ? ELSE ? END"
+            " WHERE connection_id = ? AND subject_key = ?",
+            (STATUS_EDIT_MS, txn.now, STATUS_EDIT_MS, txn.now, connection_id, subject_key)).rowcount
+        txn.outbox = txn.outbox or marked == 1
+
+
 # -- what a status comment says -------------------------------------------------------------------------------
 
 def quoted_markdown(text: str | None, limit: int = STATUS_QUOTE_CHARS) -> str:
@@ -163,7 +210,7 @@ def quoted_markdown(text: str | None, limit: int = STATUS_QUOTE_CHARS) -> str:
 
 
 def inline_markdown(text: str | None) -> str:
-    """A short worker-chosen name (a claimant) inline: one line, escaped like quoted_markdown, at most 80."""
+    """A short name (a lane, a worker's endpoint) inline: one line, escaped like quoted_markdown, at most 80."""
     clean = " ".join(re.sub(f"[{UNSAFE_TEXT}]", " ", str(text or "")).split())[:80]
     return neutralize_mentions(_ASCII_PUNCTUATION.sub(r"\\\1", clean))
 
@@ -172,51 +219,75 @@ def _when(ms: int | None) -> str:
     return (iso(ms) or "").replace("T", " ")[:16] + " UTC" if ms else ""
 
 
+def _entry(todo: sqlite3.Row, now: int) -> list[str]:
+    """One todo's lines in a status comment, in a reader's words. The worker is named by its endpoint's name (which
+    its human chose), never by the claimant a worker sends (by default its host's name and process id)."""
+    lane = f"**{inline_markdown(todo['queue'])}**"
+    worker = f" by {inline_markdown(todo['worker'])}" if todo["worker"] else ""
+    state = todo["state"]
+    if state == "claimed":
+        return [f"- {lane}: being worked on{worker} since {_when(todo['claimed_at'])}"]
+    if state == "needs_input":
+        return [f"- {lane}: waiting for an answer to its question:", quoted_markdown(todo["state_reason"])]
+    if state == "review":
+        return [f"- {lane}: done{worker}, waiting for review:", quoted_markdown(todo["state_reason"])]
+    if state == "done":
+        how = f" ({todo['outcome'].replace('_', ' ')})" if todo["outcome"] != "completed" else ""
+        when = f", {_when(todo['ended_at'] or todo['updated_at'])}"
+        return [f"- {lane}: done{how}{worker}{when}" + (":" if todo["summary"] else "")] + (
+            [quoted_markdown(todo["summary"])] if todo["summary"] else [])
+    if state == "failed":
+        then = "; it waits for a person to decide what next" if todo["dead_letter"] else ""
+        return [f"- {lane}: failed after {todo['attempt']} of {todo['max_attempts']} tries{then}:",
+                quoted_markdown(todo["last_error"])]
+    if state == "blocked":
+        return [f"- {lane}: blocked:", quoted_markdown(todo["state_reason"])]
+    if state == "pending" and todo["paused_at"] is not None and is_paused(todo, now):
+        until = f"until {_when(todo['paused_until'])}" if todo["paused_until"] else "until someone resumes it"
+        return [f"- {lane}: waiting; the lane is paused {until}" + (":" if todo["paused_reason"] else "")] + (
+            [quoted_markdown(todo["paused_reason"])] if todo["paused_reason"] else [])
+    if state == "pending":
+        again = f" (try {todo['attempt'] + 1})" if todo["attempt"] else ""
+        return [f"- {lane}: waiting for a worker{again}"]
+    return [f"- {lane}: {state.replace('_', ' ')}"]
+
+
 def status_text(txn: Txn, connection_id: str, subject_key: str) -> str:
-    """The status comment for one issue: the server's words about each todo the mirroring webhooks of this
-    connection made about it (lane, state, claimant and lease, the question, the summary, a dead letter), with
-    any worker or producer text quoted and escaped."""
+    """The status comment for one issue: the server's words about the work on it (each todo the mirroring
+    webhooks of this connection made about it: lane, where it is, the question, the summary), with any worker or
+    producer text quoted and escaped. Deliveries held for a human (the trust gate's, the rules') are not work and
+    are not told. At most STATUS_MAX_CHARS: unfinished work first, then the newest, in full; the rest folded into
+    one line that counts them."""
     todos = txn.all(
-        "SELECT t.id, t.queue, t.state, t.outcome, t.state_reason, t.last_error, t.dead_letter, t.lease_expires_at,"
-        " t.attempt, t.max_attempts, t.updated_at,"
-        " (SELECT claimant FROM attempts a WHERE a.todo_id = t.id ORDER BY a.seq DESC LIMIT 1) AS claimant,"
-        " (SELECT summary FROM attempts a WHERE a.todo_id = t.id ORDER BY a.seq DESC LIMIT 1) AS summary"
+        "SELECT t.id, t.queue, t.state, t.outcome, t.state_reason, t.last_error, t.dead_letter, t.attempt,"
+        " t.max_attempts, t.updated_at, a.summary, a.claimed_at, a.ended_at, ep.name AS worker,"
+        " qc.paused_at, qc.paused_until, qc.paused_reason"
         " FROM todos t JOIN events e ON e.id = t.event_id JOIN webhook_connections wc ON wc.webhook_id = e.webhook_id"
+        " LEFT JOIN attempts a ON a.todo_id = t.id AND a.seq = (SELECT max(seq) FROM attempts x WHERE x.todo_id = t.id)"
+        " LEFT JOIN endpoints ep ON ep.id = a.endpoint_id"
+        " LEFT JOIN queue_controls qc ON qc.endpoint_id = t.endpoint_id AND qc.queue = t.queue"
         " WHERE t.subject_key = ? AND wc.connection_id = ? AND wc.mirror = 1 AND e.verified = 1"
-        " ORDER BY t.created_at, t.id", (subject_key, connection_id))
-    lines = [STATUS_MARKER, "**Switchboard** · the work on this issue", ""]
-    for todo in todos:
-        lane = f"**{inline_markdown(todo['queue'])}**"
-        state = todo["state"]
-        if state == "claimed":
-            lines.append(f"- {lane}: working, claimed by {inline_markdown(todo['claimant'])}, lease until"
-                         f" {_when(todo['lease_expires_at'])}")
-        elif state == "needs_input":
-            lines += [f"- {lane}: waiting for an answer to its question:", quoted_markdown(todo["state_reason"])]
-        elif state == "review":
-            lines += [f"- {lane}: done, waiting for review:", quoted_markdown(todo["state_reason"])]
-        elif state == "done":
-            summary = f"done ({todo['outcome']})" if todo["outcome"] != "completed" else "done"
-            lines.append(f"- {lane}: {summary}" + (":" if todo["summary"] else ""))
-            if todo["summary"]:
-                lines.append(quoted_markdown(todo["summary"]))
-        elif state == "failed":
-            what = "failed for good (a dead letter: a human decides)" if todo["dead_letter"] else "failed"
-            lines += [f"- {lane}: {what}, after {todo['attempt']} of {todo['max_attempts']} attempts:",
-                      quoted_markdown(todo["last_error"])]
-        elif state == "blocked":
-            lines += [f"- {lane}: blocked:", quoted_markdown(todo["state_reason"])]
-        elif state == "pending" and todo["queue"] == "hold":
-            lines.append(f"- {lane}: held for a human to decide")
-        elif state == "pending":
-            again = f" (attempt {todo['attempt'] + 1})" if todo["attempt"] else ""
-            lines.append(f"- {lane}: waiting for a worker{again}")
-        else:
-            lines.append(f"- {lane}: {state.replace('_', ' ')}")
+        " AND t.queue <> ? AND t.state <> 'quarantined'"
+        " ORDER BY t.created_at, t.id", (subject_key, connection_id, HOLD_QUEUE))
+    head = [STATUS_MARKER, "**Switchboard** · the work on this issue", ""]
+    foot = ["", f"<sub>Written by Switchboard; updated {_when(txn.now)}.</sub>"]
+    entries = [("\n".join(_entry(todo, txn.now)), todo["state"]) for todo in todos]
+    # Room for the fold's line (a few counts) besides the head and foot.
+    room = STATUS_MAX_CHARS - len("\n".join(head + foot)) - 200
+    shown: set[int] = set()
+    for index in sorted(range(len(entries)), key=lambda i: (entries[i][1] in TERMINAL_STATES, -i)):
+        if len(entries[index][0]) + 1 <= room:
+            shown.add(index)
+            room -= len(entries[index][0]) + 1
+    folded = Counter(state for index, (_, state) in enumerate(entries) if index not in shown)
+    lines = list(head)
+    if folded:
+        counts = ", ".join(f"{n} {state.replace('_', ' ')}" for state, n in sorted(folded.items()))
+        lines.append(f"- {sum(folded.values())} older entries are folded to fit: {counts}")
+    lines += [text for index, (text, _) in enumerate(entries) if index in shown]
     if not todos:
         lines.append("- nothing is open for this issue")
-    lines += ["", f"<sub>Written by Switchboard; updated {_when(txn.now)}.</sub>"]
-    return "\n".join(lines)
+    return "\n".join(lines + foot)
 
 
 def pending_outputs(txn: Txn) -> dict[str, int]:

@@ -11,6 +11,7 @@ from switchboard.configuration import QUEUE_PATTERN, ApiError, iso
 from switchboard.database import Row, Txn
 from switchboard.models import QueueLimits, QueuePause, QueueResume
 from switchboard.store.admission import claims_in_window, control_row, is_paused, next_ring_at, ring_room, window_end
+from switchboard.store.forge_outbox import lane_changed
 from switchboard.store.principals import Principal, own_endpoint
 from switchboard.store.transitions import ring_claimable
 
@@ -114,6 +115,7 @@ def pause_queue(txn: Txn, principal: Principal, endpoint_id: str, queue: str, bo
                 (txn.now, until, principal.actor, body.reason, endpoint_id, queue))
     txn.logs.append(f"queue {queue} of {endpoint_id} paused by {principal.actor}"
                     f"{' until ' + iso(until) if until is not None else ''}")
+    lane_changed(txn, endpoint_id, queue)
     return _after_change(txn, endpoint_id, queue)
 
 
@@ -131,6 +133,7 @@ def _end_pause(txn: Txn, endpoint_id: str, queue: str, actor: str) -> None:
                 " paused_reason = NULL, updated_at = ? WHERE endpoint_id = ? AND queue = ?",
                 (txn.now, endpoint_id, queue))
     txn.logs.append(f"queue {queue} of {endpoint_id} resumed by {actor}")
+    lane_changed(txn, endpoint_id, queue)
 
 
 def set_queue_limits(txn: Txn, principal: Principal, endpoint_id: str, queue: str, body: QueueLimits) -> dict:
