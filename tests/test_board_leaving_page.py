@@ -13,7 +13,9 @@ from test_proxy_sign_in import HEADER, IdentityProxy, chromium  # noqa: F401 - c
 
 class HoldingProxy(IdentityProxy):
     """The identity proxy, holding its answer to one path until `release` is set: the answer arrives after the
-    server acted on the request, as a slow network or a loaded proxy delivers it."""
+    server acted on the request, as a slow network or a loaded proxy delivers it. A live stream the server ended
+    is held open too (until `release`), so that only the page ends it: the browser then reports the stream
+    failed exactly when the page closed it, never because the server's end came first."""
 
     def __init__(self, upstream: str, held: str):
         super().__init__(upstream)
@@ -30,6 +32,8 @@ class HoldingProxy(IdentityProxy):
 
             handler.send_response = held_back
         super().forward(handler)
+        if handler.path == "/board/events":
+            self.release.wait(15)
 
 
 def test_a_page_signed_out_by_the_navigation_leaving_it_lets_that_navigation_finish(chromium, db_path):  # noqa: F811
@@ -45,8 +49,8 @@ def test_a_page_signed_out_by_the_navigation_leaving_it_lets_that_navigation_fin
         with page.expect_response(lambda answer: answer.url.endswith("/board/events")):
             page.goto(proxy.url + "/board/endpoints")
         assert page.locator("a.who").inner_text() == "alice"
-        # The old page's stream ends once its session did (the server's word `signed-out`); only then does the
-        # held answer go out.
+        # The old page closes its stream once its session ended (the server's word `signed-out`); only then does
+        # the held answer go out.
         page.on("requestfailed", lambda request: request.url.endswith("/board/events") and proxy.release.set())
         proxy.identity = "bob@example.com"
         answer = page.goto(proxy.url + "/board/queues")
