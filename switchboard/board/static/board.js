@@ -65,6 +65,11 @@
       .then(function () { refreshing = false; });
   }
 
+  // A page being left stays out of the way: the navigation under way may itself end this page's session (behind
+  // a sign-in proxy that now names someone else), and the stream's `signed-out` would then cancel it.
+  var leaving = false;
+  window.addEventListener("beforeunload", function () { leaving = true; });
+
   var stream = new EventSource(url);
   stream.addEventListener("counts", function (event) {
     var live = JSON.parse(event.data);
@@ -73,6 +78,6 @@
   });
   stream.addEventListener("signed-out", function () {
     stream.close();
-    window.location.assign("/board/login");
+    if (!leaving) window.location.assign("/board/login");
   });
 })();
