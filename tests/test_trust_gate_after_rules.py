@@ -80,6 +80,9 @@ def test_an_outsiders_plus_one_under_the_fleet_pack_creates_nothing_and_moves_no
         "sender": {"login": "Codertocat"}}))
     assert opened["disposition"] == "routed" and opened["todos"][0]["queue"] == "triage", opened
     todo_id = opened["todos"][0]["id"]
+    # The status comment's first post, recorded (its next edit is due 10 s after it, by the test's clock).
+    github.wait_for(lambda: query(db_path, "SELECT due_at IS NULL AND edited_at IS NOT NULL FROM forge_status")
+                    == [(True,)], what="the first status comment recorded")
     claimed = world.client.post(f"/api/v1/todos/{todo_id}/claim", headers=endpoint.auth, json={})
     done = world.act(endpoint, todo_id, "complete", lease_token=claimed.json()["lease_token"], summary="sized")
     assert done.status_code == 200, done.text
@@ -91,13 +94,14 @@ def test_an_outsiders_plus_one_under_the_fleet_pack_creates_nothing_and_moves_no
         return found[0] if found and "**triage**: done" in found[0]["body"] else None
 
     before_status = dict(github.wait_for(status, what="the done status comment"))
+    # The sender records the edit after the forge answered it: then nothing is due.
+    github.wait_for(lambda: query(db_path, "SELECT due_at FROM forge_status") == [(None,)], what="the edit recorded")
     echoes = github.flush(post)  # the bot's own comment events: dropped as its echo
     assert echoes and all(e["disposition"] == "dropped" for e in echoes)
     key = quote("github:acme/site#70", safe="")
     assert world.client.get(f"/api/v1/subjects/{key}", headers=alice.auth).json()["state"] == "done"
     todos_before = query(db_path, "SELECT id, state FROM todos ORDER BY id")
     writes_before = len(github.writes())
-    assert query(db_path, "SELECT due_at FROM forge_status") == [(None,)]
 
     # An outsider's "+1": the rules drop it (a comment is no work), so the trust gate holds nothing.
     plus_one = world.deliver(hook, *comment(hook["secret"], 70, "mallory", "+1"))
