@@ -98,6 +98,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     except ApiError:
         db.close()
         raise
+    db.opener = box.open
     vitals = Vitals()
     db.on_fatal = vitals.died
     doorbell = Doorbell(getattr(db, "listening", None))

@@ -59,6 +59,9 @@ class Txn:
     skip_locked = ""  # appended to the subquery that picks one of many rows (a claim): skip rows others hold
     for_update = ""  # appended to the read of the one row a verb is about to change: hold it until commit
     engine = "sqlite"
+    # The app's secret box (`SecretBox.open`), given to write transactions: a body that must compare a sealed
+    # credential with text (a comment holding the forge connection's token) opens it with `unseal`.
+    opener: Callable[[bytes, str], bytes] | None = None
 
     def __init__(self, conn: sqlite3.Connection, now: int, inline_rings: bool):
         self.conn = conn
@@ -68,6 +71,11 @@ class Txn:
         self.outbox = False  # whether this transaction queued notifications (the sender wakes after commit)
         self.logs: list[str] = []
         self.counts: collections.Counter = collections.Counter()
+
+    def unseal(self, sealed: bytes, bound_to: str) -> bytes:
+        if self.opener is None:
+            raise ApiError("unavailable", "this process holds no secret key to open a sealed credential with")
+        return self.opener(sealed, bound_to)
 
     def lock(self, table: str, where: str, params: Iterable = ()) -> None:
         """Hold the rows of `table` meeting `where` until commit: the row a verb read and is about to change."""
@@ -117,6 +125,7 @@ class Database:
         self.inline_rings = inline_rings
         self.on_rings: Callable[[list[dict]], None] | None = None
         self.on_outbox: Callable[[], None] | None = None
+        self.opener: Callable[[bytes, str], bytes] | None = None  # the app's SecretBox.open, for write transactions
         self.loop: AbstractEventLoop | None = None
         # What committed transactions counted (todos created, claimed, completed, lease expiries), for /metrics.
         self.counts: collections.Counter = collections.Counter()
@@ -314,6 +323,7 @@ class Database:
         outcomes: list[tuple[bool, Any, Txn | None]] = []
         for fn, args, _ in batch:
             txn = Txn(conn, self.clock.now_ms(), self.inline_rings)
+            txn.opener = self.opener
             if savepoints:
                 conn.execute("SAVEPOINT job")
             try:

@@ -74,7 +74,7 @@ from switchboard.store.replay import (
     replay_subjects,
     replay_summary,
 )
-from switchboard.store.routing import decide_for_webhook, dry_run_rules, gate, set_rules, verdict
+from switchboard.store.routing import decide_for_webhook, dry_run_rules, gate, set_rules, trust_gate, verdict
 from switchboard.store.rules import rules_view
 from switchboard.store.todos import stored_json
 from switchboard.store.transitions import claim_next, claim_queues, hand_back_unheard, pending_among
@@ -495,7 +495,7 @@ class Flows:
         if gated is not None:
             return gated
         if not webhook["rules"]:
-            return decide_for_webhook(self.evaluator, webhook, b"")
+            return trust_gate(envelope["actor"], *decide_for_webhook(self.evaluator, webhook, b""))
         stored = rules_view(webhook)
         document = envelope_document(record, headers_json, payload_text(envelope["payload"], body)).encode()
         try:
@@ -503,7 +503,7 @@ class Flows:
         except EvaluationShed:
             self._count_shed(webhook)
             raise
-        return verdict(stored["rules"], stored["default_action"], webhook["queue"], result)
+        return trust_gate(envelope["actor"], *verdict(stored["rules"], stored["default_action"], webhook["queue"], result))
 
     def _count_shed(self, webhook: sqlite3.Row) -> None:
         """A shed delivery, counted for /metrics and the Board's webhook page, and logged at most once a minute

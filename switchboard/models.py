@@ -397,7 +397,14 @@ class QueuePause(Body):
         if self.until is None:
             return None
         if re.match(DURATION, self.until):
-            return now + duration_ms(self.until)
+            # Up to four terms of 999999d each reach past the year 9999 from any day: refused by the field's name.
+            until = now + duration_ms(self.until)
+            try:
+                iso(until)
+            except (OverflowError, ValueError):
+                raise ApiError("invalid_argument", f"until: {self.until} from now is past the year 9999 in UTC"
+                                                   ) from None
+            return until
         return to_ms(_MOMENT.validate_python(self.until))
 
 

@@ -237,6 +237,7 @@ class Postgres:
         self.inline_rings = inline_rings
         self.on_rings: Callable[[list[dict]], None] | None = None
         self.on_outbox: Callable[[], None] | None = None
+        self.opener: Callable[[bytes, str], bytes] | None = None  # the app's SecretBox.open, for write transactions
         self.on_fatal: Callable[[str], None] | None = None
         self.loop: AbstractEventLoop | None = None
         self.counts: collections.Counter = collections.Counter()
@@ -279,6 +280,7 @@ class Postgres:
                         if read_only:
                             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
                         txn = PgTxn(conn, self.clock.now_ms(), self.inline_rings and not read_only)
+                        txn.opener = self.opener
                         if read_only:
                             txn.reading()
                         result = fn(txn, *args)

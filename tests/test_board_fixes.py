@@ -86,17 +86,18 @@ def router(world, alice):
 
 def test_trusting_the_actor_stands_when_the_rules_then_drop_the_delivery(client, world, alice, router):
     hook = world.webhook(alice, router, "github", trusted_actors={"logins": ["alice"]})
-    put_rules(world, alice, hook, {"id": "drop-everything", "expr": "true", "action": {"drop": True}})
+    # The trust gate runs after the rules and holds only what they would not drop: these drop trusted actors' work.
+    put_rules(world, alice, hook, {"id": "drop-trusted", "expr": ".actor.trusted == true", "action": {"drop": True}})
     held = world.deliver(hook, *producers.github("issues.opened", hook["secret"])).json()["todos"][0]["id"]
     sign_in(client, alice)
     assert "Trust Codertocat and release" in item_of(client.get("/board").text, held), "the button names the login"
     assert post(client, f"/board/todos/{held}/release", trust_actor="1", back="/board").status_code == 303
-    assert notice(client) == "Trusted Codertocat; the rules dropped it: rule drop-everything"
+    assert notice(client) == "Trusted Codertocat; the rules dropped it: rule drop-trusted"
     webhook = rest(world, alice, "GET", f"/api/v1/webhooks/{hook['id']}").json()
     assert webhook["trusted_actors"] == {"logins": ["alice", "Codertocat"], "match": "sender"}
     todo = rest(world, alice, "GET", f"/api/v1/todos/{held}").json()
     assert (todo["state"], todo["outcome"], todo["state_reason"]) == ("done", "discarded", "dropped")
-    assert todo["trace"]["rule_id"] == "drop-everything"
+    assert todo["trace"]["rule_id"] == "drop-trusted"
     assert todo["history"][-1]["evidence"]["trusted"] == ["Codertocat"]
     again = world.deliver(hook, *producers.github("issues.opened", hook["secret"], {"issue": {"number": 2}})).json()
     assert again["disposition"] == "dropped", "Codertocat passes the gate now; the rules decide"

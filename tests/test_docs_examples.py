@@ -395,9 +395,11 @@ def prep_cairn(scene: Scene, shell: Shell) -> Prep:
 
 
 def shows_the_dry_run(output: str) -> None:
-    """`rules test` with the fixture prints what the docs say: held by the trust gate."""
-    assert re.search(r'^decision: \{.*"disposition": "quarantined"', output, re.M), output[-2000:]
-    assert re.search(r'^trace: \{"stage": "trust_gate", "cause": "untrusted_actor"', output, re.M), output[-2000:]
+    """`rules test` with the fixture prints what the docs say: the pack drops the untrusted labeler's event, so the
+    trust gate (after the rules) holds nothing."""
+    assert re.search(r'^decision: \{.*"disposition": "dropped"', output, re.M), output[-2000:]
+    assert re.search(r'^trace: \{"stage": "rule", .*"rule_id": "issue-untrusted".*"trust_gate": "untrusted_actor"',
+                     output, re.M), output[-2000:]
 
 
 def routed(done: subprocess.CompletedProcess) -> None:

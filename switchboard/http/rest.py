@@ -380,6 +380,7 @@ class Api:
 
     async def claim_next(self, request: Request) -> Response:
         principal = await self.principal(request)
+        principal.require_verb("claim_next")
         body = await self.body(request, ClaimNext)
         return JsonResponse(await self.flows.claim(principal, body, gone_future(request, body)))
 
@@ -471,6 +472,11 @@ class Api:
         """A route that is one store function in one transaction, or one flow, called with the principal, the
         path's parameters in order, then the validated body or query."""
         principal = await self.principal(request)
+        # The token's kind first: the wrong kind is 403 whatever the body holds (it is not read).
+        if route.auth == "human":
+            principal.require_human(f"{route.method} {documented_path(route.path)}")
+        elif route.auth == "endpoint" and principal.kind != "endpoint":
+            raise ApiError("forbidden", f"{route.method} {documented_path(route.path)} needs an endpoint token")
         args = list(request.path_params.values())
         if route.body is not None:
             args.append(await self.body(request, route.body))

@@ -17,7 +17,7 @@ from switchboard.payload import payload_text
 from switchboard.store.connections import connection_login
 from switchboard.store.deliveries import EVENT_WITH_BODY, create_planned_todo, plan_delivery
 from switchboard.store.principals import Principal
-from switchboard.store.routing import decide_for_webhook, gate, with_current_actor
+from switchboard.store.routing import decide_for_webhook, gate, trust_gate, with_current_actor
 from switchboard.store.rules import rules_view
 from switchboard.store.todos import stored_json
 from switchboard.store.transitions import claim_once, transition
@@ -84,6 +84,7 @@ class ReplaySubject:
     webhook: sqlite3.Row
     gated: tuple[dict, dict] | None
     document: bytes | None
+    actor: dict  # the envelope's `.actor`, for the trust gate after the rules
 
 
 @dataclass
@@ -96,7 +97,8 @@ class Replay:
 
 def decide_again(evaluator: Evaluator, subjects: list[ReplaySubject], tenant: str | None) -> list[Replay]:
     """The current gate's and rules' decisions for stored deliveries."""
-    return [Replay(s.event_id, *(s.gated or decide_for_webhook(evaluator, s.webhook, s.document or b"", tenant)))
+    return [Replay(s.event_id, *(s.gated or trust_gate(s.actor, *decide_for_webhook(evaluator, s.webhook,
+                                                                                      s.document or b"", tenant))))
             for s in subjects]
 
 
@@ -109,7 +111,7 @@ def replay_subjects(txn: Txn, principal: Principal, event_ids: list[str]) -> lis
         if gated is None and rules_view(webhook)["rules"]:
             document = envelope_document(envelope_record(envelope), event["headers"],
                                          payload_text(envelope["payload"], event["body"] or b"")).encode()
-        subjects.append(ReplaySubject(event_id, webhook, gated, document))
+        subjects.append(ReplaySubject(event_id, webhook, gated, document, envelope["actor"]))
     return subjects
 
 

@@ -35,17 +35,26 @@ COMMENT_KINDS = frozenset({"issue_comment", "pull_request_review_comment", "pull
 def gate(envelope: dict) -> tuple[dict, dict] | None:
     """What is decided before any rule runs. A producer's hello (GitHub's `ping`, sent when a webhook is
     created) proves the secret and is recorded, but is never work. A comment the webhook's own forge connection
-    wrote (an output, the status comment) is the server's own echo: dropped, reason `own_output`. A delivery
-    whose actor the webhook does not trust is held for its human (the trust gate), so no rule ever sees it."""
+    wrote (an output, the status comment) is the server's own echo: dropped, reason `own_output`."""
     if envelope["source"] == "github" and envelope["kind"] == "ping":
         return {"ping": True}, {"stage": "ping", "action": {"ping": True}}
     if envelope["actor"].get("via_connection") and envelope["kind"] in COMMENT_KINDS:
         action = {"drop": True}
         return action, {"stage": "own_output", "cause": "own_output", "action": action}
-    if envelope["actor"]["trusted"] is False:
-        action = {"quarantine": True}
-        return action, {"stage": "trust_gate", "cause": "untrusted_actor", "action": action}
     return None
+
+
+def trust_gate(actor: dict, action: dict, trace: dict) -> tuple[dict, dict]:
+    """The trust gate, after the rules: a delivery whose `actor` (the envelope's) the webhook does not trust is held for its human
+    when the rules would make work of it (route it, hold it, or fault on it), under `trace.rules` what they said.
+    One the rules drop stays dropped, its trace saying the gate would have held it: a public repository's chatter
+    (an outsider's "+1") costs the human nothing."""
+    if actor["trusted"] is not False or action.get("ping"):
+        return action, trace
+    if action.get("drop"):
+        return action, {**trace, "trust_gate": "untrusted_actor"}
+    held = {"quarantine": True}
+    return held, {"stage": "trust_gate", "cause": "untrusted_actor", "action": held, "rules": trace}
 
 
 def decide(evaluator: Evaluator, rules: list[dict], default: dict | None, params: dict, fallback_queue: str,
@@ -173,10 +182,10 @@ def dry_run_rules(db: Database, evaluator: Evaluator, principal: Principal, webh
                                   connection_login=login)
     elif body.verified is not None:
         envelope["verified"] = body.verified
-    action, trace = gate(envelope) or decide(
+    action, trace = gate(envelope) or trust_gate(envelope["actor"], *decide(
         evaluator, [r.model_dump(exclude_none=True) for r in rules_models],
         default.model_dump(exclude_none=True) if default else None, params, webhook["queue"],
-        json.dumps(envelope).encode(), principal.human_id)
+        json.dumps(envelope).encode(), principal.human_id))
     plan = db.read_sync(plan_delivery, webhook, envelope, action, trace)
     return {"decision": {"drop": bool(action.get("drop")), "queue": plan.targets[0][1] if plan.targets else None,
                          "endpoints": [t[0] for t in plan.targets], "disposition": plan.disposition,
