@@ -150,8 +150,9 @@ def test_the_seeds_loop_from_opened_to_done_on_one_subject_page(site, tmp_path, 
     assert (subject["state"], subject["labels"]) == ("done", ["size/S"])
     assert [(t["id"], t["queue"], t["state"]) for t in subject["todos"]] == [(triage, "triage", "done"),
                                                                             (lane, "lane-s", "done")]
-    steps = [(e["type"], e.get("queue") or e.get("output_type") or e.get("kind"), e.get("to") or e.get("state")
-              or e.get("disposition")) for e in subject["timeline"]]
+    what = {"delivery": "kind", "output": "output_type", "transition": "queue"}
+    steps = [(e["type"], e[what[e["type"]]], e.get("to") or e.get("state") or e.get("disposition"))
+             for e in subject["timeline"]]
     assert steps == [("delivery", "issues", "routed"), ("transition", "triage", "pending"),
                      ("transition", "triage", "claimed"), ("transition", "triage", "done"),
                      ("output", "add_labels", "sent"), ("delivery", "issues", "routed"),

@@ -83,7 +83,7 @@ def test_the_installed_copy_serves_from_another_directory(installed, tmp_path):
     assert done.returncode == 0, done.stderr
     assert (elsewhere / "switchboard.db").is_file()
     shipped = run_installed(installed, elsewhere, "rules", "set", "wh_00", "--pack", "fleet", "--json")
-    assert "not_found" in shipped.stdout, shipped.stdout + shipped.stderr  # the pack was read; the webhook is unknown
+    assert "not_found" in shipped.stderr, shipped.stdout + shipped.stderr  # the pack was read; the webhook is unknown
     port = free_port()
     server = run_installed(installed, elsewhere, "serve", "--port", str(port), background=True)
     try:
