@@ -181,7 +181,7 @@ def test_the_server_adds_the_label_once_on_the_work_orders_issue_and_the_worker_
     assert todo["state"] == "done"
     assert todo["result"] == {"size": "S", "reason": "a one-word fix in the README", "label": "size/S",
                               "model": MODEL, "labelled": True}
-    assert todo["attempts"][0]["summary"] == f"sized S; asked the server to label {REPO}#{number} size/S"
+    assert todo["attempts"][0]["summary"] == "sized S: labelled size/S"
     # The label's own event, sent by the connection's login, routes the issue on: nobody named the bot.
     [lane] = eventually(lambda: lane_todos(site, number), 20, "the lane todo")
     assert lane["queue"] == "lane-s"

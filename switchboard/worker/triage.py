@@ -269,8 +269,7 @@ class TriageRunner:
             log.info("todo %s: %s#%d sized %s; asking the server to label it %s%s", job.id, issue.repo,
                      issue.number, answer.size, label, cut)
             return CompleteWithOutputs(result={**result, "labelled": True}, outputs=(AddLabels(labels=(label,)),),
-                                       summary=f"sized {answer.size}; asked the server to label"
-                                               f" {issue.repo}#{issue.number} {label}{cut}")
+                                       summary=f"sized {answer.size}: labelled {label}{cut}")
         async with http_client(api) as forge_http:
             job.note = f"labelling {issue.repo}#{issue.number} {label}"
             refused = await self.add_label(forge_http, job, api, issue, label)
