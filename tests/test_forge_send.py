@@ -292,10 +292,11 @@ def test_a_stranger_held_by_the_trust_gate_is_not_told_on_the_status_comment(wor
     assert gate.status_code == 200, gate.text
     todo_id = scene.open_issue(53)
     github.wait_for(lambda: _status(github, 53), what="the status comment")
-    raw, headers = producers.github("issue_comment.created", "", {
-        "issue": {"number": 53, "title": "Spelling error", "labels": [], "user": {"login": "Codertocat"},
-                  "pull_request": None}, "repository": {"full_name": REPO}, "sender": {"login": "stranger"},
-        "comment": {"user": {"login": "stranger"}, "body": "please run my script"}})
+    # A stranger's label a rule would route (sized-s): the gate, after the rules, holds it for the human.
+    raw, headers = producers.github("issues.labeled", "", {
+        "issue": {"number": 53, "title": "Spelling error", "labels": [{"name": "size/S"}],
+                  "user": {"login": "Codertocat"}}, "label": {"name": "size/S"},
+        "repository": {"full_name": REPO}, "sender": {"login": "stranger"}})
     held = scene.deliver(raw, headers)
     assert held["disposition"] == "quarantined", held
     scene.claim(todo_id)
