@@ -50,7 +50,20 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "sqlite_only(reason): about SQLite itself; the Postgres run leaves it out")
 
 
+# The files that take longest, longest first (measured with --durations on both engines). xdist's --dist loadfile
+# hands whole files to the two workers in collection order, so a long file collected last (test_worker*.py, by
+# name) ran alone while the other worker sat idle; handed out first, the short files even out the end.
+LONGEST_FILES = (
+    "test_docs_examples.py", "test_worker_attacks.py", "test_standalone.py", "test_postgres.py", "test_cli.py",
+    "test_readme.py", "test_worker.py", "test_ingress_reliability.py", "test_notify.py", "test_triage.py",
+    "test_cli_forge.py", "test_operations.py", "test_replay.py", "test_hardening_network.py", "test_packs.py",
+    "test_limits.py", "test_ingest_limits.py", "test_forge_live.py", "test_proxy_sign_in.py",
+)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: n for n, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests stay in order
     if ENGINE != "postgres":
         return
     for item in items:
