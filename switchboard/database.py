@@ -10,7 +10,7 @@ import queue as queue_module
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -151,7 +151,13 @@ class Database:
         self.on_fatal: Callable[[str], None] | None = None
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
+        # Reads under way on the reader connections and the probe. Closing a sqlite3 connection while another thread
+        # steps a statement on it crashes the interpreter (a segmentation fault), and a read can outlive the task
+        # that awaited it (a cancelled task's thread runs on), so close waits for these to end and refuses new ones.
         self._readers_lock = threading.Lock()
+        self._reads_ended = threading.Condition(self._readers_lock)
+        self._reads_under_way = 0
+        self._reads_refused = False
         self._probe: sqlite3.Connection | None = None
         self._thread = threading.Thread(target=self._write_loop, name="switchboard-writer", daemon=True)
         self._thread.start()
@@ -345,6 +351,21 @@ class Database:
 
     # -- reading ---------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Counts a read as under way for its whole length; once close has begun, a new read is refused."""
+        with self._readers_lock:
+            if self._reads_refused:
+                raise sqlite3.ProgrammingError("the database is closed")
+            self._reads_under_way += 1
+        try:
+            yield
+        finally:
+            with self._readers_lock:
+                self._reads_under_way -= 1
+                if not self._reads_under_way:
+                    self._reads_ended.notify_all()
+
     def _reader(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
@@ -355,18 +376,20 @@ class Database:
         return conn
 
     def read_sync(self, fn: Callable, *args) -> Any:
-        conn = self._reader()
-        conn.execute("BEGIN")
-        try:
-            return fn(Txn(conn, self.clock.now_ms(), False), *args)
-        finally:
-            conn.execute("COMMIT")
+        with self._reading():
+            conn = self._reader()
+            conn.execute("BEGIN")
+            try:
+                return fn(Txn(conn, self.clock.now_ms(), False), *args)
+            finally:
+                conn.execute("COMMIT")
 
     def read_statement(self, fn: Callable, *args) -> Any:
         """read_sync for a body that runs one statement, which SQLite makes its own read transaction. It saves the
         BEGIN and COMMIT: on the event loop each call into SQLite lets the writer take the GIL, and waits to get it
         back."""
-        return fn(Txn(self._reader(), self.clock.now_ms(), False), *args)
+        with self._reading():
+            return fn(Txn(self._reader(), self.clock.now_ms(), False), *args)
 
     async def read(self, fn: Callable, *args) -> Any:
         import anyio.to_thread  # as in write()
@@ -376,26 +399,31 @@ class Database:
     def change_marker(self) -> int:
         """PRAGMA data_version on a connection of its own: it moves on any commit by another connection (this
         server's writer, the CLI, another process). For the background loop only (one thread)."""
-        if self._probe is None:
-            self._probe = connect(self.path, self.synchronous)
-        return self._probe.execute("PRAGMA data_version").fetchone()[0]
+        with self._reading():
+            if self._probe is None:
+                self._probe = connect(self.path, self.synchronous)
+            return self._probe.execute("PRAGMA data_version").fetchone()[0]
 
     def alive(self) -> bool:
         return self.failure is None and self._thread.is_alive() and self._checkpointer.is_alive()
 
     def close(self) -> None:
+        """Ends the writer and the checkpointer (each closes its own connection), then closes the reader connections
+        and the probe once the reads under way on them have ended; a read begun after this is refused."""
         self._jobs.put(None)
         self._thread.join()
         self._closing.set()
         self._committed.set()
         self._checkpointer.join()
         with self._readers_lock:
+            self._reads_refused = True
+            self._reads_ended.wait_for(lambda: not self._reads_under_way)
             for conn in self._readers:
                 with contextlib.suppress(sqlite3.Error):
                     conn.close()
             self._readers.clear()
-        if self._probe is not None:
-            self._probe.close()
+            if self._probe is not None:
+                self._probe.close()
 
     def backup(self, out_path: str) -> None:
         """A consistent single-file copy through SQLite's online backup, safe while serving."""

@@ -50,7 +50,22 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "sqlite_only(reason): about SQLite itself; the Postgres run leaves it out")
 
 
+# The files that take longest, longest first: by the larger of a file's share of the SQLite run and of the Postgres
+# run (each measured with --durations; test_postgres.py is the longest on Postgres, test_docs_examples.py on
+# SQLite). xdist's --dist loadfile hands whole files to the two workers in this order, so the long files start
+# at once and the many short ones even out the end, where a long file handed out last ran alone.
+LONGEST_FILES = (
+    "test_postgres.py", "test_docs_examples.py", "test_worker_attacks.py", "test_ingress_reliability.py",
+    "test_standalone.py", "test_queue_control.py", "test_replay.py", "test_cli.py", "test_readme.py",
+    "test_worker.py", "test_bulk.py", "test_notify.py", "test_cli_forge.py", "test_triage.py", "test_mcp.py",
+    "test_reliability.py", "test_operations.py", "test_packs.py", "test_hardening_network.py", "test_limits.py",
+    "test_ingest_limits.py", "test_forge_live.py", "test_proxy_sign_in.py",
+)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: n for n, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests stay in order
     if ENGINE != "postgres":
         return
     for item in items:

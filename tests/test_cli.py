@@ -9,7 +9,7 @@ import threading
 
 import httpx
 import pytest
-from conftest import ROOT, cli
+from conftest import ROOT, cli, cli_inproc
 
 from switchboard.configuration import SCHEMA_VERSION
 
@@ -62,8 +62,8 @@ def test_cli_refuses_bad_input_with_exit_1_and_usage_with_exit_2(db_path):
 @pytest.mark.sqlite_only("SQLite's online file backup (Postgres: pg_dump)")
 def test_backup_while_serving_is_consistent(live_server, db_path, tmp_path):
     server = live_server()
-    _, human = cli(db_path, "human", "add", "alice")
-    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "build")
+    _, human = cli_inproc(db_path, "human", "add", "alice")
+    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "build")
     auth = {"Authorization": f"Bearer {human['token']}"}
     stop = threading.Event()
 

@@ -311,11 +311,11 @@ def test_cross_human_route_needs_an_approved_friend_edge(world, client, db_path)
 
 def test_cross_human_route_through_the_cli(db_path):
     for name in ("alice", "bob"):
-        assert cli(db_path, "human", "add", name)[0] == 0
-    code, alice_ep = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "a", "--queues", QUEUE,
+        assert cli_inproc(db_path, "human", "add", name)[0] == 0
+    code, alice_ep = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "a", "--queues", QUEUE,
                          "--verbs", "all")
     assert code == 0, alice_ep
-    code, bob_ep = cli(db_path, "endpoint", "vend", "--human", "bob", "--name", "b", "--queues", QUEUE,
+    code, bob_ep = cli_inproc(db_path, "endpoint", "vend", "--human", "bob", "--name", "b", "--queues", QUEUE,
                        "--verbs", "all")
     assert code == 0, bob_ep
     code, hook = cli(db_path, "webhook", "create", "--endpoint", alice_ep["id"], "--provider", "github",
@@ -505,8 +505,8 @@ def test_rotate_and_delete_over_rest(world, client, db_path):
 
 
 def test_rotate_list_and_delete_through_the_cli(client, db_path):
-    assert cli(db_path, "human", "add", "alice")[0] == 0
-    code, ep = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "a", "--queues", QUEUE, "--verbs", "all")
+    assert cli_inproc(db_path, "human", "add", "alice")[0] == 0
+    code, ep = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "a", "--queues", QUEUE, "--verbs", "all")
     assert code == 0, ep
     code, hook = cli(db_path, "webhook", "create", "--endpoint", ep["id"], "--provider", "github", "--queue", QUEUE,
                      "--base-url", "https://hooks.example.net", "--allow-all")
