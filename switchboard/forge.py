@@ -321,7 +321,8 @@ class ForgeSender:
                 next_due = None
             wait = 60.0 if next_due is None else max(0.05, (next_due - self.db.clock.now_ms()) / 1000)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+                async with asyncio.timeout(wait):  # not wait_for: see Notifier.run
+                    await self._wake.wait()
 
     def _start(self, client: httpx.AsyncClient, job: ForgeJob) -> None:
         self.busy.add(job.key)

@@ -425,8 +425,11 @@ class Notifier:
                 log.exception("notifier round failed")
                 next_due = None
             wait = 60.0 if next_due is None else max(0.05, (next_due - self.db.clock.now_ms()) / 1000)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that arrives as the wake does
+            # (it returns the wake), and the loop went on, so the server's stop waited for it for ever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
 
     def _start(self, client: httpx.AsyncClient, message: Outgoing) -> None:
         channel_id, human_id = message.channel["id"], message.channel["human_id"]
