@@ -178,7 +178,7 @@ def test_over_mcp_the_session_remembers_the_next_lease(live_server, db_path):
             assert "claim_next" in tools["complete"].input_schema["properties"]
             # Which todo comes first is the queue's order, which a sweep holding a fresh todo for its ring may
             # pass over on Postgres (SKIP LOCKED): the test follows whichever it is handed.
-            claimed = await client.call_tool("claim_next", {"queue": "build"})
+            claimed = await client.call_tool("claim_next", {"queue": "build", "wait_seconds": 10})
             order = [claimed.structured_content["todo"]["id"]]
             refused = await client.call_tool("complete", {"id": order[0], "claim_next": {"queue": "docs"}})
             assert refused.is_error and refused.structured_content["error"] == "forbidden"

@@ -97,8 +97,11 @@ def test_session_era_lists_scoped_tools_claims_and_completes(setup):
                                   "release", "needs_input", "block", "absorb"}
             assert tools["complete"].input_schema["required"] == ["id"], "the session remembers its lease"
             assert tools["claim_next"].input_schema["additionalProperties"] is False
-            claimed = await client.call_tool("claim_next", {"queue": "build"})
-            assert not claimed.is_error and claimed.structured_content["todo"]["id"] == todo["id"]
+            # A claim passes over a todo another transaction holds this instant (SKIP LOCKED on Postgres: a ring
+            # being sent for it) and is rung for it at that one's commit, so it waits as a worker's claim does.
+            claimed = await client.call_tool("claim_next", {"queue": "build", "wait_seconds": 10})
+            assert not claimed.is_error and claimed.structured_content["todo"]["id"] == todo["id"], \
+                claimed.structured_content
             beat = await client.call_tool("heartbeat", {"id": todo["id"], "note": "working"})
             assert not beat.is_error
             done = await client.call_tool("complete", {"id": todo["id"], "summary": "built", "result": {"ok": 1}})
