@@ -744,9 +744,9 @@ class OutputsAnswer(AnswerModel):
     outputs: list[OutputAnswer]
 
 
-class TodoAnswer(AnswerModel):
-    """A todo. `get_todo` adds attempts, history, depends_on, receipt and outputs; an operator push adds created;
-    a report with outputs adds the outputs it made."""
+class TodoFields(AnswerModel):
+    """What every answer about a todo says of it, without its documents (payload, work_order, work_item, trace,
+    result)."""
     id: str
     endpoint_id: str
     queue: str
@@ -764,11 +764,6 @@ class TodoAnswer(AnswerModel):
     available_at: Instant
     created_at: Instant
     updated_at: Instant
-    payload: Any
-    work_order: dict | None
-    work_item: dict | None
-    trace: dict | None
-    result: Any
     last_error: str | None
     key: str | None
     state_reason: str | None
@@ -776,6 +771,16 @@ class TodoAnswer(AnswerModel):
     deferred_until: Instant
     event_id: str | None
     rings: RingsAnswer
+
+
+class TodoAnswer(TodoFields):
+    """A todo. `get_todo` adds attempts, history, depends_on, receipt and outputs; an operator push adds created;
+    a report with outputs adds the outputs it made."""
+    payload: Any
+    work_order: dict | None
+    work_item: dict | None
+    trace: dict | None
+    result: Any
     created: bool | None = None
     attempts: list[AttemptAnswer] | None = None
     history: list[HistoryAnswer] | None = None
@@ -908,33 +913,8 @@ class TimelineEntry(BaseModel):
     type: Literal["delivery", "transition", "output", "receipt"]
 
 
-class SubjectTodo(AnswerModel):
-    """A todo as a subject names it: a list's fields but its documents (payload, work_order, work_item, trace,
-    result); `link` fetches it whole."""
-    id: str
-    endpoint_id: str
-    queue: str
-    state: Literal[TODO_STATES]
-    outcome: Literal["completed", "approved", "absorbed", "discarded"] | None
-    title: str
-    source: str
-    kind: str | None
-    subject_key: str | None
-    priority: int
-    attempt: int
-    max_attempts: int
-    dead_letter: bool
-    lease_expires_at: Instant
-    available_at: Instant
-    created_at: Instant
-    updated_at: Instant
-    last_error: str | None
-    key: str | None
-    state_reason: str | None
-    answer: str | None
-    deferred_until: Instant
-    event_id: str | None
-    rings: RingsAnswer
+class SubjectTodo(TodoFields):
+    """A todo as a subject names it: a list's fields but its documents; `link` fetches it whole."""
     link: str = Field(description="/api/v1/todos/{id}: the todo whole")
 
 
