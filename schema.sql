@@ -106,8 +106,9 @@ CREATE TABLE IF NOT EXISTS events (
     headers       TEXT NOT NULL DEFAULT '{}' CHECK (json_valid(headers)),
     -- The envelope without `.payload` and `.headers` (read from event_bodies and headers when it is shown).
     envelope      TEXT CHECK (envelope IS NULL OR json_valid(envelope)),
-    -- ping: a producer's hello (GitHub's `ping`), recorded and answered, never work.
-    disposition   TEXT NOT NULL CHECK (disposition IN ('routed', 'dropped', 'repeat', 'quarantined', 'ping')),
+    -- ping: a producer's hello (GitHub's `ping`), recorded and answered, never work. command: a commander's
+    -- comment on the forge, acted on (or refused) by the server itself, never through the rules.
+    disposition   TEXT NOT NULL CHECK (disposition IN ('routed', 'dropped', 'repeat', 'quarantined', 'ping', 'command')),
     trace         TEXT CHECK (trace IS NULL OR json_valid(trace)),
     outcome       TEXT CHECK (outcome IS NULL OR json_valid(outcome)),
     received_at   INTEGER NOT NULL,
@@ -575,7 +576,9 @@ CREATE TABLE IF NOT EXISTS webhook_connections (
     connection_id  TEXT NOT NULL REFERENCES forge_connections(id) ON DELETE CASCADE,
     mirror         INTEGER NOT NULL DEFAULT 0 CHECK (mirror IN (0, 1)),
     policy         TEXT NOT NULL CHECK (json_valid(policy) AND json_type(policy) = 'object'),
-    connected_at   INTEGER NOT NULL
+    connected_at   INTEGER NOT NULL,
+    -- Who may steer the work from the forge (`commands`: logins, on_close); NULL: nobody, as before commands.
+    commands       TEXT CHECK (commands IS NULL OR (json_valid(commands) AND json_type(commands) = 'object'))
 );
 CREATE INDEX IF NOT EXISTS webhook_connections_by_connection ON webhook_connections(connection_id);
 
@@ -629,6 +632,41 @@ CREATE TABLE IF NOT EXISTS forge_status (
     PRIMARY KEY (connection_id, subject_key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS forge_status_due ON forge_status(due_at) WHERE due_at IS NOT NULL;
+
+-- The server's acknowledgement of each forge command it read: a reaction on the command's comment (`+1` it acted,
+-- `confused` it refused), one per command delivery, sent after commit by the forge sender. A reaction is the
+-- forge's own idempotent act (the same reaction again is the one already there), so a retry after a lost answer
+-- adds nothing; `next_at` leases a send in flight as forge_outputs' does.
+CREATE TABLE IF NOT EXISTS forge_reactions (
+    event_id       TEXT PRIMARY KEY REFERENCES events(id) ON DELETE CASCADE,
+    connection_id  TEXT REFERENCES forge_connections(id) ON DELETE SET NULL,
+    subject_key    TEXT NOT NULL,
+    repo           TEXT NOT NULL,
+    comment_id     TEXT NOT NULL CHECK (length(comment_id) BETWEEN 1 AND 32),
+    content        TEXT NOT NULL CHECK (content IN ('+1', 'confused')),
+    state          TEXT NOT NULL CHECK (state IN ('pending', 'sent', 'failed')),
+    error          TEXT,
+    attempts       INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    next_at        INTEGER NOT NULL,
+    created_at     INTEGER NOT NULL,
+    sent_at        INTEGER,
+    CHECK ((state = 'sent') = (sent_at IS NOT NULL)),
+    CHECK (state <> 'failed' OR error IS NOT NULL),
+    CHECK (state <> 'pending' OR connection_id IS NOT NULL)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS forge_reactions_pending ON forge_reactions(next_at) WHERE state = 'pending';
+
+-- A pull request that says it closes an issue ("Fixes #12", same repository, from a trusted actor), per human:
+-- both subjects' pages show the link, and merging the pull request approves the issue's todos in review.
+CREATE TABLE IF NOT EXISTS subject_links (
+    human_id     TEXT NOT NULL REFERENCES humans(id) ON DELETE CASCADE,
+    pull_key     TEXT NOT NULL CHECK (length(pull_key) BETWEEN 1 AND 4096),
+    issue_key    TEXT NOT NULL CHECK (length(issue_key) BETWEEN 1 AND 4096),
+    event_id     TEXT,
+    linked_at    INTEGER NOT NULL,
+    PRIMARY KEY (human_id, pull_key, issue_key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS subject_links_by_issue ON subject_links(human_id, issue_key, pull_key);
 
 -- The migration steps this database took (switchboard/migrations.py), each with the version it reached, what it
 -- did and when; a new database has one row, the version it was made at. `check` shows them.

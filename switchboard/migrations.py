@@ -159,6 +159,31 @@ MIGRATIONS: dict[int, Migration] = {
         " delivered at once to two processes under two delivery ids is recorded once (an older copy of a body"
         " already stored twice keeps its row but gives up its hash: the dedup answers from the earliest)",
         before=_SIGNED_BODY_ONCE, postgres=_SIGNED_BODY_ONCE),
+    12: Migration(
+        "the forge steers the work: webhooks' connections name their commanders (`commands`, nobody until set),"
+        " an event's disposition may be `command`, forge_reactions acknowledges each command on its comment, and"
+        " subject_links keeps the pull requests that close issues",
+        rebuild=("events", "webhook_connections"),
+        postgres=(
+            "ALTER TABLE events DROP CONSTRAINT events_disposition_check",
+            "ALTER TABLE events ADD CONSTRAINT events_disposition_check CHECK (disposition IN ('routed', 'dropped',"
+            " 'repeat', 'quarantined', 'ping', 'command'))",
+            "ALTER TABLE webhook_connections ADD COLUMN commands TEXT CHECK (commands IS NULL OR"
+            " (switchboard_json_valid(commands) AND switchboard_json_type(commands) = 'object'))",
+            "CREATE TABLE forge_reactions (event_id TEXT PRIMARY KEY REFERENCES events(id) ON DELETE CASCADE,"
+            " connection_id TEXT REFERENCES forge_connections(id) ON DELETE SET NULL, subject_key TEXT NOT NULL,"
+            " repo TEXT NOT NULL, comment_id TEXT NOT NULL CHECK (length(comment_id) BETWEEN 1 AND 32),"
+            " content TEXT NOT NULL CHECK (content IN ('+1', 'confused')),"
+            " state TEXT NOT NULL CHECK (state IN ('pending', 'sent', 'failed')), error TEXT,"
+            " attempts BIGINT NOT NULL DEFAULT 0 CHECK (attempts >= 0), next_at BIGINT NOT NULL,"
+            " created_at BIGINT NOT NULL, sent_at BIGINT, CHECK ((state = 'sent') = (sent_at IS NOT NULL)),"
+            " CHECK (state <> 'failed' OR error IS NOT NULL), CHECK (state <> 'pending' OR connection_id IS NOT NULL))",
+            "CREATE INDEX forge_reactions_pending ON forge_reactions(next_at) WHERE state = 'pending'",
+            "CREATE TABLE subject_links (human_id TEXT NOT NULL REFERENCES humans(id) ON DELETE CASCADE,"
+            " pull_key TEXT NOT NULL CHECK (length(pull_key) BETWEEN 1 AND 4096),"
+            " issue_key TEXT NOT NULL CHECK (length(issue_key) BETWEEN 1 AND 4096), event_id TEXT,"
+            " linked_at BIGINT NOT NULL, PRIMARY KEY (human_id, pull_key, issue_key))",
+            "CREATE INDEX subject_links_by_issue ON subject_links(human_id, issue_key, pull_key)")),
 }
 
 # Columns that moved to a table of their own: (table, column) -> (new table, the copy). Whichever migration first

@@ -10,6 +10,7 @@ release4.db, and for Postgres release 4's schema.postgres.sql with the rows rele
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -145,7 +146,10 @@ class Raw:
     def catalog(self) -> dict:
         """Every definition the database holds, as the engine prints it back."""
         if not self.postgres:
-            return {"objects": sorted((kind, name, table, " ".join((sql or "").split())) for kind, name, table, sql in
+            # A table a step rebuilt was renamed into place, and SQLite prints its renamed name quoted.
+            return {"objects": sorted((kind, name, table, re.sub(r'^CREATE TABLE "(\w+)"', r"CREATE TABLE \1",
+                                                                 " ".join((sql or "").split())))
+                                      for kind, name, table, sql in
                                       self.rows("SELECT type, name, tbl_name, sql FROM sqlite_master"))}
         here = "current_schema()::regnamespace"
         return {
