@@ -63,6 +63,7 @@ from switchboard.providers import VerificationFailed, delivery_key, verify_deliv
 from switchboard.store.bulk import BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step, step_pacing
 from switchboard.store.connections import add_connection
 from switchboard.store.deliveries import Delivery, duplicate_of, find_webhook, record_delivery
+from switchboard.store.forge_control import commands_of, read_command
 from switchboard.store.outbox import add_channel, notify_verification_failures, queue_test_message
 from switchboard.store.principals import Principal
 from switchboard.store.quarantine import apply_quarantine_release, prepare_quarantine_release
@@ -491,6 +492,9 @@ class Flows:
 
     async def _decide(self, webhook: sqlite3.Row, envelope: dict, record: str, headers_json: str,
                       body: bytes) -> tuple[dict, dict]:
+        if webhook["connection_commands"] and read_command(envelope, commands_of(webhook["connection_commands"])):
+            # A commander's command: acted on by the server (record_delivery), never through the rules.
+            return {"command": True}, {"stage": "command", "action": {"command": True}}
         gated = gate(envelope)
         if gated is not None:
             return gated

@@ -28,10 +28,12 @@ from switchboard.store.forge_outbox import (
     SendOutcome,
     backoff_ms,
     begin_output,
+    begin_reaction,
     begin_status,
     due_forge_work,
     output_marker,
     record_output,
+    record_reaction,
     record_status,
 )
 from switchboard.store.principals import Principal
@@ -264,6 +266,13 @@ class ForgeApi:
         answer = await self.call("POST", f"{self.issue_path(repo, number)}/comments", {"body": body})
         return str((answer.data or {}).get("id")) if isinstance(answer.data, dict) else ""
 
+    async def add_reaction(self, repo: str, comment_id: str, content: str) -> None:
+        """A reaction on an issue comment (the same path on both forges). The forge keeps one reaction of a kind per
+        user: sending it again, after an answer that was lost, adds nothing."""
+        owner, name = repo.split("/", 1)
+        await self.call("POST", f"/repos/{path_segment(owner)}/{path_segment(name)}/issues/comments/"
+                                f"{path_segment(comment_id)}/reactions", {"content": content})
+
     async def edit_comment(self, repo: str, comment_id: str, body: str) -> bool:
         """Edit a comment in place; False when it is gone (a human deleted it)."""
         owner, name = repo.split("/", 1)
@@ -340,6 +349,18 @@ class ForgeSender:
         """Send one job and record how it went. Its attempt is recorded before the first request (begin_output,
         begin_status), so a send whose answer is lost (a crash, a cut connection, a new leader) is known to have
         been tried; one another sender began first is left to it."""
+        if job.what == "reaction":
+            attempt = job.reaction["attempts"] + 1
+            if not await self.db.write(begin_reaction, job.reaction["event_id"], job.reaction["attempts"]):
+                return
+            outcome = await self._send(client, job, attempt)
+            state = await self.db.write(record_reaction, job.reaction["event_id"], attempt, outcome)
+            if self.outputs is not None and state != "pending":
+                self.outputs.labels("reaction", state).inc()
+            if not outcome.ok:
+                log.warning("reaction on comment %s of %s: %s%s", job.reaction["comment_id"], job.repo, outcome.error,
+                            "; tried again later" if state == "pending" else "")
+            return
         if job.what == "output":
             attempt = job.output["attempts"] + 1
             if not await self.db.write(begin_output, job.output["id"], job.output["attempts"]):
@@ -369,6 +390,9 @@ class ForgeSender:
         try:
             api = self.api(client, job.connection)
             with anyio.fail_after(SEND_DEADLINE_MS / 1000):
+                if job.what == "reaction":
+                    await api.add_reaction(job.repo, job.reaction["comment_id"], job.reaction["content"])
+                    return SendOutcome(True)
                 if job.what == "output":
                     return SendOutcome(True, forge_id=await self._send_output(api, job))
                 return SendOutcome(True, forge_id=await self._send_status(api, job))

@@ -640,12 +640,24 @@ class OutputPolicy(Body):
 DEFAULT_OUTPUT_POLICY = {"add_labels": {"allow": ["size/*"], "max": 3}, "comment": {"max": 3, "max_bytes": 8192}}
 
 
+# A forge login as GitHub and Gitea spell them (letters, digits, '-', '.', '_'; at most 100).
+ForgeLogin = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")]
+
+
+class ForgeCommands(Body):
+    """Who may steer the work from the forge's issue (commands in comments, closing, merging the pull request),
+    and what a commander's close does. Nobody until the human names them."""
+    logins: Annotated[list[ForgeLogin], Field(max_length=64)] = []
+    on_close: Literal["cancel", "keep"] = "cancel"
+
+
 class WebhookConnect(Body):
-    """The connection a webhook writes through, whether it keeps a status comment on each issue, and its policy
-    (omitted: DEFAULT_OUTPUT_POLICY)."""
+    """The connection a webhook writes through, whether it keeps a status comment on each issue, its policy
+    (omitted: DEFAULT_OUTPUT_POLICY) and its commanders (omitted: nobody)."""
     connection_id: ConnectionId
     mirror: bool = False
     policy: OutputPolicy | None = None
+    commands: ForgeCommands | None = None
 
 
 class SubjectListQuery(BaseModel):
@@ -907,10 +919,19 @@ class SubjectListAnswer(AnswerModel):
 
 class TimelineEntry(BaseModel):
     """One step of a subject's story: `type` is delivery (event_id, kind, action, sender, disposition, rule_id),
-    transition (todo_id, from, to, actor), output (output_id, todo_id, output_type, state) or receipt."""
+    transition (todo_id, from, to, actor), output (output_id, todo_id, output_type, state), receipt, or link (key,
+    kind: a pull request that closes this issue, or the issue this pull request closes)."""
     model_config = ConfigDict(extra="allow")
     at: Instant
-    type: Literal["delivery", "transition", "output", "receipt"]
+    type: Literal["delivery", "transition", "output", "receipt", "link"]
+
+
+class SubjectLink(AnswerModel):
+    """`closes`: this pull request says it closes the issue `key`; `closed_by`: the pull request `key` says it
+    closes this issue."""
+    key: str
+    kind: Literal["closes", "closed_by"]
+    at: Instant
 
 
 class SubjectTodo(TodoFields):
@@ -928,6 +949,7 @@ class SubjectAnswer(AnswerModel):
     labels: list[str]
     state: Literal["open", "waiting", "done"]
     todos: list[SubjectTodo]
+    links: list[SubjectLink]
     timeline: list[TimelineEntry]
 
 
@@ -938,6 +960,7 @@ class WebhookConnectionAnswer(AnswerModel):
     login: str
     mirror: bool
     policy: dict
+    commands: dict
     connected_at: Instant
 
 

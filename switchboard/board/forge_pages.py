@@ -136,6 +136,8 @@ class ForgePages:
         webhook_id = request.path_params["webhook_id"]
         fields: dict[str, Any] = {"connection_id": form.get("connection_id", "").strip(),
                                   "mirror": form.get("mirror") == "on"}
+        fields["commands"] = {"logins": [n.strip() for n in form.get("commanders", "").split(",") if n.strip()],
+                              "on_close": form.get("on_close") or "cancel"}
         if form.get("policy", "").strip():
             try:
                 fields["policy"] = json.loads(form["policy"])

@@ -108,6 +108,9 @@ def cli_webhook_connect(args: argparse.Namespace, db: Database) -> dict:
     fields = {"connection_id": args.connection, "mirror": args.mirror}
     if args.policy is not None:
         fields["policy"] = read_json_file(args.policy)
+    if args.commanders is not None or args.on_close is not None:
+        fields["commands"] = {"logins": [name.strip() for name in (args.commanders or "").split(",") if name.strip()],
+                              **({"on_close": args.on_close} if args.on_close else {})}
     return db.write_sync(connect_webhook, OPERATOR, args.webhook, parse_model(WebhookConnect, fields))
 
 

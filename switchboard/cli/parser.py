@@ -339,6 +339,12 @@ def _add_webhooks(commands: argparse._SubParsersAction, common: argparse.Argumen
     connect.add_argument("--policy", help="output policy JSON file: {add_labels?: {allow, max}, remove_labels?:"
                                           " {allow, max}, comment?: {max, max_bytes}} (default: size/* labels, 3"
                                           " comments)")
+    connect.add_argument("--commanders", metavar="LOGIN,…", help="forge logins whose comments (/answer, /approve,"
+                                                                  " /changes, /retry, /resume, /cancel, /defer,"
+                                                                  " /undefer), closes and merges steer the work"
+                                                                  " (default: nobody)")
+    connect.add_argument("--on-close", choices=("cancel", "keep"), help="what a commander closing the issue does to"
+                                                                        " its open todos (default cancel)")
     _subcommand(webhook, "disconnect", cli_webhook_disconnect, "stop writing through a forge connection",
                 common).add_argument("webhook", help="webhook id (wh_…)")
 

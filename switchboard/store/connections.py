@@ -89,6 +89,7 @@ def remove_connection(txn: Txn, principal: Principal, connection_id: str) -> dic
 def webhook_connection_view(row: sqlite3.Row) -> dict:
     return {"webhook_id": row["webhook_id"], "connection_id": row["connection_id"], "kind": row["kind"],
             "login": row["login"], "mirror": bool(row["mirror"]), "policy": json.loads(row["policy"]),
+            "commands": {"logins": [], "on_close": "cancel", **json.loads(row["commands"] or "{}")},
             "connected_at": iso(row["connected_at"])}
 
 
@@ -105,7 +106,8 @@ def _human_webhook(txn: Txn, principal: Principal, webhook_id: str) -> sqlite3.R
 
 def connect_webhook(txn: Txn, principal: Principal, webhook_id: str, body: WebhookConnect) -> dict:
     """The webhook writes through the connection (its own human's), under `policy` (DEFAULT_OUTPUT_POLICY when
-    omitted), and keeps a status comment on each issue when `mirror` is on. Replaces what it had."""
+    omitted), keeps a status comment on each issue when `mirror` is on, and takes commands from `commands.logins`
+    (nobody when omitted). Replaces what it had."""
     webhook = _human_webhook(txn, principal, webhook_id)
     connection = txn.one("SELECT * FROM forge_connections WHERE id = ? AND human_id = ?",
                          (body.connection_id, webhook["human_id"]))
@@ -115,10 +117,15 @@ def connect_webhook(txn: Txn, principal: Principal, webhook_id: str, body: Webho
         raise ApiError("invalid_argument", f"connection_id: a {webhook['provider']} webhook cannot write through a"
                                            f" {connection['kind']} connection")
     policy = body.policy.model_dump(exclude_none=True) if body.policy is not None else DEFAULT_OUTPUT_POLICY
-    txn.execute("INSERT INTO webhook_connections (webhook_id, connection_id, mirror, policy, connected_at)"
-                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (webhook_id) DO UPDATE SET connection_id = excluded.connection_id,"
-                " mirror = excluded.mirror, policy = excluded.policy, connected_at = excluded.connected_at",
-                (webhook_id, connection["id"], int(body.mirror), json.dumps(policy), txn.now))
+    commands = body.commands.model_dump() if body.commands is not None else None
+    if commands is not None:
+        commands["logins"] = list(dict.fromkeys(commands["logins"]))
+    txn.execute("INSERT INTO webhook_connections (webhook_id, connection_id, mirror, policy, connected_at, commands)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (webhook_id) DO UPDATE SET"
+                " connection_id = excluded.connection_id, mirror = excluded.mirror, policy = excluded.policy,"
+                " connected_at = excluded.connected_at, commands = excluded.commands",
+                (webhook_id, connection["id"], int(body.mirror), json.dumps(policy), txn.now,
+                 json.dumps(commands) if commands is not None else None))
     txn.logs.append(f"webhook {webhook_id} writes through forge connection {connection['id']}")
     return webhook_connection_view(txn.one(_WEBHOOK_CONNECTION, (webhook_id,)))
 

@@ -14,6 +14,15 @@ from switchboard.database import Txn
 from switchboard.envelope import envelope_title, stored_envelope, untrusted_names
 from switchboard.models import EventListQuery
 from switchboard.payload import parse_payload
+from switchboard.store.forge_control import (
+    Command,
+    close_issue,
+    commands_of,
+    pull_request_effects,
+    queue_reaction,
+    read_command,
+    run_command,
+)
 from switchboard.store.principals import Principal
 from switchboard.store.subjects import note_delivery
 from switchboard.store.todos import stored_json
@@ -89,11 +98,12 @@ class Delivery:
 
 def find_webhook(txn: Txn, token: str) -> sqlite3.Row | None:
     """The webhook behind an ingest token, with its owner and the login of the forge connection it writes through
-    (a trusted actor of it)."""
-    return txn.one("SELECT w.*, e.human_id, e.revoked_at AS owner_revoked_at, (SELECT c.login FROM webhook_connections"
-                   " wc JOIN forge_connections c ON c.id = wc.connection_id WHERE wc.webhook_id = w.id)"
-                   " AS connection_login FROM webhooks w JOIN endpoints e ON e.id = w.endpoint_id"
-                   " WHERE w.token_hash = ?", (token_hash(token),))
+    (a trusted actor of it) and who may command through it."""
+    return txn.one("SELECT w.*, e.human_id, e.revoked_at AS owner_revoked_at, c.login AS connection_login,"
+                   " wc.commands AS connection_commands FROM webhooks w JOIN endpoints e ON e.id = w.endpoint_id"
+                   " LEFT JOIN webhook_connections wc ON wc.webhook_id = w.id"
+                   " LEFT JOIN forge_connections c ON c.id = wc.connection_id WHERE w.token_hash = ?",
+                   (token_hash(token),))
 
 
 # The first outcome of a delivery seen before on webhook `w`: by delivery id, or (signed webhooks) by body, which
@@ -190,6 +200,8 @@ def plan_delivery(txn: Txn, webhook: sqlite3.Row, envelope: dict, action: dict, 
     owner_hold = [(webhook["endpoint_id"], "quarantine", "quarantined")]
     if action.get("ping"):
         return Plan("ping", [], trace)
+    if action.get("command"):
+        return Plan("command", [], trace)
     if action.get("drop"):
         return Plan("dropped", [], trace)
     if action.get("quarantine"):
@@ -228,12 +240,40 @@ def create_planned_todo(txn: Txn, todo_id: str, target: tuple[str, str, str], en
                 silent=int(envelope["trust_mode"] == "signed" and not envelope["verified"]))
 
 
+def steer(txn: Txn, webhook: sqlite3.Row, envelope: dict, plan: Plan, event_id: str) -> Command | None:
+    """What the delivery does as the forge's control plane, before it is recorded (its trace says what): a
+    command is acted on (or refused) and is all the delivery does; a close or a pull request acts besides what
+    the rules decided. Read again here, inside the transaction: a commander removed since the delivery was read is
+    no commander. Returns the command acted on, whose comment gets the reaction."""
+    if webhook["connection_id"] is None:
+        return None
+    commands = commands_of(webhook["connection_commands"])
+    if plan.disposition == "command":
+        command = read_command(envelope, commands)
+        if command is None:
+            plan.disposition, plan.trace = "dropped", {**plan.trace, "cause": "not_a_commander",
+                                                       "action": {"drop": True}}
+            return None
+        plan.trace["command"] = run_command(txn, webhook, envelope, command, event_id)
+        return command
+    if plan.disposition == "ping":
+        return None
+    effects = {**(close_issue(txn, webhook, envelope, commands, event_id) or {}),
+               **(pull_request_effects(txn, webhook, envelope, commands, webhook["connection_login"], event_id) or {})}
+    if effects:
+        plan.trace["forge"] = effects
+    return None
+
+
 def record_delivery(txn: Txn, delivery: Delivery) -> dict:
     """One transaction: dedup, the once claim, the event row, and one todo per chosen target (or a held
     one), all or nothing."""
     # The webhook as it is now, and in the same statement whether this delivery was seen before.
-    webhook = txn.one(f"SELECT w.*, e.human_id, ({_FIRST_OUTCOME}) AS first_outcome FROM webhooks w"
-                      " JOIN endpoints e ON e.id = w.endpoint_id WHERE w.id = ? AND w.token_hash = ?",
+    webhook = txn.one(f"SELECT w.*, e.human_id, ({_FIRST_OUTCOME}) AS first_outcome, wc.connection_id,"
+                      " wc.commands AS connection_commands, c.login AS connection_login FROM webhooks w"
+                      " JOIN endpoints e ON e.id = w.endpoint_id LEFT JOIN webhook_connections wc"
+                      " ON wc.webhook_id = w.id LEFT JOIN forge_connections c ON c.id = wc.connection_id"
+                      " WHERE w.id = ? AND w.token_hash = ?",
                       (delivery.delivery_key, delivery.body_hash, delivery.webhook_id, delivery.token_hash))
     if webhook is None:
         raise ApiError("not_found", "no such webhook")
@@ -247,6 +287,7 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
         plan.trace["payload_detail"] = parse_payload({"content-type": envelope["content_type"] or ""},
                                                      delivery.body)[2]
     event_id = new_id("ev")
+    command = steer(txn, webhook, envelope, plan, event_id)
     if plan.disposition == "routed" and plan.once_key:
         claim_once(txn, webhook["id"], plan.once_key, event_id, delivery.action["queue"])
     todo_ids = [new_id("td") for _ in plan.targets]
@@ -258,6 +299,8 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
     flag = {"dropped": "dropped", "quarantined": "held", "repeat": "repeat", "ping": "ping"}.get(plan.disposition)
     if flag:
         outcome[flag] = True
+    if command is not None:
+        outcome["command"] = plan.trace["command"]
     if plan.trace.get("payload_error"):
         outcome["payload_error"] = plan.trace["payload_error"]
     if plan.disposition == "ping":
@@ -268,6 +311,9 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
                  headers=delivery.headers_json, body=delivery.body, envelope=delivery.envelope_record,
                  disposition=plan.disposition, trace=json.dumps(plan.trace), outcome=json.dumps(outcome),
                  subject_key=envelope["subject_key"])
+    if command is not None:
+        queue_reaction(txn, webhook["id"], envelope["subject_key"], command.comment_id,
+                       plan.trace["command"]["result"] == "acted", event_id)
     note_delivery(txn, [webhook["human_id"], *plan.humans.values()], envelope)
     title = envelope_title(envelope)
     for todo_id, target in zip(todo_ids, plan.targets, strict=True):

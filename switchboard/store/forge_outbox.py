@@ -3,6 +3,7 @@ status comment says, and how each send went."""
 
 from __future__ import annotations
 
+import json
 import re
 import sqlite3
 from collections import Counter
@@ -41,14 +42,16 @@ def output_marker(output_id: str) -> str:
 
 @dataclass
 class ForgeJob:
-    """One send the forge sender makes: an output, or a status comment (its text rendered when it was picked)."""
-    what: str  # "output" or "status"
+    """One send the forge sender makes: an output, a status comment (its text rendered when it was picked), or a
+    command's reaction."""
+    what: str  # "output", "status" or "reaction"
     key: str  # what it is busy with while in flight: the subject (outputs), the status comment (statuses)
     connection: dict  # id, kind, api_url, token_sealed, login
     repo: str
     number: int
     output: dict | None = None  # id, type, labels, body, attempts, created_at
     status: dict | None = None  # subject_key, version, comment_id, attempts, due_at, text
+    reaction: dict | None = None  # event_id, comment_id, content, attempts
 
 
 @dataclass
@@ -107,7 +110,51 @@ def due_forge_work(txn: Txn, busy: frozenset[str], room: int) -> tuple[list[Forg
                 "subject_key": row["subject_key"], "version": row["version"], "comment_id": row["comment_id"],
                 "attempts": row["attempts"], "due_at": row["due_at"],
                 "text": status_text(txn, row["connection_id"], row["subject_key"])}))
+    reactions = txn.all("SELECT r.*, c.kind, c.api_url, c.token_sealed, c.login FROM forge_reactions r"
+                        " JOIN forge_connections c ON c.id = r.connection_id WHERE r.state = 'pending'"
+                        " ORDER BY r.next_at, r.event_id LIMIT ?", (max(room, 1) + len(busy),))
+    for row in reactions:
+        key = f"reaction:{row['event_id']}"
+        if key in busy:
+            continue
+        if row["next_at"] > txn.now:
+            next_due = row["next_at"] if next_due is None else min(next_due, row["next_at"])
+            continue
+        if len(jobs) < room:
+            jobs.append(ForgeJob("reaction", key, _connection(row), row["repo"], 0, reaction={
+                "event_id": row["event_id"], "comment_id": row["comment_id"], "content": row["content"],
+                "attempts": row["attempts"]}))
     return jobs, next_due
+
+
+def begin_reaction(txn: Txn, event_id: str, attempts: int) -> bool:
+    """begin_output's lease, for a command's reaction."""
+    return txn.execute("UPDATE forge_reactions SET attempts = attempts + 1, next_at = ? WHERE event_id = ? AND state ="
+                       " 'pending' AND attempts = ? AND next_at <= ?",
+                       (txn.now + SEND_LEASE_MS, event_id, attempts, txn.now)).rowcount == 1
+
+
+def record_reaction(txn: Txn, event_id: str, attempt: int, outcome: SendOutcome) -> str:
+    """record_output's bookkeeping, for a command's reaction: sent, tried again later, or failed for good."""
+    txn.lock("forge_reactions", "event_id = ?", (event_id,))
+    row = txn.one("SELECT * FROM forge_reactions WHERE event_id = ?", (event_id,))
+    if row is None or row["state"] != "pending" or row["attempts"] != attempt:
+        return row["state"] if row is not None else "failed"
+    if outcome.ok:
+        txn.execute("UPDATE forge_reactions SET state = 'sent', sent_at = ?, error = NULL WHERE event_id = ?",
+                    (txn.now, event_id))
+        txn.logs.append(f"reaction {row['content']} on comment {row['comment_id']} of {row['repo']} sent")
+        return "sent"
+    error = (outcome.error or "failed")[:500]
+    if outcome.retry_at is not None and row["attempts"] < OUTPUT_MAX_ATTEMPTS:
+        txn.execute("UPDATE forge_reactions SET next_at = ?, error = ? WHERE event_id = ?",
+                    (max(outcome.retry_at, txn.now), error, event_id))
+        return "pending"
+    if outcome.retry_at is not None:
+        error = f"gave up after {row['attempts']} attempts: {error}"[:500]
+    txn.execute("UPDATE forge_reactions SET state = 'failed', error = ? WHERE event_id = ?", (error, event_id))
+    txn.logs.append(f"reaction on comment {row['comment_id']} of {row['repo']} failed: {error}")
+    return "failed"
 
 
 def begin_output(txn: Txn, output_id: str, attempts: int) -> bool:
@@ -252,6 +299,30 @@ def _entry(todo: sqlite3.Row, now: int) -> list[str]:
     return [f"- {lane}: {state.replace('_', ' ')}"]
 
 
+# The states a todo waits on a human in, and what a commander replies to each (forge_control's verbs).
+_REPLIES = {"needs_input": ("/answer{todo} …",), "review": ("/approve{todo}", "/changes{todo} …"),
+            "blocked": ("/resume{todo}",), "failed": ("/retry{todo}",), "deferred": ("/undefer{todo}",)}
+
+
+def _commanded(todo: sqlite3.Row) -> bool:
+    return bool(todo["commands"]) and bool(json.loads(todo["commands"]).get("logins"))
+
+
+def _reply_verb(todo: sqlite3.Row) -> str | None:
+    if todo["state"] == "failed" and not todo["dead_letter"]:
+        return None
+    return todo["state"] if todo["state"] in _REPLIES else None
+
+
+def _reply(todo: sqlite3.Row, waiting: Counter) -> list[str]:
+    """The command a commander copies to act on a waiting todo, naming the todo when another waits the same way."""
+    verb = _reply_verb(todo)
+    if verb is None or not _commanded(todo):
+        return []
+    name = f" {todo['id']}" if waiting[verb] > 1 else ""
+    return ["  reply " + " or ".join(f"`{form.format(todo=name)}`" for form in _REPLIES[verb])]
+
+
 def status_text(txn: Txn, connection_id: str, subject_key: str) -> str:
     """The status comment for one issue: the server's words about the work on it (each todo the mirroring
     webhooks of this connection made about it: lane, where it is, the question, the summary), with any worker or
@@ -260,7 +331,7 @@ def status_text(txn: Txn, connection_id: str, subject_key: str) -> str:
     one line that counts them."""
     todos = txn.all(
         "SELECT t.id, t.queue, t.state, t.outcome, t.state_reason, t.last_error, t.dead_letter, t.attempt,"
-        " t.max_attempts, t.updated_at, a.summary, a.claimed_at, a.ended_at, ep.name AS worker,"
+        " t.max_attempts, t.updated_at, a.summary, a.claimed_at, a.ended_at, ep.name AS worker, wc.commands,"
         " qc.paused_at, qc.paused_until, qc.paused_reason"
         " FROM todos t JOIN events e ON e.id = t.event_id JOIN webhook_connections wc ON wc.webhook_id = e.webhook_id"
         " LEFT JOIN attempts a ON a.todo_id = t.id AND a.seq = (SELECT max(seq) FROM attempts x WHERE x.todo_id = t.id)"
@@ -270,8 +341,14 @@ def status_text(txn: Txn, connection_id: str, subject_key: str) -> str:
         " AND t.queue <> ? AND t.state <> 'quarantined'"
         " ORDER BY t.created_at, t.id", (subject_key, connection_id, HOLD_QUEUE))
     head = [STATUS_MARKER, "**Switchboard** · the work on this issue", ""]
+    pulls = txn.all("SELECT l.pull_key FROM subject_links l JOIN forge_connections c ON c.human_id = l.human_id"
+                    " WHERE c.id = ? AND l.issue_key = ? ORDER BY l.linked_at, l.pull_key LIMIT 10",
+                    (connection_id, subject_key))
+    head += [f"- pull request #{row['pull_key'].rpartition('#')[2]} closes this issue" for row in pulls] + (
+        [""] if pulls else [])
     foot = ["", f"<sub>Written by Switchboard; updated {_when(txn.now)}.</sub>"]
-    entries = [("\n".join(_entry(todo, txn.now)), todo["state"]) for todo in todos]
+    waiting = Counter(_reply_verb(todo) for todo in todos if _commanded(todo))
+    entries = [("\n".join(_entry(todo, txn.now) + _reply(todo, waiting)), todo["state"]) for todo in todos]
     # Room for the fold's line (a few counts) besides the head and foot.
     room = STATUS_MAX_CHARS - len("\n".join(head + foot)) - 200
     shown: set[int] = set()
@@ -295,4 +372,5 @@ def pending_outputs(txn: Txn) -> dict[str, int]:
     counts = {"add_labels": 0, "remove_labels": 0, "comment": 0}
     counts.update({r["type"]: r["n"] for r in txn.all("SELECT type, count(*) AS n FROM forge_outputs"
                                                        " WHERE state = 'pending' GROUP BY type")})
+    counts["reaction"] = txn.one("SELECT count(*) AS n FROM forge_reactions WHERE state = 'pending'")["n"]
     return counts

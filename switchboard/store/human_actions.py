@@ -40,61 +40,65 @@ def human_todo(txn: Txn, principal: Principal, action: str, todo_id: str, allowe
     return todo
 
 
-def approve(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+def approve(txn: Txn, principal: Principal, todo_id: str, body: HumanNote, via: dict | None = None) -> dict:
     todo = human_todo(txn, principal, "approve", todo_id, ACTION_STATES["approve"])
-    transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="approved", state_reason=None)
+    transition(txn, todo, "done", principal.actor, {"note": body.note, **(via or {})}, outcome="approved", state_reason=None)
     write_receipt(txn, todo, principal.actor)
     return todo_view(reload_todo(txn, todo_id))
 
 
-def request_changes(txn: Txn, principal: Principal, todo_id: str, body: RequestChanges) -> dict:
+def request_changes(txn: Txn, principal: Principal, todo_id: str, body: RequestChanges, via: dict | None = None) -> dict:
     todo = human_todo(txn, principal, "request changes on", todo_id, ("review",))
-    transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=body.note)
+    transition(txn, todo, "pending", principal.actor, {"note": body.note, **(via or {})}, state_reason=body.note)
     let_go_of_absorbed(txn, todo_id)
     return todo_view(reload_todo(txn, todo_id))
 
 
-def answer(txn: Txn, principal: Principal, todo_id: str, body: Answer) -> dict:
+def answer(txn: Txn, principal: Principal, todo_id: str, body: Answer, via: dict | None = None) -> dict:
     todo = human_todo(txn, principal, "answer", todo_id, ("needs_input",))
-    transition(txn, todo, "pending", principal.actor, {"question": todo["state_reason"], "answer": body.answer},
+    transition(txn, todo, "pending", principal.actor, {"question": todo["state_reason"], "answer": body.answer,
+                                                       **(via or {})},
                 answer=body.answer)
     return todo_view(reload_todo(txn, todo_id))
 
 
-def resume(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+def resume(txn: Txn, principal: Principal, todo_id: str, body: HumanNote, via: dict | None = None) -> dict:
     todo = human_todo(txn, principal, "resume", todo_id, ("blocked",))
-    transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=None)
+    transition(txn, todo, "pending", principal.actor, {"note": body.note, **(via or {})}, state_reason=None)
     return todo_view(reload_todo(txn, todo_id))
 
 
-def retry(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+def retry(txn: Txn, principal: Principal, todo_id: str, body: HumanNote, via: dict | None = None) -> dict:
     todo = human_todo(txn, principal, "retry", todo_id, ACTION_STATES["retry"])
     if txn.one("SELECT 1 FROM endpoints WHERE id = ? AND revoked_at IS NOT NULL", (todo["endpoint_id"],)):
         raise ApiError("conflict", "the todo's endpoint is revoked; reroute it instead")
-    transition(txn, todo, "pending", principal.actor, {"note": body.note}, attempt=0, dead_letter=0)
+    transition(txn, todo, "pending", principal.actor, {"note": body.note, **(via or {})}, attempt=0,
+               dead_letter=0)
     return todo_view(reload_todo(txn, todo_id))
 
 
-def defer(txn: Txn, principal: Principal, todo_id: str, body: Defer) -> dict:
+def defer(txn: Txn, principal: Principal, todo_id: str, body: Defer, via: dict | None = None) -> dict:
     todo = human_todo(txn, principal, "defer", todo_id, ACTION_STATES["defer"])
     until = to_ms(body.until) if body.until else None
-    transition(txn, todo, "deferred", principal.actor, {"reason": body.reason, "until": iso(until)},
+    transition(txn, todo, "deferred", principal.actor, {"reason": body.reason, "until": iso(until), **(via or {})},
                 state_reason=body.reason, deferred_until=until)
     return todo_view(reload_todo(txn, todo_id))
 
 
-def undefer(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+def undefer(txn: Txn, principal: Principal, todo_id: str, body: HumanNote, via: dict | None = None) -> dict:
     todo = human_todo(txn, principal, "undefer", todo_id, ("deferred",))
-    transition(txn, todo, "pending", principal.actor, {"note": body.note}, state_reason=None, deferred_until=None)
+    transition(txn, todo, "pending", principal.actor, {"note": body.note, **(via or {})}, state_reason=None,
+               deferred_until=None)
     return todo_view(reload_todo(txn, todo_id))
 
 
-def cancel(txn: Txn, principal: Principal, todo_id: str, body: Cancel) -> dict:
+def cancel(txn: Txn, principal: Principal, todo_id: str, body: Cancel, via: dict | None = None) -> dict:
     """Cancel live work, or close a dead letter the human will not retry (it stops being a dead letter)."""
     todo = human_todo(txn, principal, "cancel", todo_id, ACTION_STATES["cancel"])
     if todo["state"] == "claimed":
         end_attempt(txn, todo, "cancelled", body.reason)
-    transition(txn, todo, "cancelled", principal.actor, {"reason": body.reason}, state_reason=body.reason,
+    transition(txn, todo, "cancelled", principal.actor, {"reason": body.reason, **(via or {})},
+               state_reason=body.reason,
                 dead_letter=0)
     let_go_of_absorbed(txn, todo_id)
     return todo_view(reload_todo(txn, todo_id))

@@ -40,6 +40,8 @@ def replay_subject(txn: Txn, principal: Principal, event_id: str) -> tuple[sqlit
                       " WHERE w.id = ?", (event["webhook_id"],))
     if webhook is None or event["envelope"] is None:
         raise ApiError("conflict", f"event {event_id} can no longer be replayed (its webhook or envelope is gone)")
+    if event["disposition"] == "command":
+        raise ApiError("conflict", f"event {event_id} is a forge command: it was acted on once and is not replayed")
     return event, webhook, with_current_actor(stored_envelope(event["envelope"], event["headers"], event["body"]),
                                               webhook, connection_login=connection_login(txn, webhook["id"]))
 
@@ -50,7 +52,7 @@ def replay_events(txn: Txn, principal: Principal, webhook_id: str, body: ReplayM
     principal.require_human("replaying deliveries")
     visible_webhook(txn, principal, webhook_id, "replay")
     sql = ("SELECT e.id, coalesce(length(b.body), 0) AS size FROM events e"
-           " LEFT JOIN event_bodies b ON b.event_id = e.id WHERE e.webhook_id = ?")
+           " LEFT JOIN event_bodies b ON b.event_id = e.id WHERE e.webhook_id = ? AND e.disposition <> 'command'")
     args: list = [webhook_id]
     for clause, value in (("e.disposition = ?", body.disposition), ("e.kind = ?", body.kind),
                           ("e.received_at >= ?", to_ms(body.since) if body.since else None),

@@ -181,7 +181,8 @@ def _delivery_entry(row: sqlite3.Row, visible_todos: set[str]) -> dict:
             "rule_id": trace.get("rule_id"), "stage": trace.get("stage"), "cause": trace.get("cause"),
             "queue": action.get("queue") if isinstance(action := trace.get("action"), dict) else None,
             "labels": issue.get("labels") if issue else None, "label": issue.get("label") if issue else None,
-            "todos": [t["id"] for t in outcome.get("todos", []) if t.get("id") in visible_todos]}
+            "todos": [t["id"] for t in outcome.get("todos", []) if t.get("id") in visible_todos],
+            "command": trace.get("command"), "forge": trace.get("forge")}
 
 
 def _subject_events(txn: Txn, principal: Principal, key: str, todo_events: set[str]) -> list[sqlite3.Row]:
@@ -205,6 +206,21 @@ def _subject_events(txn: Txn, principal: Principal, key: str, todo_events: set[s
 # What the subject answer leaves out of each todo: the producer's and the worker's documents, which made one
 # issue's answer tens of KB (each todo's whole delivery again). Its `link` fetches the todo whole.
 TODO_DOCUMENTS = ("payload", "work_order", "work_item", "trace", "result")
+
+
+def subject_links(txn: Txn, human_ids: list[str], key: str) -> list[dict]:
+    """A subject's links (store.forge_control makes them): the issues a pull request closes (`closes`), the pull
+    requests that close an issue (`closed_by`), oldest first."""
+    if not human_ids:
+        return []
+    rows = txn.all(f"SELECT pull_key, issue_key, event_id, linked_at FROM subject_links WHERE human_id IN"
+                   f" ({_marks(human_ids)}) AND (pull_key = ? OR issue_key = ?) ORDER BY linked_at, pull_key, issue_key",
+                   (*human_ids, key, key))
+    links: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        other, kind = (r["issue_key"], "closes") if r["pull_key"] == key else (r["pull_key"], "closed_by")
+        links.setdefault((other, kind), {"key": other, "kind": kind, "at": r["linked_at"], "event_id": r["event_id"]})
+    return list(links.values())
 
 
 def subject_todo(row: sqlite3.Row) -> dict:
@@ -265,6 +281,13 @@ def get_subject(txn: Txn, principal: Principal, key: str, todo_form: Callable[[s
                 "at": r["written_at"], "type": "receipt", "receipt_id": r["id"], "todo_id": r["todo_id"],
                 "queue": queues[r["todo_id"]],
                 "absorbed": absorbed}))
+    humans = [principal.human_id] if principal.kind == "human" else (
+        [r["human_id"] for r in txn.all("SELECT human_id FROM subjects WHERE key = ?", (key,))]
+        if principal.kind == "operator" else [])
+    links = subject_links(txn, humans, key)
+    for link in links:
+        timeline.append((link["at"], 4, link["key"], {"at": link["at"], "type": "link", "key": link["key"],
+                                                      "kind": link["kind"], "event_id": link["event_id"]}))
     timeline.sort(key=lambda entry: entry[:3])
     latest = next((stored_json(e["envelope"]) for e in reversed(events) if e["envelope"]), None) or {}
     issue = latest.get("issue") or {}
@@ -274,4 +297,5 @@ def get_subject(txn: Txn, principal: Principal, key: str, todo_form: Callable[[s
     return {"key": key, **facts, **parse_subject_key(key),
             "state": row["state"] if row is not None else _state_of(todos),
             "todos": [todo_form(t) for t in todos],
+            "links": [{"key": link["key"], "kind": link["kind"], "at": iso(link["at"])} for link in links],
             "timeline": [{**entry, "at": iso(entry["at"])} for *_, entry in timeline]}
