@@ -5,7 +5,8 @@ when an issue is labelled or commented on.
 GitHub (docs.github.com/rest): `GET /user`; `GET|POST /repos/{owner}/{repo}/issues/{number}/labels` (POST
 `{"labels": [names]}` adds them and answers the issue's labels); `DELETE …/labels/{name}` (404 when the issue does
 not carry it); `GET|POST /repos/{owner}/{repo}/issues/{number}/comments` (GET takes `since`, `per_page`, `page`;
-POST `{"body"}` answers 201 with the comment); `PATCH /repos/{owner}/{repo}/issues/comments/{id}`. The credential
+POST `{"body"}` answers 201 with the comment); `PATCH /repos/{owner}/{repo}/issues/comments/{id}`;
+`POST /repos/{owner}/{repo}/issues/comments/{id}/reactions` (`{"content"}`: 201 made, 200 already there). The credential
 is `Authorization: Bearer TOKEN` (anything else: 401 Bad credentials). Gitea (its swagger, /api/v1): the same
 paths under its prefix, `DELETE …/labels/{id}` by the label's id, `limit` for the page size, and `Authorization:
 token TOKEN`.
@@ -121,9 +122,9 @@ class FakeForge(ThreadingHTTPServer):
 
     # -- the forge's state ------------------------------------------------------------------------------------
     def issue(self, repo: str, number: int, title: str = "Spelling error in the README file",
-              author: str = "Codertocat", labels: tuple[str, ...] = ()) -> dict:
+              author: str = "Codertocat", labels: tuple[str, ...] = (), body: str = "") -> dict:
         made = self.issues.setdefault((repo, number), {"title": title, "author": author, "labels": list(labels),
-                                                       "comments": []})
+                                                       "comments": [], "body": body})
         return made
 
     def open(self, repo: str, number: int, title: str = "Spelling error in the README file",
@@ -165,6 +166,9 @@ class FakeForge(ThreadingHTTPServer):
         if (request["method"], path) == ("GET", "/user"):
             return 200, {}, {"login": self.login, "id": 7, "type": "User", **({"username": self.login}
                                                                                 if self.kind == "gitea" else {})}
+        found = re.fullmatch(r"/repos/([^/]+/[^/]+)/issues/comments/(\d+)/reactions", path)
+        if found and request["method"] == "POST":
+            return self._react(found[1], int(found[2]), request["json"])
         found = re.fullmatch(r"/repos/([^/]+/[^/]+)/issues/comments/(\d+)", path)
         if found and request["method"] == "PATCH":
             for issue_key, issue in self.issues.items():
@@ -196,6 +200,22 @@ class FakeForge(ThreadingHTTPServer):
             self._deliver(key, "comment", "created", comment=comment)
             return 201, {}, self._comment_view(comment)
         return 422, {}, {"message": "Validation Failed"}
+
+    def _react(self, repo: str, comment_id: int, body: object) -> tuple[int, dict, object]:
+        """A reaction on a comment: 201 made, 200 when this user's reaction of that kind is there already."""
+        content = body.get("content") if isinstance(body, dict) else None
+        if content not in ("+1", "-1", "laugh", "confused", "heart", "hooray", "rocket", "eyes"):
+            return 422, {}, {"message": "Validation Failed"}
+        comment = next((c for (r, _), issue in self.issues.items() if r == repo for c in issue["comments"]
+                        if c["id"] == comment_id), None)
+        if comment is None:
+            return 404, {}, {"message": "Not Found"}
+        reactions = comment.setdefault("reactions", [])
+        view = {"id": comment_id * 10 + len(reactions), "content": content, "user": {"login": self.login}}
+        if any(r["content"] == content and r["user"]["login"] == self.login for r in reactions):
+            return 200, {}, view
+        reactions.append(view)
+        return 201, {}, view
 
     def _labels(self, request: dict, key: tuple[str, int], issue: dict, item: str | None) -> tuple[int, dict, object]:
         if request["method"] == "GET":
@@ -232,7 +252,8 @@ class FakeForge(ThreadingHTTPServer):
         repo, number = key
         issue = self.issues[key]
         owner = repo.split("/")[0]
-        patch = {"issue": {"number": number, "title": issue["title"], "labels": [{"name": n} for n in issue["labels"]],
+        patch = {"issue": {"number": number, "title": issue["title"], "body": issue["body"],
+                           "labels": [{"name": n} for n in issue["labels"]],
                            "user": {"login": issue["author"]}, "pull_request": None,
                            "html_url": f"{self.url}/{repo}/issues/{number}"},
                  "repository": {"full_name": repo, "name": repo.split("/")[1], "owner": {"login": owner}},
@@ -241,7 +262,8 @@ class FakeForge(ThreadingHTTPServer):
             made = (producers.github(f"issues.{action}", "", patch) if self.kind == "github" else
                     producers.gitea(f"issues.{action}", "", {**patch, "number": number}, delivery=str(uuid.uuid4())))
         elif what == "comment":
-            patch["comment"] = {"id": comment["id"], "body": comment["body"], "user": {"login": comment["user"]}}
+            patch["comment"] = {"id": comment["id"], "body": comment["body"], "user": {"login": comment["user"]},
+                                "html_url": f"{self.url}/{repo}/issues/{number}#issuecomment-{comment['id']}"}
             if self.kind == "github":
                 made = producers.github("issue_comment.created", "", {**patch, "action": action})
             else:

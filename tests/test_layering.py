@@ -15,7 +15,7 @@ LAYERS = [
     "configuration", "migrations", "database", "crypto", "postgres", "engines", "engine_copy", "payload", "providers", "models", "envelope", "evaluator",
     "store.principals", "store.outbox", "store.todos", "store.admission", "store.outputs", "store.forge_outbox",
     "store.transitions", "store.queues", "store.webhooks", "store.connections", "store.human_actions", "store.bulk",
-    "store.subjects", "store.deliveries", "store.rules", "store.routing", "store.quarantine", "store.replay",
+    "store.subjects", "store.forge_control", "store.deliveries", "store.rules", "store.routing", "store.quarantine", "store.replay",
     "store.upkeep",
     "doorbell", "notifier", "forge", "limits", "metrics", "flows",
     "http.common", "http.streams", "http.rest", "http.mcp",
