@@ -76,6 +76,9 @@ FD_RESERVE = 256
 INGEST_BUFFER_BYTES = 64 << 20
 # A payload nested deeper than this is kept as its raw body with `payload: null` (reason `too_deep`).
 MAX_PAYLOAD_DEPTH = 128
+# An issue body's `switchboard` block is read as a work item only up to this size (GitHub caps a whole body at
+# 65,536 characters; Gitea does not): a larger block is an error, never parsed.
+MAX_WORK_ITEM_BYTES = 65_536
 # Characters producer text never keeps on a line: C0 controls, DEL, and the bidirectional marks, overrides
 # and isolates, which make a title read differently from what it is.
 UNSAFE_TEXT = "\x00-\x1f\x7f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"

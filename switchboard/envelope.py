@@ -8,8 +8,11 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from switchboard.configuration import UNSAFE_TEXT
-from switchboard.payload import producer_text, stored_payload, value_at
+from pydantic import ValidationError
+
+from switchboard.configuration import MAX_WORK_ITEM_BYTES, UNSAFE_TEXT
+from switchboard.models import WorkItem
+from switchboard.payload import finite_float, producer_text, refuse_constant, stored_payload, value_at
 from switchboard.providers import PROVIDER_TABLE, event_kind
 
 # Switchboard decides the top-level fields; producer data lives only under .payload and .headers.
@@ -83,7 +86,8 @@ def _string(value: Any) -> str:
     return producer_text(value) or ""
 
 
-def issue_view(provider: str, kind: str | None, headers: dict[str, str], payload: Any, key: str | None) -> dict | None:
+def issue_view(provider: str, kind: str | None, headers: dict[str, str], payload: Any, key: str | None,
+               verified: bool) -> dict | None:
     """Forge issue events only: kind `issues`, a positive issue number, and no pull request (a non-null
     `issue.pull_request` or top-level `pull_request`; Gitea sends `"pull_request": null` on plain issues)."""
     forge = forge_view(provider, kind, headers)
@@ -107,7 +111,74 @@ def issue_view(provider: str, kind: str | None, headers: dict[str, str], payload
         "label_event": action in ("labeled", "unlabeled", "label_updated", "label_cleared"),
         "body_size": len(body.encode("utf-8", "surrogatepass")) if isinstance(body, str) else 0,
         "key": key,
+        **dict(zip(("work_item", "work_item_error"), body_work_item(body, verified), strict=True)),
     }
+
+
+# A work item in an issue body (SPEC section 17): a fenced block opened by ``` or ~~~ (three or more, indented at
+# most three spaces) with the info string `switchboard`, closed by a fence of the same character at least as long.
+_WORK_ITEM_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})[ \t]*switchboard[ \t]*\r?$", re.MULTILINE)
+# Why a block did not validate is shown to rules and humans as one short line.
+_WORK_ITEM_ERROR_CHARS = 300
+
+
+def body_work_item(body: Any, verified: bool) -> tuple[dict | None, str | None]:
+    """The issue body's work item and why it is not one: (object, None), (None, why), or (None, None) when the
+    body has no `switchboard` block. Producer text: only a verified delivery's block is read at all, at most one
+    block counts, and a block is parsed only within MAX_WORK_ITEM_BYTES, so any body costs one linear scan."""
+    if not isinstance(body, str) or "switchboard" not in body:
+        return None, None
+    blocks = _fenced_blocks(body)
+    if not blocks:
+        return None, None
+    if not verified:
+        return None, "not read: the delivery is not verified"
+    if len(blocks) > 1:
+        return None, "the body holds more than one switchboard block; exactly one is read"
+    text = blocks[0]
+    if text is None:
+        return None, "the switchboard block is never closed"
+    if len(text) > MAX_WORK_ITEM_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_WORK_ITEM_BYTES:
+        return None, f"the switchboard block is over {MAX_WORK_ITEM_BYTES} bytes"
+    try:
+        document = json.loads(text, parse_constant=refuse_constant, parse_float=finite_float)
+    except RecursionError:
+        return None, "not JSON: nested too deep"
+    except ValueError as exc:
+        return None, _one_line(f"not JSON: {exc}")
+    if not isinstance(document, dict):
+        return None, "the switchboard block holds JSON that is not an object"
+    if "depends_on" in document:
+        return None, "depends_on: an issue's work item cannot depend on todos"
+    try:
+        item = WorkItem.model_validate(document)
+    except ValidationError as exc:
+        # Which field and why, never the value (producer text); a field's name is producer text too, kept safe.
+        return None, _one_line("; ".join(
+            f"{'.'.join(str(part) for part in e['loc']) or 'work item'}: "
+            + ("unknown field" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, "))
+            for e in exc.errors()[:3]))
+    return item.model_dump(mode="json", by_alias=True, exclude_none=True), None
+
+
+def _fenced_blocks(body: str) -> list[str | None]:
+    """The text of the first two `switchboard` blocks (None for one never closed): two are enough to refuse."""
+    blocks: list[str | None] = []
+    position = 0
+    while len(blocks) < 2 and (opening := _WORK_ITEM_FENCE.search(body, position)):
+        fence = opening.group(1)
+        start = opening.end() + 1
+        closing = re.compile(rf"^ {{0,3}}{re.escape(fence[0])}{{{len(fence)},}}[ \t]*\r?$", re.MULTILINE).search(body, start)
+        if closing is None:
+            blocks.append(None)
+            break
+        blocks.append(body[start:closing.start()])
+        position = closing.end()
+    return blocks
+
+
+def _one_line(text: str) -> str:
+    return " ".join(re.sub(f"[{UNSAFE_TEXT}]", " ", producer_text(text) or "").split())[:_WORK_ITEM_ERROR_CHARS]
 
 
 def _thread_author(payload: Any) -> str | None:
@@ -204,7 +275,7 @@ def build_envelope(*, provider: str, webhook_id: str, trust_mode: str, verified:
     return {
         "source": provider, "kind": kind, "webhook_id": webhook_id, "trust_mode": trust_mode, "verified": verified,
         "content_type": headers.get("content-type"), "size": len(body), "headers": redact_headers(headers),
-        "payload": payload, "issue": issue_view(provider, kind, headers, payload, key),
+        "payload": payload, "issue": issue_view(provider, kind, headers, payload, key, verified),
         "artifact": artifact_view(payload) if provider == "cairn" else None,
         "subject_key": key, "release": released, "actor": actor_view(provider, payload, trusted_actors, connection_login),
     }

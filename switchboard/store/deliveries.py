@@ -171,9 +171,24 @@ def build_work_order(envelope: dict, queue: str, trace: dict) -> dict:
                                "rule_name": trace.get("rule_name")},
              "subject": subject, "author_trusted": (envelope.get("actor") or {}).get("author_trusted"),
              "authority": WORK_ORDER_AUTHORITY}
+    if issue and issue.get("work_item"):
+        # The issue body's block, validated at ingest (envelope.body_work_item): producer text, under the same
+        # authority string as the rest of the order.
+        order["work_item"] = issue["work_item"]
     if envelope.get("release"):
         order["released_by"] = envelope["release"]["by"]
     return order
+
+
+def work_item_columns(work_order: dict | None, gated: int = 0) -> dict:
+    """What a routed todo carries of its work order's work item, as a pushed todo carries its own: the `work_item`
+    column, which every claim shows the worker, and the gate. A rule action sets no gate, so a routed todo is
+    otherwise ungated (`gated`, the todo's gate so far): the item's `approval_gates` only add to it, and an item
+    that leaves a gate out, or has none, never lowers it."""
+    item = (work_order or {}).get("work_item")
+    if not item:
+        return {"work_item": None, "gated": gated}
+    return {"work_item": json.dumps(item), "gated": int(bool(gated) or "review" in item.get("approval_gates", ()))}
 
 
 @dataclass
@@ -233,7 +248,7 @@ def create_planned_todo(txn: Txn, todo_id: str, target: tuple[str, str, str], en
     endpoint_id, queue, state = target
     create_todo(txn, todo_id, "system", endpoint_id=endpoint_id, queue=queue, state=state, title=title,
                 source=envelope["source"], kind=envelope["kind"], subject_key=envelope["subject_key"],
-                work_order=json.dumps(plan.work_order) if plan.work_order else None,
+                work_order=json.dumps(plan.work_order) if plan.work_order else None, **work_item_columns(plan.work_order),
                 trace=json.dumps(plan.trace_for(endpoint_id)), event_id=event_id,
                 state_reason=plan.trace.get("hold") if state == "quarantined" else None,
                 # Only verified, token-trust or operator work rings; signed work that did not verify never does.

@@ -13,7 +13,7 @@ from switchboard.envelope import actors_to_trust, stored_envelope, untrusted_nam
 from switchboard.evaluator import Evaluator
 from switchboard.models import ReleaseQuarantine
 from switchboard.store.connections import connection_login
-from switchboard.store.deliveries import EVENT_WITH_BODY, create_planned_todo, plan_delivery
+from switchboard.store.deliveries import EVENT_WITH_BODY, create_planned_todo, plan_delivery, work_item_columns
 from switchboard.store.human_actions import human_todo
 from switchboard.store.principals import Principal
 from switchboard.store.routing import decide_for_webhook, with_current_actor
@@ -105,7 +105,8 @@ def apply_quarantine_release(txn: Txn, principal: Principal, release: Quarantine
         (endpoint_id, queue, _), *others = plan.targets
         transition(txn, todo, "pending", principal.actor, evidence, queue=queue, endpoint_id=endpoint_id,
                     trace=json.dumps(plan.trace_for(endpoint_id)),
-                    work_order=json.dumps(plan.work_order) if plan.work_order else None, state_reason=None)
+                    work_order=json.dumps(plan.work_order) if plan.work_order else None, state_reason=None,
+                    **work_item_columns(plan.work_order, todo["gated"]))
         for target in others:
             create_planned_todo(txn, new_id("td"), target, release.envelope, plan, todo["event_id"], todo["title"])
     return get_todo(txn, principal, todo["id"])
