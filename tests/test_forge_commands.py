@@ -182,6 +182,8 @@ def to_lane(scene: Scene, number: int) -> str:
                      outputs=[{"type": "add_labels", "labels": ["size/S"]}])
     assert done.status_code == 200, done.text
     assert [o["state"] for o in scene.settled(triage)] == ["sent"]  # the forge sent its delivery before answering
+    if done.json()["state"] == "review":  # the issue's work item gates every todo about it: the human approves triage
+        assert scene.call("POST", f"/todos/{triage}/approve").status_code == 200
     made = [t for answer in scene.flush() for t in answer["todos"] if t["queue"] == "lane-s"]
     assert len(made) == 1, made
     return made[0]["id"]
@@ -218,7 +220,7 @@ def test_the_seeds_loop_is_steered_from_the_issue_and_merged_through_its_pull_re
 
     # The next claim sees the answer; the work completes into review (the work item's gate).
     claimed = scene.client.post(f"/api/v1/todos/{lane}/claim", headers=scene.endpoint.auth, json={})
-    assert claimed.status_code == 200 and claimed.json()["answer"] == "the top-level one,\nnot docs/README"
+    assert claimed.status_code == 200 and claimed.json()["todo"]["answer"] == "the top-level one,\nnot docs/README"
     done = scene.act(lane, "complete", lease_token=claimed.json()["lease_token"], summary="fixed in PR 13")
     assert done.status_code == 200 and done.json()["state"] == "review", done.text
     edit_due(scene, clock)
