@@ -7,6 +7,7 @@ import json
 import urllib.parse
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
@@ -14,13 +15,14 @@ from starlette.routing import Route
 from switchboard.board.queries import BoardSession, with_choices
 from switchboard.configuration import ApiError
 from switchboard.database import Txn
-from switchboard.models import ConnectionCreate, SubjectListQuery, WebhookConnect, parse_model
+from switchboard.models import ConnectionCreate, ForgeLogin, SubjectListQuery, WebhookConnect, parse_model
 from switchboard.providers import PROVIDERS
 from switchboard.store.connections import connect_webhook, disconnect_webhook, list_connections, remove_connection
 from switchboard.store.principals import Principal
 from switchboard.store.subjects import get_subject, list_subjects
 
 SUBJECTS_PAGE = 25
+FORGE_LOGIN = TypeAdapter(ForgeLogin)
 
 
 def subject_path(key: str) -> str:
@@ -136,8 +138,14 @@ class ForgePages:
         webhook_id = request.path_params["webhook_id"]
         fields: dict[str, Any] = {"connection_id": form.get("connection_id", "").strip(),
                                   "mirror": form.get("mirror") == "on"}
-        fields["commands"] = {"logins": [n.strip() for n in form.get("commanders", "").split(",") if n.strip()],
-                              "on_close": form.get("on_close") or "cancel"}
+        logins = [n.strip() for n in form.get("commanders", "").split(",") if n.strip()]
+        for login in logins:  # said in a person's words here, where REST's answer names the field's pattern
+            try:
+                FORGE_LOGIN.validate_python(login)
+            except ValidationError:
+                raise ApiError("invalid_argument", f"commanders: “{login}” is not a forge login (letters, digits,"
+                                                   " '-', '.' and '_', at most 100; commas between logins)") from None
+        fields["commands"] = {"logins": logins, "on_close": form.get("on_close") or "cancel"}
         if form.get("policy", "").strip():
             try:
                 fields["policy"] = json.loads(form["policy"])
