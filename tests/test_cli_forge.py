@@ -63,7 +63,7 @@ def test_connection_add_list_test_and_remove(db_path, github, setup, tmp_path):
         "ops-bot", True, {"comment": {"max": 2, "max_bytes": 500}})
     code, hooks = cli(db_path, "webhook", "list")
     assert hooks["webhooks"][0]["connection"] == {"id": made["id"], "kind": "github", "login": "ops-bot",
-                                                  "mirror": True}
+                                                  "mirror": True, "commands": {"logins": [], "on_close": "cancel"}}
     assert cli(db_path, "webhook", "disconnect", setup["hook"]["id"])[1] == {"webhook_id": setup["hook"]["id"],
                                                                           "disconnected": True}
     code, removed = cli(db_path, "connection", "remove", made["id"])

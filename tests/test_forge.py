@@ -120,7 +120,8 @@ def test_the_connections_login_is_a_trusted_actor_of_the_webhook(world, alice, g
                             json={"connection_id": connection["id"]}).status_code == 200
     shown = world.client.get(f"/api/v1/webhooks/{hook['id']}", headers=alice.auth).json()
     assert shown["trusted_actors"] == {"logins": ["Codertocat"], "match": "sender"}
-    assert shown["connection"] == {"id": connection["id"], "kind": "github", "login": BOT, "mirror": False}
+    assert shown["connection"] == {"id": connection["id"], "kind": "github", "login": BOT, "mirror": False,
+                                   "commands": {"logins": [], "on_close": "cancel"}}
     raw, headers = producers.github("issues.labeled", hook["secret"], {"sender": {"login": BOT.upper()}})
     assert world.deliver(hook, raw, headers).json()["disposition"] == "routed"
     connected = world.client.get(f"/api/v1/webhooks/{hook['id']}/connection", headers=alice.auth).json()

@@ -267,7 +267,7 @@ def test_github_issue_envelope_field_for_field(world, alice, owner):
         "state": payload["issue"]["state"], "author": "Codertocat", "sender": "Codertocat",
         "labels": [label["name"] for label in payload["issue"]["labels"]], "label": payload["label"]["name"],
         "label_event": True, "body_size": len(payload["issue"]["body"].encode()),
-        "key": "github:Codertocat/Hello-World#1"}
+        "key": "github:Codertocat/Hello-World#1", "work_item": None, "work_item_error": None}
 
 
 def test_pull_requests_and_comments_have_a_subject_but_no_issue(world, alice, owner):
