@@ -920,7 +920,8 @@ class SubjectListAnswer(AnswerModel):
 class TimelineEntry(BaseModel):
     """One step of a subject's story: `type` is delivery (event_id, kind, action, sender, disposition, rule_id),
     transition (todo_id, from, to, actor), output (output_id, todo_id, output_type, state), receipt, or link (key,
-    kind: a pull request that closes this issue, or the issue this pull request closes)."""
+    kind: a pull request that closes this issue, or the issue this pull request closes). A forge command's delivery
+    has `command` (verb, todo_ids, result) and `reaction` (content, state: its acknowledgement on the comment)."""
     model_config = ConfigDict(extra="allow")
     at: Instant
     type: Literal["delivery", "transition", "output", "receipt", "link"]

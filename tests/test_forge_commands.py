@@ -215,6 +215,8 @@ def test_the_seeds_loop_is_steered_from_the_issue_and_merged_through_its_pull_re
     assert step["evidence"]["event_id"] == answered["event_id"]
     assert step["evidence"]["comment_url"].endswith(f"#issuecomment-{comment_id}")
     forge.wait_for(lambda: reactions(forge, 12, comment_id) == ["+1"], what="the +1 on the command")
+    forge.wait_for(lambda: [e["reaction"] for e in subject(scene, 12)["timeline"] if e.get("reaction")] == [
+        {"content": "+1", "state": "sent"}], what="the reaction recorded as sent")
     assert [r["json"] for r in reaction_posts(forge)] == [{"content": "+1"}]
     assert reaction_posts(forge)[0]["path"] == f"{forge.prefix}/repos/{REPO}/issues/comments/{comment_id}/reactions"
 
@@ -254,8 +256,8 @@ def test_the_seeds_loop_is_steered_from_the_issue_and_merged_through_its_pull_re
                      ("transition", "pending"), ("transition", "claimed"), ("transition", "review"),
                      ("link", "closed_by"), ("transition", "done")], steps
     commands = [e for e in story if e["type"] == "delivery" and e.get("command")]
-    assert [(c["disposition"], c["command"]["verb"], c["command"]["result"]) for c in commands] == [
-        ("command", "answer", "acted")]
+    assert [(c["disposition"], c["command"]["verb"], c["command"]["result"], c["reaction"]) for c in commands] == [
+        ("command", "answer", "acted", {"content": "+1", "state": "sent"})]
 
 
 # -- what changes nothing ---------------------------------------------------------------------------------------------

@@ -259,6 +259,13 @@ def get_subject(txn: Txn, principal: Principal, key: str, todo_form: Callable[[s
     events = _subject_events(txn, principal, key, {t["event_id"] for t in todos if t["event_id"]})
     timeline: list[tuple[int, int, str, dict]] = [(e["received_at"], 0, e["id"], _delivery_entry(e, set(ids)))
                                                   for e in events]
+    commands = [e["id"] for e in events if e["disposition"] == "command"]
+    reactions = {r["event_id"]: {"content": r["content"], "state": r["state"]} for r in txn.all(
+        f"SELECT event_id, content, state FROM forge_reactions WHERE event_id IN ({_marks(commands)})",
+        commands)} if commands else {}
+    for _, _, event_id, entry in timeline:
+        if event_id in reactions:
+            entry["reaction"] = reactions[event_id]
     if ids:
         queues = {t["id"]: t["queue"] for t in todos}
         for h in txn.all(f"SELECT * FROM todo_history WHERE todo_id IN ({_marks(ids)}) ORDER BY id", ids):
