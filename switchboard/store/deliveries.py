@@ -326,9 +326,9 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
                  headers=delivery.headers_json, body=delivery.body, envelope=delivery.envelope_record,
                  disposition=plan.disposition, trace=json.dumps(plan.trace), outcome=json.dumps(outcome),
                  subject_key=envelope["subject_key"])
-    if command is not None:
-        queue_reaction(txn, webhook["id"], envelope["subject_key"], command.comment_id,
-                       plan.trace["command"]["result"] == "acted", event_id)
+    if command is not None and not queue_reaction(txn, webhook["id"], envelope["subject_key"], command.comment_id,
+                                                  plan.trace["command"]["result"] == "acted", event_id):
+        txn.logs.append(f"forge command {event_id}: no reaction, its issue is outside the connection's repositories")
     note_delivery(txn, [webhook["human_id"], *plan.humans.values()], envelope)
     title = envelope_title(envelope)
     for todo_id, target in zip(todo_ids, plan.targets, strict=True):

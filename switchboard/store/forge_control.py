@@ -23,7 +23,7 @@ from switchboard.envelope import ASCII_FOLD, forge_view
 from switchboard.models import Answer, Cancel, Defer, HumanNote, RequestChanges
 from switchboard.payload import value_at
 from switchboard.store import human_actions
-from switchboard.store.outputs import MARKER_PREFIX
+from switchboard.store.outputs import MARKER_PREFIX, covers
 from switchboard.store.principals import Principal
 from switchboard.store.subjects import parse_subject_key
 
@@ -46,6 +46,7 @@ _DURATION = re.compile(r"^([1-9][0-9]{0,4})([mhd])$")
 _DURATION_UNITS = {"m": 60, "h": 3600, "d": 86400}
 MAX_ANSWER_BYTES = 4096
 _TODO_ID = re.compile(r"^td_[A-Za-z0-9_-]{1,64}$")
+_WEB_URL = re.compile(r"^https?://[^\s<>\"]+$")
 # GitHub's closing keywords, then `#N` or `OWNER/REPO#N`.
 _CLOSES = re.compile(r"(?<![A-Za-z0-9_])(?:close[sd]?|fix(?:e[sd])?|resolve[sd]?)[ \t]*:?[ \t]+"
                      r"((?:[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)?)#([1-9][0-9]{0,17})(?![0-9A-Za-z_])", re.IGNORECASE)
@@ -108,7 +109,8 @@ def read_command(envelope: dict, commands: dict) -> Command | None:
         return None
     text = "\n".join([match.group(2), *lines[first + 1:]]).strip()
     url = value_at(payload, "comment", "html_url")
-    return Command(match.group(1), text, login, str(comment_id), url if isinstance(url, str) else None)
+    url = url if isinstance(url, str) and len(url) <= 2048 and _WEB_URL.match(url) else None
+    return Command(match.group(1), text, login, str(comment_id), url)
 
 
 def _principal(txn: Txn, human_id: str) -> Principal:
@@ -195,16 +197,21 @@ def _refused(command: Command, todo_ids: list[str], reason: str) -> dict:
             "login": command.login}
 
 
-def queue_reaction(txn: Txn, webhook_id: str, subject_key: str, comment_id: str, acted: bool, event_id: str) -> None:
-    """The command's acknowledgement on its comment, sent after commit by the forge sender."""
-    row = txn.one("SELECT connection_id FROM webhook_connections WHERE webhook_id = ?", (webhook_id,))
-    if row is None:
-        return
+def queue_reaction(txn: Txn, webhook_id: str, subject_key: str, comment_id: str, acted: bool, event_id: str) -> bool:
+    """The command's acknowledgement on its comment, sent after commit by the forge sender: only where the
+    connection may write (its forge, its repositories), as for any output. False: none is sent."""
+    row = txn.one("SELECT wc.connection_id, c.kind, c.repos FROM webhook_connections wc JOIN forge_connections c"
+                  " ON c.id = wc.connection_id WHERE wc.webhook_id = ?", (webhook_id,))
+    facts = parse_subject_key(subject_key)
+    if (row is None or facts["provider"] != row["kind"] or facts["repo"] is None
+            or not covers(json.loads(row["repos"]), facts["repo"])):
+        return False
     txn.execute("INSERT INTO forge_reactions (event_id, connection_id, subject_key, repo, comment_id, content, state,"
                 " next_at, created_at) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
-                (event_id, row["connection_id"], subject_key, parse_subject_key(subject_key)["repo"], comment_id,
+                (event_id, row["connection_id"], subject_key, facts["repo"], comment_id,
                  "+1" if acted else "confused", txn.now, txn.now))
     txn.outbox = True
+    return True
 
 
 # -- closing, and the pull request that closes an issue ---------------------------------------------------------------
