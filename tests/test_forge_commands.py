@@ -448,3 +448,29 @@ def test_the_cli_sets_commanders_and_what_closing_does(world, alice, github, db_
     assert answer["commands"] == {"logins": [COMMANDER, "bob-gh"], "on_close": "keep"} and answer["mirror"] is True
     code, answer = cli(db_path, "webhook", "connect", scene.hook["id"], scene.connection["id"], "--on-close", "never")
     assert code == 2, answer
+
+
+def test_the_servers_own_comment_is_no_command_even_when_its_login_commands(world, alice, github, clock):
+    """A human who steers with the connection's own login: their comment is a command, but an output or the status
+    comment (which carry the server's marker) never is, whatever it says."""
+    scene = Scene(world, alice, github, mirror=False, commands={"logins": [BOT]})
+    lane = to_lane(scene, 40)
+    lease = scene.claim(lane)
+    assert scene.act(lane, "needs-input", lease_token=lease, question="Which disk?").status_code == 200
+    echo, _ = comment(scene, 40, BOT, "/answer sdb\n\n<!-- switchboard:out_01234567890123456789 -->")
+    assert echo["disposition"] == "dropped" and scene.todo(lane)["state"] == "needs_input", echo
+    own, _ = comment(scene, 40, BOT, "/answer sdb")
+    assert own["command"]["result"] == "acted" and scene.todo(lane)["state"] == "pending", own
+
+
+def test_a_command_outside_the_connections_repositories_acts_without_a_reaction(world, alice, github, clock):
+    scene = commanded(world, alice, github, mirror=False)
+    lane = to_lane(scene, 41)
+    elsewhere = scene.call("POST", "/connections", kind="github", api_url=github.api, token=TOKEN, repos=["other/"])
+    assert scene.call("PUT", f"/webhooks/{scene.hook['id']}/connection", connection_id=elsewhere.json()["id"],
+                      commands={"logins": [COMMANDER]}).status_code == 200
+    cancelled, _ = comment(scene, 41, COMMANDER, "/cancel not ours any more")
+    assert cancelled["command"]["result"] == "acted" and scene.todo(lane)["state"] == "cancelled", cancelled
+    scene.wake()
+    time.sleep(0.3)
+    assert reaction_posts(github) == []
