@@ -7,12 +7,14 @@ one the server runs (World.tick), and a restart is a new app on the same databas
 from __future__ import annotations
 
 import contextlib
+import re
 import urllib.parse
 from datetime import datetime
 
 import pytest
-from conftest import ManualClock, World, snapshot
+from conftest import ManualClock, World, cli, cli_inproc, snapshot
 from starlette.testclient import TestClient
+from test_board import post, sign_in
 
 from switchboard.app import create_app
 from switchboard.configuration import iso, to_ms
@@ -304,3 +306,67 @@ def test_a_change_and_a_removal(scene, clock):
     assert listed(world, alice, endpoint) == []
     clock.advance(86400 * 7)
     assert world.tick()["scheduled"] == 0
+
+
+def test_the_board_shows_next_and_last_run_and_the_last_todo_and_pauses_and_resumes(scene, clock):
+    world, alice, endpoint = scene
+    client = world.client
+    schedule = add_schedule(world, alice, endpoint, every_seconds=60, title="sweep the inbox")
+    for _ in range(2):
+        clock.advance(60)
+        world.tick()
+    last = schedule_todos(world, alice, schedule["id"])[-1]
+    sign_in(client, alice)
+    page = client.get("/board/schedules")
+    assert page.status_code == 200, page.text
+    row = re.search(rf'<tr id="{schedule["id"]}".*?</tr>', page.text, re.S).group(0)
+    assert "brief" in row and "every 60 s" in row and "in 1 min" in row and "Pause" in row
+    assert f'<a href="/board/todos/{last["id"]}">' in row and iso(T0 + 120_000) in row
+    paused = post(client, f"/board/schedules/{schedule['id']}/pause", back="/board/schedules")
+    assert paused.status_code == 303, paused.text
+    assert listed(world, alice, endpoint)[0]["enabled"] is False
+    row = re.search(rf'<tr id="{schedule["id"]}".*?</tr>', client.get("/board/schedules").text, re.S).group(0)
+    assert "paused" in row and "Resume" in row
+    clock.advance(600)
+    assert world.tick()["scheduled"] == 0
+    assert post(client, f"/board/schedules/{schedule['id']}/resume", back="/board/schedules").status_code == 303
+    assert listed(world, alice, endpoint)[0]["next_run_at"] == iso(clock.ms + 60_000)
+    # Without the session's CSRF token, nothing changes.
+    assert post(client, f"/board/schedules/{schedule['id']}/pause", token=None).status_code == 403
+    assert listed(world, alice, endpoint)[0]["enabled"] is True
+    # Another human's schedule is not found, and stays as it is.
+    bob = world.human("bob")
+    mine = add_schedule(world, bob, world.endpoint(bob, ["chores"]), every_seconds=60)
+    assert post(client, f"/board/schedules/{mine['id']}/pause").status_code == 404
+    # Its todos on the todo list (their subject) and the todo's page (source schedule), and the subject's page.
+    todos_page = client.get("/board/todos").text
+    assert f"<code>schedule:{schedule['id']}</code>" in todos_page and last["id"] in todos_page
+    assert re.search(r"<dt>Source</dt><dd>schedule", client.get(f"/board/todos/{last['id']}").text)
+    subject_page = client.get(f"/board/subjects/schedule:{schedule['id']}")
+    assert subject_page.status_code == 200 and last["id"] in subject_page.text
+
+
+def test_the_cli_adds_lists_pauses_resumes_and_removes_and_refuses_a_bad_cron(db_path):
+    assert cli_inproc(db_path, "human", "add", "alice")[0] == 0
+    code, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "lane", "--queues",
+                                "chores")
+    assert code == 0, endpoint
+    before = snapshot(db_path)
+    code, refused = cli(db_path, "schedule", "add", endpoint["id"], "--name", "brief", "--queue", "chores",
+                        "--title", "brief", "--cron", "0 7 * * * *")
+    assert (code, refused["error"]) == (1, "invalid_argument") and refused["message"].startswith("cron:"), refused
+    assert snapshot(db_path) == before
+    code, made = cli(db_path, "schedule", "add", endpoint["id"], "--name", "brief", "--queue", "chores", "--title",
+                     "the brief", "--cron", "30 7 * * 1-5", "--tz", "Europe/Berlin", "--payload", '{"lane": "news"}',
+                     "--catch-up", "all")
+    assert code == 0 and (made["cron"], made["timezone"], made["catch_up"]) == ("30 7 * * 1-5", "Europe/Berlin",
+                                                                               "all"), made
+    code, paused = cli(db_path, "schedule", "pause", made["id"])
+    assert code == 0 and (paused["enabled"], paused["next_run_at"]) == (False, None)
+    code, resumed = cli(db_path, "schedule", "resume", made["id"])
+    assert code == 0 and resumed["enabled"] is True and resumed["next_run_at"] is not None
+    code, shown = cli(db_path, "schedule", "list", endpoint["id"])
+    assert code == 0 and [s["id"] for s in shown["schedules"]] == [made["id"]]
+    code, removed = cli(db_path, "schedule", "remove", made["id"])
+    assert code == 0 and removed["removed"] is True
+    assert cli(db_path, "schedule", "list", endpoint["id"])[1] == {"schedules": []}

@@ -150,11 +150,14 @@ def list_schedules(txn: Txn, principal: Principal, endpoint_id: str) -> dict:
     return {"schedules": [schedule_view(row) for row in rows]}
 
 
-def human_schedules(txn: Txn, human_id: str) -> list[dict]:
-    """Every schedule of a human's endpoints (the Board's page), with the endpoint's name."""
-    rows = txn.all("SELECT s.*, e.name AS endpoint_name FROM schedules s JOIN endpoints e ON e.id = s.endpoint_id"
-                   " WHERE e.human_id = ? ORDER BY e.name, s.name", (human_id,))
-    return [{**schedule_view(row), "endpoint_name": row["endpoint_name"]} for row in rows]
+def board_schedules(txn: Txn, principal: Principal) -> dict:
+    """Every schedule of the human's endpoints (the Board's page), with its endpoint's name and whether the last
+    todo it made is still there to link to."""
+    rows = txn.all("SELECT s.*, e.name AS endpoint_name, (SELECT 1 FROM todos t WHERE t.id = s.last_todo_id)"
+                   " AS last_todo_kept FROM schedules s JOIN endpoints e ON e.id = s.endpoint_id"
+                   " WHERE e.human_id = ? ORDER BY e.name, s.name", (principal.human_id,))
+    return {"schedules": [{**schedule_view(row), "endpoint_name": row["endpoint_name"],
+                           "last_todo_kept": row["last_todo_kept"] is not None} for row in rows]}
 
 
 def update_schedule(txn: Txn, principal: Principal, schedule_id: str, body: ScheduleUpdate) -> dict:
