@@ -194,7 +194,8 @@ class ScheduleUpdate(Body):
     def _one_timing(self) -> ScheduleUpdate:
         if self.cron is not None and self.every_seconds is not None:
             raise ValueError("cron, every_seconds: give one of them, not both")
-        for name in ("name", "queue", "title", "timezone", "priority", "catch_up", "enabled"):
+        for name in ("name", "queue", "title", "cron", "every_seconds", "timezone", "priority", "catch_up",
+                     "enabled"):
             if name in self.model_fields_set and getattr(self, name) is None:
                 raise ValueError(f"{name}: may not be null")
         return self

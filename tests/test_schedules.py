@@ -234,7 +234,7 @@ def test_bad_input_is_a_400_naming_the_field_and_changes_nothing(scene, db_path,
 
 @pytest.mark.parametrize("change, field", [({"cron": "0 0 * * * *"}, "cron"), ({"timezone": "Nowhere/City"}, "timezone"),
                                            ({"every_seconds": 0}, "every_seconds"), ({"queue": "elsewhere"}, "queue"),
-                                           ({"enabled": None}, "enabled")])
+                                           ({"enabled": None}, "enabled"), ({"cron": None}, "cron")])
 def test_a_bad_change_is_a_400_naming_the_field_and_changes_nothing(scene, db_path, change, field):
     world, alice, endpoint = scene
     schedule = add_schedule(world, alice, endpoint, every_seconds=60)
