@@ -370,3 +370,15 @@ def test_the_cli_adds_lists_pauses_resumes_and_removes_and_refuses_a_bad_cron(db
     code, removed = cli(db_path, "schedule", "remove", made["id"])
     assert code == 0 and removed["removed"] is True
     assert cli(db_path, "schedule", "list", endpoint["id"])[1] == {"schedules": []}
+
+
+def test_a_long_downtime_is_caught_up_without_walking_all_of_it(scene, clock):
+    """Down for 400 days: `latest` makes the latest daily time, `all` the latest hundred, found quickly."""
+    world, alice, endpoint = scene
+    latest = add_schedule(world, alice, endpoint, name="daily", cron="0 9 * * *", catch_up="latest")
+    every = add_schedule(world, alice, endpoint, name="minutely", cron="* * * * *", catch_up="all")
+    clock.advance(400 * 86400 + 1800)  # 2028-02-19T08:30Z
+    world.tick()
+    assert due_times(schedule_todos(world, alice, latest["id"])) == ["2028-02-18T09:00:00.000Z"]
+    made = due_times(schedule_todos(world, alice, every["id"]))
+    assert len(made) == 100 and made[-1] == "2028-02-19T08:30:00.000Z" and made[0] == "2028-02-19T06:51:00.000Z"

@@ -39,7 +39,6 @@ MISSED_AFTER_MS = 30_000
 # Windows back from now in which the latest cron times are looked for, narrowest first: a cron's times are walked
 # forward through the narrowest window that holds enough of them, never through the whole of a long downtime.
 _LOOK_BACK_MS = (3_600_000, 86_400_000, 32 * 86_400_000, 367 * 86_400_000)
-_FAR = 10 ** 15
 
 
 def schedule_view(row: sqlite3.Row) -> dict:
@@ -80,16 +79,22 @@ def latest_due(row: sqlite3.Row, first_ms: int, now_ms: int, most: int) -> list[
         period = row["every_seconds"] * 1000
         count = (now_ms - first_ms) // period + 1
         return [first_ms + k * period for k in range(max(0, count - most), count)]
-    for back in (*_LOOK_BACK_MS, _FAR):
+    for back in _LOOK_BACK_MS:
         start = max(first_ms, now_ms - back)
-        found: collections.deque[int] = collections.deque(maxlen=most)
-        moment = start if start == first_ms else _cron_after(row["cron"], row["timezone"], start - 1000)
-        while moment is not None and moment <= now_ms:
-            found.append(moment)
-            moment = _cron_after(row["cron"], row["timezone"], moment)
+        found = _cron_times(row, start, first_ms, now_ms, most)
         if len(found) == most or start == first_ms:
-            return list(found)
-    return []  # unreachable: the last window starts at first_ms
+            return found
+    return _cron_times(row, first_ms, first_ms, now_ms, most)
+
+
+def _cron_times(row: sqlite3.Row, start_ms: int, first_ms: int, now_ms: int, most: int) -> list[int]:
+    """The latest `most` of a cron's times in [start_ms, now_ms], walked forward from start_ms."""
+    found: collections.deque[int] = collections.deque(maxlen=most)
+    moment = start_ms if start_ms == first_ms else _cron_after(row["cron"], row["timezone"], start_ms - 1000)
+    while moment is not None and moment <= now_ms:
+        found.append(moment)
+        moment = _cron_after(row["cron"], row["timezone"], moment)
+    return list(found)
 
 
 # -- the human's verbs ------------------------------------------------------------------------------
