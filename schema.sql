@@ -99,7 +99,7 @@ CREATE TABLE IF NOT EXISTS events (
     human_id      TEXT NOT NULL REFERENCES humans(id),
     source        TEXT NOT NULL,
     kind          TEXT,
-    trust_mode    TEXT NOT NULL CHECK (trust_mode IN ('signed', 'token', 'operator')),
+    trust_mode    TEXT NOT NULL CHECK (trust_mode IN ('signed', 'token', 'operator', 'schedule')),
     verified      INTEGER NOT NULL CHECK (verified IN (0, 1)),
     delivery_key  TEXT,
     body_hash     TEXT,
@@ -271,6 +271,37 @@ CREATE TABLE IF NOT EXISTS queue_controls (
     CHECK ((window_count IS NULL) = (window_seconds IS NULL)),
     PRIMARY KEY (endpoint_id, queue)
 ) WITHOUT ROWID;
+
+-- Schedules: a human's recurring work for one of their endpoints, cron (five fields, in a time zone) or every N
+-- seconds. next_run_at is the earliest due time not yet made into a todo (NULL while disabled): the leader's tick
+-- makes each due time's todo and moves next_run_at on in one transaction, compare-and-set on the value it read,
+-- so a due time is made once across restarts and processes. last_todo_id is not a foreign key: retention may
+-- prune the todo.
+CREATE TABLE IF NOT EXISTS schedules (
+    id             TEXT PRIMARY KEY CHECK (id LIKE 'sc\_%' ESCAPE '\'),
+    endpoint_id    TEXT NOT NULL REFERENCES endpoints(id),
+    name           TEXT NOT NULL CHECK (length(name) BETWEEN 1 AND 128),
+    queue          TEXT NOT NULL CHECK (length(queue) BETWEEN 1 AND 64),
+    title          TEXT NOT NULL CHECK (length(title) BETWEEN 1 AND 512),
+    cron           TEXT CHECK (cron IS NULL OR length(cron) BETWEEN 9 AND 256),
+    every_seconds  INTEGER CHECK (every_seconds IS NULL OR every_seconds >= 1),
+    timezone       TEXT NOT NULL CHECK (length(timezone) BETWEEN 1 AND 64),
+    payload        TEXT CHECK (payload IS NULL OR json_valid(payload)),
+    work_item      TEXT CHECK (work_item IS NULL OR json_valid(work_item)),
+    priority       INTEGER NOT NULL DEFAULT 0,
+    catch_up       TEXT NOT NULL CHECK (catch_up IN ('latest', 'none', 'all')),
+    enabled        INTEGER NOT NULL CHECK (enabled IN (0, 1)),
+    next_run_at    INTEGER,
+    last_run_at    INTEGER,
+    last_todo_id   TEXT,
+    created_at     INTEGER NOT NULL,
+    updated_at     INTEGER NOT NULL,
+    CHECK ((cron IS NULL) <> (every_seconds IS NULL)),
+    CHECK (enabled = 1 OR next_run_at IS NULL),
+    UNIQUE (endpoint_id, name)
+) WITHOUT ROWID;
+-- The leader's tick finds the due schedules, and the scheduler its next moment, through this alone.
+CREATE INDEX IF NOT EXISTS schedules_due ON schedules(next_run_at) WHERE enabled = 1;
 
 CREATE TABLE IF NOT EXISTS todo_deps (
     todo_id        TEXT NOT NULL REFERENCES todos(id) ON DELETE CASCADE,

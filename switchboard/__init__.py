@@ -19,7 +19,7 @@ checks it from the import graph).
   store.*            transaction bodies, no HTTP: principals, outbox, todos, admission, outputs, forge_outbox,
                      transitions, queues, webhooks, connections, human_actions, bulk, subjects, forge_control (the
                      forge's commands, closes and pull requests), deliveries, rules, routing, quarantine, replay,
-                     upkeep
+                     schedules (recurring work, and the leader's tick that makes each due time's todo once), upkeep
   doorbell           waking one waiting session when work becomes claimable
   notifier           the outbox's sender (ntfy, Gotify, Slack, Discord, signed webhooks)
   forge              the forge outputs' sender and the status comments (GitHub, Gitea); "who am I"

@@ -6,9 +6,11 @@ from __future__ import annotations
 import difflib
 import re
 import urllib.parse
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from cronsim import CronSim, CronSimError
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -103,6 +105,100 @@ class TodoPush(Body):
     key: Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=ONE_LINE)] | None = None
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
     work_item: WorkItem | None = None
+
+
+# -- schedules ----------------------------------------------------------------------------------------
+
+SCHEDULE_CATCH_UP = ("latest", "none", "all")
+
+
+def _cron_expression(value: str) -> str:
+    """Five fields, as cron(8) reads them (cronsim parses them; a sixth field, of seconds, is refused here)."""
+    if len(value.split()) != 5:
+        raise ValueError("give five fields (minute hour day-of-month month day-of-week)")
+    try:
+        CronSim(value, datetime.now(UTC))
+    except CronSimError as exc:
+        raise ValueError(str(exc).lower()) from None
+    return " ".join(value.split())
+
+
+def _schedule_payload(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    taken = sorted({"schedule_id", "due_at"} & set(value or {}))
+    if taken:
+        raise ValueError(f"{taken[0]} is the schedule's own field of each todo's payload")
+    return value
+
+
+def _time_zone(value: str) -> str:
+    try:
+        ZoneInfo(value)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"unknown time zone {value!r} (an IANA name, e.g. Europe/Berlin)") from None
+    return value
+
+
+CronExpression = Annotated[str, StringConstraints(min_length=9, max_length=256, pattern=ONE_LINE),
+                           AfterValidator(_cron_expression)]
+TimeZone = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_+/-]+$"),
+                     AfterValidator(_time_zone)]
+EverySeconds = Annotated[int, Field(ge=1, le=31_622_400)]
+ScheduleName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=ONE_LINE)]
+TodoTitle = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=ONE_LINE)]
+Priority = Annotated[int, Field(ge=-1000, le=1000)]
+SchedulePayload = Annotated[dict[str, Any] | None, AfterValidator(_schedule_payload)]
+
+
+class ScheduleWorkItem(WorkItem):
+    """A schedule's work item: each due time's todo gets it; a recurring todo depends on no other todo."""
+    depends_on: None = None
+
+
+class ScheduleCreate(Body):
+    """A schedule: exactly one of `cron` (five fields, in `timezone`) and `every_seconds`."""
+    name: ScheduleName
+    queue: QueueName
+    title: TodoTitle
+    cron: CronExpression | None = None
+    every_seconds: EverySeconds | None = None
+    timezone: TimeZone = "UTC"
+    payload: SchedulePayload = None
+    work_item: ScheduleWorkItem | None = None
+    priority: Priority = 0
+    catch_up: Literal[SCHEDULE_CATCH_UP] = "latest"
+    enabled: bool = True
+
+    @model_validator(mode="after")
+    def _one_timing(self) -> ScheduleCreate:
+        if (self.cron is None) == (self.every_seconds is None):
+            raise ValueError("cron, every_seconds: give exactly one of them")
+        return self
+
+
+class ScheduleUpdate(Body):
+    """A schedule's fields to change; `cron` replaces `every_seconds` and the other way round. `payload` and
+    `work_item` null clear them."""
+    name: ScheduleName | None = None
+    queue: QueueName | None = None
+    title: TodoTitle | None = None
+    cron: CronExpression | None = None
+    every_seconds: EverySeconds | None = None
+    timezone: TimeZone | None = None
+    payload: SchedulePayload = None
+    work_item: ScheduleWorkItem | None = None
+    priority: Priority | None = None
+    catch_up: Literal[SCHEDULE_CATCH_UP] | None = None
+    enabled: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_timing(self) -> ScheduleUpdate:
+        if self.cron is not None and self.every_seconds is not None:
+            raise ValueError("cron, every_seconds: give one of them, not both")
+        for name in ("name", "queue", "title", "cron", "every_seconds", "timezone", "priority", "catch_up",
+                     "enabled"):
+            if name in self.model_fields_set and getattr(self, name) is None:
+                raise ValueError(f"{name}: may not be null")
+        return self
 
 
 class ClaimNow(Body):
@@ -977,6 +1073,30 @@ class ConnectionAnswer(AnswerModel):
     last_error: str | None = None
     webhooks: list[str] | None = None
     removed: bool | None = None
+
+
+class ScheduleAnswer(AnswerModel):
+    """A schedule: `next_run_at` the next due time (null while disabled), `last_run_at` the due time of the last
+    todo it made, `last_todo_id` that todo. A DELETE's answer adds `removed`."""
+    id: str
+    endpoint_id: str
+    name: str
+    queue: str
+    title: str
+    cron: str | None
+    every_seconds: int | None
+    timezone: str
+    catch_up: Literal[SCHEDULE_CATCH_UP]
+    enabled: bool
+    next_run_at: Instant
+    last_run_at: Instant
+    last_todo_id: str | None
+    created_at: Instant
+    removed: bool | None = None
+
+
+class ScheduleListAnswer(AnswerModel):
+    schedules: list[ScheduleAnswer]
 
 
 class ConnectionListAnswer(AnswerModel):

@@ -16,7 +16,7 @@ LAYERS = [
     "store.principals", "store.outbox", "store.todos", "store.admission", "store.outputs", "store.forge_outbox",
     "store.transitions", "store.queues", "store.webhooks", "store.connections", "store.human_actions", "store.bulk",
     "store.subjects", "store.forge_control", "store.deliveries", "store.rules", "store.routing", "store.quarantine", "store.replay",
-    "store.upkeep",
+    "store.schedules", "store.upkeep",
     "doorbell", "notifier", "forge", "limits", "metrics", "flows",
     "http.common", "http.streams", "http.rest", "http.mcp",
     "board.queries", "board.forge_pages", "board.pages", "app", "server",

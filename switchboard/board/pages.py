@@ -97,6 +97,7 @@ from switchboard.models import (
     RouteAdd,
     RuleSet,
     RulesTest,
+    ScheduleUpdate,
     TodoListQuery,
     TrustedActors,
     WebhookUpdate,
@@ -106,6 +107,7 @@ from switchboard.payload import refuse_constant
 from switchboard.store.outbox import list_channels, remove_channel
 from switchboard.store.principals import Principal, normal_login, vend_endpoint
 from switchboard.store.queues import pause_queue, resume_queue, set_queue_limits
+from switchboard.store.schedules import board_schedules, update_schedule
 from switchboard.store.todos import Selection
 from switchboard.store.transitions import revoke_endpoint
 from switchboard.store.upkeep import HUMAN_ACTIONS
@@ -490,6 +492,9 @@ class Board:
             Route("/endpoints/{endpoint_id}/queues/{queue}/pause", act(self.queue_pause), methods=["POST"]),
             Route("/endpoints/{endpoint_id}/queues/{queue}/resume", act(self.queue_resume), methods=["POST"]),
             Route("/endpoints/{endpoint_id}/queues/{queue}/limits", act(self.queue_limits), methods=["POST"]),
+            Route("/schedules", page(self.schedules)),
+            Route("/schedules/{schedule_id}/pause", act(self.schedule_switch), methods=["POST"]),
+            Route("/schedules/{schedule_id}/resume", act(self.schedule_switch), methods=["POST"]),
             *self.forge_pages.routes(page, act),
             Mount("/static", app=StaticFiles(directory=BOARD_DIR / "static")),
             Route("/{rest:path}", page(self.not_found), methods=["GET", "POST"]),
@@ -846,6 +851,10 @@ class Board:
         data = await self.page_data(session, list_channels)
         return self.render(request, "notify.html", session, kinds=NOTIFY_KINDS, events=NOTIFY_EVENTS, **data)
 
+    async def schedules(self, request: Request, session: BoardSession) -> Response:
+        data = await self.page_data(session, board_schedules)
+        return self.render(request, "schedules.html", session, **data)
+
     async def account(self, request: Request, session: BoardSession) -> Response:
         data = await self.page_data(session, board_account)
         return self.render(request, "account.html", session, proxy_sign_in=self.auth_header is not None, **data)
@@ -1109,6 +1118,15 @@ class Board:
                             parse_model(QueueLimits, json.dumps(fields)))
         self.notice(session, f"Caps of {queue} saved.")
         return self.back(form, "/board/queues")
+
+    async def schedule_switch(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """Pause (enabled false) or resume (enabled true, from now) a schedule, as PATCH /api/v1/schedules/{id}."""
+        resume = request.url.path.endswith("/resume")
+        done = await self.db.write(update_schedule, session.principal, request.path_params["schedule_id"],
+                                   ScheduleUpdate(enabled=resume))
+        self.notice(session, f"Resumed {done['name']}: next due {done['next_run_at']}." if resume else
+                    f"Paused {done['name']}: it makes no todos until you resume it.")
+        return self.back(form, "/board/schedules")
 
     async def revoke(self, request: Request, session: BoardSession, form: dict) -> Response:
         if form.get("confirm") != "yes":

@@ -36,6 +36,8 @@ from switchboard.models import (
     RouteAdd,
     RuleSet,
     RulesTest,
+    ScheduleCreate,
+    ScheduleUpdate,
     TodoListQuery,
     TodoPush,
     TrustedActors,
@@ -82,6 +84,7 @@ from switchboard.store.replay import (
 )
 from switchboard.store.routing import dry_run_rules, set_rules
 from switchboard.store.rules import get_rules
+from switchboard.store.schedules import create_schedule, delete_schedule, list_schedules, update_schedule
 from switchboard.store.todos import get_todo, list_todos
 from switchboard.store.transitions import revoke_endpoint
 from switchboard.store.upkeep import HUMAN_ACTIONS, check_database, prune
@@ -266,6 +269,42 @@ def cli_queue_limits(args: argparse.Namespace, db: Database) -> dict:
         raise ApiError("invalid_argument", "give --max-in-flight N, --max-claims N --window SECONDS, or --clear")
     return db.write_sync(set_queue_limits, OPERATOR, args.endpoint, args.queue,
                          parse_model(QueueLimits, json.dumps(fields)))
+
+
+def cli_schedule_add(args: argparse.Namespace, db: Database) -> dict:
+    fields: dict[str, Any] = {"name": args.name, "queue": args.queue, "title": args.title, "catch_up": args.catch_up}
+    for name, value in (("cron", args.cron), ("every_seconds", args.every), ("timezone", args.tz)):
+        if value is not None:
+            fields[name] = value
+    if args.payload is not None:
+        try:
+            fields["payload"] = json.loads(args.payload)
+        except json.JSONDecodeError as exc:
+            raise ApiError("invalid_argument", f"--payload is not JSON: {exc}") from None
+    return db.write_sync(create_schedule, OPERATOR, args.endpoint, parse_model(ScheduleCreate, json.dumps(fields)))
+
+
+def cli_schedule_list(args: argparse.Namespace, db: Database) -> dict:
+    answer = db.read_sync(list_schedules, OPERATOR, args.endpoint)
+    if args.json:
+        return answer
+    return {"schedules": [{"id": s["id"], "name": s["name"], "queue": s["queue"],
+                           "when": f"cron {s['cron']} ({s['timezone']})" if s["cron"] else f"every {s['every_seconds']} s",
+                           "catch_up": s["catch_up"], "enabled": s["enabled"], "next_run_at": s["next_run_at"],
+                           "last_run_at": s["last_run_at"], "last_todo_id": s["last_todo_id"]}
+                          for s in answer["schedules"]]}
+
+
+def cli_schedule_pause(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(update_schedule, OPERATOR, args.id, ScheduleUpdate(enabled=False))
+
+
+def cli_schedule_resume(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(update_schedule, OPERATOR, args.id, ScheduleUpdate(enabled=True))
+
+
+def cli_schedule_remove(args: argparse.Namespace, db: Database) -> dict:
+    return db.write_sync(delete_schedule, OPERATOR, args.id)
 
 
 def cli_todo_show(args: argparse.Namespace, db: Database) -> dict:

@@ -43,6 +43,11 @@ from switchboard.cli.commands import (
     cli_rules_get,
     cli_rules_set,
     cli_rules_test,
+    cli_schedule_add,
+    cli_schedule_list,
+    cli_schedule_pause,
+    cli_schedule_remove,
+    cli_schedule_resume,
     cli_todo_action,
     cli_todo_bulk,
     cli_todo_list,
@@ -271,6 +276,29 @@ def _add_queues(commands: argparse._SubParsersAction, common: argparse.ArgumentP
     limits.add_argument("--clear", action="store_true", help="clear both caps")
 
 
+def _add_schedules(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    schedule = _group(commands, "schedule", "schedules: recurring todos for an endpoint (cron or every N seconds)",
+                      "{add,list,pause,resume,remove}")
+    add = _subcommand(schedule, "add", cli_schedule_add, "make a schedule: each due time makes one todo", common)
+    add.add_argument("endpoint", help="endpoint id (ep_…)")
+    add.add_argument("--name", required=True, help="the schedule's name, unique on the endpoint")
+    add.add_argument("--queue", required=True, help="one of the endpoint's queues")
+    add.add_argument("--title", required=True, help="each todo's title (one line)")
+    timing = add.add_mutually_exclusive_group(required=True)
+    timing.add_argument("--cron", help="five fields, e.g. '30 7 * * 1-5'")
+    timing.add_argument("--every", type=int, help="every this many seconds")
+    add.add_argument("--tz", help="the cron's IANA time zone (default UTC), e.g. Europe/Berlin")
+    add.add_argument("--payload", help="a JSON object each todo's payload holds")
+    add.add_argument("--catch-up", dest="catch_up", choices=("latest", "none", "all"), default="latest",
+                     help="after a downtime: one todo for the latest missed time (default), none, or each")
+    _subcommand(schedule, "list", cli_schedule_list, "an endpoint's schedules: next and last run, the last todo",
+                common).add_argument("endpoint", help="endpoint id (ep_…)")
+    for name, fn, what in (("pause", cli_schedule_pause, "stop a schedule making todos (enabled false)"),
+                           ("resume", cli_schedule_resume, "let it make todos again, from now (enabled true)"),
+                           ("remove", cli_schedule_remove, "delete a schedule (the todos it made stay)")):
+        _subcommand(schedule, name, fn, what, common).add_argument("id", help="schedule id (sc_…)")
+
+
 TODO_ACTION_OPTIONS = {
     "approve": ([("--note", "a note for the history")], "approve work waiting in review (done)"),
     "request-changes": ([("--note!", "what to change")], "send reviewed work back (pending)"),
@@ -495,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_principals(commands, common)
     _add_todos(commands, common)
     _add_queues(commands, common)
+    _add_schedules(commands, common)
     _add_webhooks(commands, common)
     _add_events(commands, common)
     _add_notify(commands, common)

@@ -63,6 +63,10 @@ from switchboard.models import (
     RouteAdd,
     RuleSet,
     RulesTest,
+    ScheduleAnswer,
+    ScheduleCreate,
+    ScheduleListAnswer,
+    ScheduleUpdate,
     SubjectAnswer,
     SubjectListAnswer,
     SubjectListQuery,
@@ -101,6 +105,7 @@ from switchboard.store.principals import (
 )
 from switchboard.store.queues import list_queues, pause_queue, resume_queue, set_queue_limits
 from switchboard.store.rules import get_rules
+from switchboard.store.schedules import create_schedule, delete_schedule, list_schedules, update_schedule
 from switchboard.store.subjects import list_subjects, subject_answer
 from switchboard.store.todos import get_todo, list_todos
 from switchboard.store.transitions import claim_queues, revoke_endpoint
@@ -206,6 +211,16 @@ REST_ROUTES: list[ApiRoute] = [
     ApiRoute("POST", "/api/v1/endpoints/{endpoint_id}/todos", "push", "write a todo for an endpoint (201, or 200"
              " with the live todo holding the same key)", body=TodoPush, answer=TodoAnswer, status=201,
              auth="human"),
+    ApiRoute("GET", "/api/v1/endpoints/{endpoint_id}/schedules", "", "an endpoint's schedules: next and last run,"
+             " the last todo", answer=ScheduleListAnswer, auth="human", store=list_schedules),
+    ApiRoute("POST", "/api/v1/endpoints/{endpoint_id}/schedules", "", "make a schedule (cron in a time zone, or"
+             " every N seconds): each due time makes one todo", body=ScheduleCreate, answer=ScheduleAnswer,
+             status=201, auth="human", store=create_schedule, writes=True),
+    ApiRoute("PATCH", "/api/v1/schedules/{schedule_id}", "", "change a schedule's fields (enabled false pauses it,"
+             " true resumes it from now)", body=ScheduleUpdate, answer=ScheduleAnswer, auth="human",
+             store=update_schedule, writes=True),
+    ApiRoute("DELETE", "/api/v1/schedules/{schedule_id}", "", "remove a schedule (the todos it made stay)",
+             answer=ScheduleAnswer, auth="human", store=delete_schedule, writes=True),
     ApiRoute("GET", "/api/v1/webhooks", "webhooks", "webhooks the token may see"),
     ApiRoute("POST", "/api/v1/webhooks", "webhooks", "make a webhook; its URL and secret are shown once",
              body=WebhookCreate, status=201),
