@@ -85,6 +85,7 @@ from switchboard.http.rest import Api
 from switchboard.http.streams import sse_frame
 from switchboard.limits import TrustedProxies
 from switchboard.models import (
+    WAIT_STATES,
     BulkAction,
     EndpointCreate,
     NotifyCreate,
@@ -490,6 +491,7 @@ class Board:
             Route("/endpoints/{endpoint_id}/queues/{queue}/pause", act(self.queue_pause), methods=["POST"]),
             Route("/endpoints/{endpoint_id}/queues/{queue}/resume", act(self.queue_resume), methods=["POST"]),
             Route("/endpoints/{endpoint_id}/queues/{queue}/limits", act(self.queue_limits), methods=["POST"]),
+            Route("/endpoints/{endpoint_id}/queues/{queue}/waits", act(self.queue_wait_limits), methods=["POST"]),
             *self.forge_pages.routes(page, act),
             Mount("/static", app=StaticFiles(directory=BOARD_DIR / "static")),
             Route("/{rest:path}", page(self.not_found), methods=["GET", "POST"]),
@@ -1108,6 +1110,19 @@ class Board:
         await self.db.write(set_queue_limits, session.principal, endpoint_id, queue,
                             parse_model(QueueLimits, json.dumps(fields)))
         self.notice(session, f"Caps of {queue} saved.")
+        return self.back(form, "/board/queues")
+
+    async def queue_wait_limits(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """The wait limits form sets all four states at once: a state whose seconds are blank has no limit."""
+        endpoint_id, queue = request.path_params["endpoint_id"], request.path_params["queue"]
+        limits: dict[str, dict | None] = {}
+        for state in WAIT_STATES:
+            seconds, then, target = (form.get(f"{state}_{name}", "").strip() for name in ("seconds", "then", "queue"))
+            limits[state] = {"after_seconds": _form_int(seconds), "then": then or "remind",
+                             **({"queue": target} if target else {})} if seconds else None
+        await self.db.write(set_queue_limits, session.principal, endpoint_id, queue,
+                            parse_model(QueueLimits, json.dumps({"wait_limits": limits})))
+        self.notice(session, f"Wait limits of {queue} saved.")
         return self.back(form, "/board/queues")
 
     async def revoke(self, request: Request, session: BoardSession, form: dict) -> Response:
