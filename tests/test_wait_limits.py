@@ -172,6 +172,12 @@ def test_changing_the_limits_recomputes_the_waits_under_way_and_null_clears_them
     assert cleared == {"pending": None, "needs_input": None, "review": None, "blocked": None}
     clock.advance(60)
     assert world.tick()["waits"] == 0 and todo_of(world, alice, new)["state"] == "pending"
+    # A remind limit set over a wait of 60 s: the first reminder is due at once, the next a period after it.
+    wait_limits(world, alice, worker, pending={"after_seconds": 5, "then": "remind"})
+    assert [world.tick()["waits"], world.tick()["waits"]] == [1, 0]
+    clock.advance(5)
+    assert world.tick()["waits"] == 1
+    assert [h["evidence"]["reminder"] for h in system_lines(todo_of(world, alice, new))] == [1, 2]
 
 
 def test_bad_limits_are_a_400_naming_the_field_and_change_nothing(world, alice, worker, db_path):
