@@ -182,6 +182,8 @@ CREATE TABLE IF NOT EXISTS todos (
     ring_acked_at    INTEGER,
     created_at       INTEGER NOT NULL,
     updated_at       INTEGER NOT NULL,
+    wait_due_at      INTEGER,
+    wait_reminders   INTEGER,
     -- A claimed todo always has a lease; any other state never does.
     CHECK ((state = 'claimed') = (lease_expires_at IS NOT NULL AND lease_token_hash IS NOT NULL)),
     -- Only done carries an outcome, and done always does.
@@ -205,6 +207,13 @@ CREATE INDEX IF NOT EXISTS todos_unrung ON todos(available_at) WHERE state = 'pe
 CREATE INDEX IF NOT EXISTS todos_rerung ON todos(ring_count, last_ring_at) WHERE state = 'pending' AND ring_count > 0;
 CREATE INDEX IF NOT EXISTS todos_deferred ON todos(deferred_until) WHERE state = 'deferred';
 CREATE INDEX IF NOT EXISTS todos_held ON todos(created_at) WHERE state = 'quarantined';
+-- Wait limits: wait_due_at is when a todo has waited in its state as long as its queue's wait limit allows (NULL: no
+-- limit applies), wait_reminders how many reminders a `remind` limit sent in this state (NULL: none); both are
+-- written by the statement that changes the state, and are last, nullable and unconstrained (with no comment
+-- between them and the columns before) as the migration adds them in place. queue_controls.wait_limits holds the
+-- limits, a JSON object by state ({"pending": {"after_seconds", "then", "queue"}, ...}; NULL: none). This index
+-- holds the waits the scheduler's sweep acts on, by when they come due.
+CREATE INDEX IF NOT EXISTS todos_wait_due ON todos(wait_due_at) WHERE wait_due_at IS NOT NULL;
 CREATE INDEX IF NOT EXISTS todos_by_endpoint ON todos(endpoint_id, created_at);
 CREATE INDEX IF NOT EXISTS todos_by_event ON todos(event_id);
 CREATE INDEX IF NOT EXISTS todos_finished ON todos(updated_at) WHERE state IN ('done', 'failed', 'cancelled');
@@ -266,6 +275,7 @@ CREATE TABLE IF NOT EXISTS queue_controls (
     window_claims      INTEGER NOT NULL DEFAULT 0 CHECK (window_claims >= 0),
     ring_due_at        INTEGER,
     updated_at         INTEGER NOT NULL,
+    wait_limits        TEXT,
     CHECK ((paused_at IS NULL) = (paused_by IS NULL)),
     CHECK (paused_at IS NOT NULL OR (paused_until IS NULL AND paused_reason IS NULL)),
     CHECK ((window_count IS NULL) = (window_seconds IS NULL)),

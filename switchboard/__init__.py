@@ -16,10 +16,11 @@ checks it from the import graph).
   models             request bodies, rule documents, work items, answers (pydantic, extra="forbid")
   envelope           the document every rule sees
   evaluator          jq rule sets in sandboxed child processes
-  store.*            transaction bodies, no HTTP: principals, outbox, todos, admission, outputs, forge_outbox,
-                     transitions, queues, webhooks, connections, human_actions, bulk, subjects, forge_control (the
-                     forge's commands, closes and pull requests), deliveries, rules, routing, quarantine, replay,
-                     schedules (recurring work, and the leader's tick that makes each due time's todo once), upkeep
+  store.*            transaction bodies, no HTTP: principals, outbox, todos, wait_limits, admission, outputs,
+                     forge_outbox, transitions, queues, webhooks, connections, human_actions, bulk, subjects,
+                     forge_control (the forge's commands, closes and pull requests), deliveries, rules, routing,
+                     quarantine, replay, schedules (recurring work, and the leader's tick that makes each due time's
+                     todo once), wait_sweep (acting on waits past their limit), upkeep
   doorbell           waking one waiting session when work becomes claimable
   notifier           the outbox's sender (ntfy, Gotify, Slack, Discord, signed webhooks)
   forge              the forge outputs' sender and the status comments (GitHub, Gitea); "who am I"

@@ -32,9 +32,10 @@ class Migration:
     """Upgrades a database from user_version v to v + 1. SQLite cannot change a CHECK in place, so a table whose
     constraints changed is rebuilt from its definition in schema.sql, copying the columns both versions have;
     `fill` gives SQL expressions (over the old row) for new columns that need a value. A nullable column without
-    a constraint is added in place instead (`add`: table -> columns) where an earlier step's rebuild did not make
-    it already, so a large table is not copied for it. Then schema.sql runs again (every statement is
-    idempotent), which adds new tables and indexes. `before` runs first, on the old tables, and `after` last, for
+    a constraint is added in place instead (`add`: table -> column definitions, `name TYPE`) where an earlier
+    step's rebuild did not make it already, so a large table is not copied for it. Then schema.sql runs again
+    (every statement is idempotent), which adds new tables and indexes. `before` runs first, on the old tables,
+    and `after` last, for
     changes to the data itself.
 
     `postgres` is the same step on Postgres: statements run in order in the step's transaction (PostgreSQL changes
@@ -73,6 +74,13 @@ _SIGNED_BODY_ONCE = (
     "DROP INDEX IF EXISTS events_body",
     "CREATE UNIQUE INDEX IF NOT EXISTS events_signed_body ON events(webhook_id, body_hash)"
     " WHERE webhook_id IS NOT NULL AND trust_mode = 'signed'")
+
+# schema.postgres.sql's todo_rows, made again by a step that adds columns to todos (its `t.*` was fixed when made).
+_TODO_ROWS_VIEW = (
+    "CREATE VIEW todo_rows AS SELECT t.*, t.rowid AS todo_rowid,"
+    " (SELECT b.body FROM event_bodies b WHERE b.event_id = t.event_id) AS event_body,"
+    " (SELECT replace(e.envelope, '\\u0000', '\\ufffd')::json ->> 'content_type' FROM events e"
+    " WHERE e.id = t.event_id) AS event_content_type FROM todos t")
 
 # Explicit, ordered migrations: MIGRATIONS[v] upgrades a database from version v to v + 1. Steps 1 to 8 are SQLite's
 # alone (no Postgres database was ever older than 9).
@@ -160,14 +168,44 @@ MIGRATIONS: dict[int, Migration] = {
         " already stored twice keeps its row but gives up its hash: the dedup answers from the earliest)",
         before=_SIGNED_BODY_ONCE, postgres=_SIGNED_BODY_ONCE),
     12: Migration(
-        "the forge steers the work: webhooks' connections name their commanders (`commands`, nobody until set),"
-        " an event's disposition may be `command`, forge_reactions acknowledges each command on its comment, and"
-        " subject_links keeps the pull requests that close issues",
+        "the fifth release. The forge steers the work: webhooks' connections name their commanders (`commands`,"
+        " nobody until set), an event's disposition may be `command`, forge_reactions acknowledges each command on"
+        " its comment, and subject_links keeps the pull requests that close issues. Time: schedules (an event's"
+        " trust mode may be `schedule`); queue_controls keep wait_limits, and todos when their wait comes due"
+        " (wait_due_at, indexed where set) and the reminders sent in their state",
         rebuild=("events", "webhook_connections"),
+        add={"todos": ("wait_due_at INTEGER", "wait_reminders INTEGER"), "queue_controls": ("wait_limits TEXT",)},
         postgres=(
             "ALTER TABLE events DROP CONSTRAINT events_disposition_check",
             "ALTER TABLE events ADD CONSTRAINT events_disposition_check CHECK (disposition IN ('routed', 'dropped',"
             " 'repeat', 'quarantined', 'ping', 'command'))",
+            "ALTER TABLE events DROP CONSTRAINT events_trust_mode_check",
+            "ALTER TABLE events ADD CONSTRAINT events_trust_mode_check CHECK (trust_mode IN ('signed', 'token',"
+            " 'operator', 'schedule'))",
+            "ALTER TABLE todos ADD COLUMN wait_due_at BIGINT",
+            "ALTER TABLE todos ADD COLUMN wait_reminders BIGINT",
+            "ALTER TABLE queue_controls ADD COLUMN wait_limits TEXT",
+            "CREATE INDEX todos_wait_due ON todos(wait_due_at) WHERE wait_due_at IS NOT NULL",
+            # The view fixed todos' columns when it was made: it is made again over the new ones.
+            "DROP VIEW todo_rows",
+            _TODO_ROWS_VIEW,
+            "CREATE TABLE schedules (id TEXT PRIMARY KEY CHECK (id LIKE 'sc\\_%' ESCAPE '\\'),"
+            " endpoint_id TEXT NOT NULL REFERENCES endpoints(id),"
+            " name TEXT NOT NULL CHECK (length(name) BETWEEN 1 AND 128),"
+            " queue TEXT NOT NULL CHECK (length(queue) BETWEEN 1 AND 64),"
+            " title TEXT NOT NULL CHECK (length(title) BETWEEN 1 AND 512),"
+            " cron TEXT CHECK (cron IS NULL OR length(cron) BETWEEN 9 AND 256),"
+            " every_seconds BIGINT CHECK (every_seconds IS NULL OR every_seconds >= 1),"
+            " timezone TEXT NOT NULL CHECK (length(timezone) BETWEEN 1 AND 64),"
+            " payload TEXT CHECK (payload IS NULL OR switchboard_json_valid(payload)),"
+            " work_item TEXT CHECK (work_item IS NULL OR switchboard_json_valid(work_item)),"
+            " priority BIGINT NOT NULL DEFAULT 0,"
+            " catch_up TEXT NOT NULL CHECK (catch_up IN ('latest', 'none', 'all')),"
+            " enabled BIGINT NOT NULL CHECK (enabled IN (0, 1)), next_run_at BIGINT, last_run_at BIGINT,"
+            " last_todo_id TEXT, created_at BIGINT NOT NULL, updated_at BIGINT NOT NULL,"
+            " CHECK ((cron IS NULL) <> (every_seconds IS NULL)), CHECK (enabled = 1 OR next_run_at IS NULL),"
+            " UNIQUE (endpoint_id, name))",
+            "CREATE INDEX schedules_due ON schedules(next_run_at) WHERE enabled = 1",
             "ALTER TABLE webhook_connections ADD COLUMN commands TEXT CHECK (commands IS NULL OR"
             " (switchboard_json_valid(commands) AND switchboard_json_type(commands) = 'object'))",
             "CREATE TABLE forge_reactions (event_id TEXT PRIMARY KEY REFERENCES events(id) ON DELETE CASCADE,"
@@ -287,7 +325,7 @@ def _migrate(conn: sqlite3.Connection, migration: Migration, statements: list[st
     # are added first, whichever step this is (the later step's `after` still fills them).
     for table, columns in (item for later in migrations.values() for item in later.add.items()):
         present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-        for column in (c for c in columns if present and c not in present):
+        for column in (c for c in columns if present and c.split()[0] not in present):
             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
     for statement in statements:
         conn.execute(statement)

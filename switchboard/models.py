@@ -513,11 +513,31 @@ class ClaimWindow(Body):
     window_seconds: Annotated[int, Field(ge=1, le=31 * 86_400)]
 
 
+WAIT_LIMIT_MAX_SECONDS = 365 * 86_400  # a year: longer than any holiday, short of the year 9999
+WAIT_STATES = ("pending", "needs_input", "review", "blocked")
+
+
+class WaitLimit(Body):
+    """How long a todo may sit in one state of the queue, and what then happens to it (`queue`: reroute's target)."""
+    after_seconds: Annotated[int, Field(ge=1, le=WAIT_LIMIT_MAX_SECONDS)]
+    then: Literal["remind", "cancel", "defer", "reroute"]
+    queue: QueueName | None = None
+
+
+class WaitLimits(Body):
+    """A queue's wait limits by state: a state left out keeps its limit, null clears it."""
+    pending: WaitLimit | None = None
+    needs_input: WaitLimit | None = None
+    review: WaitLimit | None = None
+    blocked: WaitLimit | None = None
+
+
 class QueueLimits(Body):
     """Admission caps of one queue: at most `max_in_flight` claimed at once, at most `count` claims in each window
     of `window_seconds`. A field left out keeps its cap; null clears it; 0 admits no claim (paused)."""
     max_in_flight: Annotated[int, Field(ge=0, le=100_000)] | None = None
     max_claims_per_window: ClaimWindow | None = None
+    wait_limits: WaitLimits | None = None
 
 
 PrintableSecret = Annotated[str, StringConstraints(min_length=16, max_length=512, pattern=r"^[\x20-\x7e]+$")]
@@ -940,9 +960,23 @@ class WindowAnswer(AnswerModel):
     window_seconds: int
 
 
+class WaitLimitAnswer(AnswerModel):
+    after_seconds: int
+    then: str
+    queue: str | None
+
+
+class WaitLimitsAnswer(AnswerModel):
+    pending: WaitLimitAnswer | None
+    needs_input: WaitLimitAnswer | None
+    review: WaitLimitAnswer | None
+    blocked: WaitLimitAnswer | None
+
+
 class LimitsAnswer(AnswerModel):
     max_in_flight: int | None
     max_claims_per_window: WindowAnswer | None
+    wait_limits: WaitLimitsAnswer
 
 
 class QueueAnswer(AnswerModel):

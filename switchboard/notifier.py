@@ -51,6 +51,9 @@ NOTIFY_HEADLINES = {"needs_input": "A worker asks a question", "review": "Work w
                     "held": "A delivery is held", "dead_letter": "Work failed for good",
                     "verification_failures": "A webhook keeps failing its signature check",
                     "test": "Switchboard test message"}
+# A wait limit's reminder says what still waits, by the todo's state (store.wait_sweep sends it).
+REMINDER_HEADLINES = {"pending": "Work still waits for a worker", "needs_input": "A worker's question still waits",
+                      "review": "Work still waits for your review", "blocked": "Blocked work still waits for you"}
 NTFY_TAGS = {"needs_input": "question", "review": "eyes", "held": "pause_button", "dead_letter": "x",
              "verification_failures": "warning", "test": "white_check_mark", "digest": "inbox_tray"}
 # Sent at high priority (ntfy `high`, Gotify 8), the rest at the default (ntfy `default`, Gotify 5). A digest has
@@ -122,7 +125,10 @@ def compose(message: Outgoing, base_url: str | None) -> Composed:
     else:
         subject, link = "this channel works", f"{base_url.rstrip('/')}/board" if base_url else None
     shown = {k: quoted(v) if k == "title" else v for k, v in data.items()}
-    return Composed(message.id, row["event"], f"Switchboard: {NOTIFY_HEADLINES[row['event']]}", subject, link,
+    headline = NOTIFY_HEADLINES[row["event"]]
+    if "reminder" in data:
+        headline = f"{REMINDER_HEADLINES[data['state']]} (reminder {data['reminder']})"
+    return Composed(message.id, row["event"], f"Switchboard: {headline}", subject, link,
                     {**shown, "board_url": link} if "todo_id" in data else shown,
                     "high" if row["event"] in NOTIFY_URGENT else "default", (NTFY_TAGS[row["event"]],))
 

@@ -463,7 +463,9 @@ def prep_queue_control(scene: Scene, shell: Shell) -> Prep:
     def check(done):
         build = next(q for q in scene.call("GET", f"/api/v1/endpoints/{scene.ep}/queues")["queues"]
                      if q["queue"] == "build")
-        assert build["paused"] is None and build["limits"] == {"max_in_flight": None, "max_claims_per_window": None}
+        assert build["paused"] is None and build["limits"] == {"max_in_flight": None, "max_claims_per_window": None,
+                                                              "wait_limits": dict.fromkeys(
+                                                                  ("pending", "needs_input", "review", "blocked"))}
         assert "quota" in done.stdout or "walls" in done.stdout, done.stdout[-500:]
     return Prep(scene.env(), check=check)
 

@@ -13,10 +13,10 @@ PACKAGE = ROOT / "switchboard"
 # Lowest first. A module may import any module listed before it, never one after it.
 LAYERS = [
     "configuration", "migrations", "database", "crypto", "postgres", "engines", "engine_copy", "payload", "providers", "models", "envelope", "evaluator",
-    "store.principals", "store.outbox", "store.todos", "store.admission", "store.outputs", "store.forge_outbox",
+    "store.principals", "store.outbox", "store.todos", "store.wait_limits", "store.admission", "store.outputs", "store.forge_outbox",
     "store.transitions", "store.queues", "store.webhooks", "store.connections", "store.human_actions", "store.bulk",
     "store.subjects", "store.forge_control", "store.deliveries", "store.rules", "store.routing", "store.quarantine", "store.replay",
-    "store.schedules", "store.upkeep",
+    "store.schedules", "store.wait_sweep", "store.upkeep",
     "doorbell", "notifier", "forge", "limits", "metrics", "flows",
     "http.common", "http.streams", "http.rest", "http.mcp",
     "board.queries", "board.forge_pages", "board.pages", "app", "server",

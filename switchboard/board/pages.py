@@ -85,6 +85,7 @@ from switchboard.http.rest import Api
 from switchboard.http.streams import sse_frame
 from switchboard.limits import TrustedProxies
 from switchboard.models import (
+    WAIT_STATES,
     BulkAction,
     EndpointCreate,
     NotifyCreate,
@@ -495,6 +496,7 @@ class Board:
             Route("/schedules", page(self.schedules)),
             Route("/schedules/{schedule_id}/pause", act(self.schedule_switch), methods=["POST"]),
             Route("/schedules/{schedule_id}/resume", act(self.schedule_switch), methods=["POST"]),
+            Route("/endpoints/{endpoint_id}/queues/{queue}/waits", act(self.queue_wait_limits), methods=["POST"]),
             *self.forge_pages.routes(page, act),
             Mount("/static", app=StaticFiles(directory=BOARD_DIR / "static")),
             Route("/{rest:path}", page(self.not_found), methods=["GET", "POST"]),
@@ -1127,6 +1129,19 @@ class Board:
         self.notice(session, f"Resumed {done['name']}: next due {done['next_run_at']}." if resume else
                     f"Paused {done['name']}: it makes no todos until you resume it.")
         return self.back(form, "/board/schedules")
+
+    async def queue_wait_limits(self, request: Request, session: BoardSession, form: dict) -> Response:
+        """The wait limits form sets all four states at once: a state whose seconds are blank has no limit."""
+        endpoint_id, queue = request.path_params["endpoint_id"], request.path_params["queue"]
+        limits: dict[str, dict | None] = {}
+        for state in WAIT_STATES:
+            seconds, then, target = (form.get(f"{state}_{name}", "").strip() for name in ("seconds", "then", "queue"))
+            limits[state] = {"after_seconds": _form_int(seconds), "then": then or "remind",
+                             **({"queue": target} if target else {})} if seconds else None
+        await self.db.write(set_queue_limits, session.principal, endpoint_id, queue,
+                            parse_model(QueueLimits, json.dumps({"wait_limits": limits})))
+        self.notice(session, f"Wait limits of {queue} saved.")
+        return self.back(form, "/board/queues")
 
     async def revoke(self, request: Request, session: BoardSession, form: dict) -> Response:
         if form.get("confirm") != "yes":

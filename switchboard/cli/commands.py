@@ -251,12 +251,27 @@ def cli_queue_resume(args: argparse.Namespace, db: Database) -> dict:
     return db.write_sync(resume_queue, OPERATOR, args.endpoint, args.queue, QueueResume())
 
 
+def _wait_limit(text: str) -> tuple[str, dict | None]:
+    """`STATE=SECONDS:THEN[:QUEUE]` (or `STATE=none`) as the state and its limit."""
+    state, _, limit = text.partition("=")
+    if limit == "none":
+        return state, None
+    seconds, _, rest = limit.partition(":")
+    then, _, queue = rest.partition(":")
+    if not seconds.isdigit() or not then:
+        raise ApiError("invalid_argument", f"--wait-limit: {text!r} is not STATE=SECONDS:THEN[:QUEUE] or STATE=none")
+    return state, {"after_seconds": int(seconds), "then": then, **({"queue": queue} if queue else {})}
+
+
 def cli_queue_limits(args: argparse.Namespace, db: Database) -> dict:
     """--max-in-flight N and --max-claims N --window SECONDS set those caps (the other one stays); --clear clears
-    both; 0 admits no claim."""
+    both; 0 admits no claim. Each --wait-limit sets (or, with `none`, clears) one state's wait limit; the others
+    stay."""
     if (args.max_claims is None) != (args.window is None):
         raise ApiError("invalid_argument", "--max-claims and --window go together")
     fields: dict[str, Any] = {}
+    if args.wait_limits:
+        fields["wait_limits"] = dict(_wait_limit(text) for text in args.wait_limits)
     if args.max_in_flight is not None:
         fields["max_in_flight"] = args.max_in_flight
     if args.max_claims is not None:
@@ -266,7 +281,8 @@ def cli_queue_limits(args: argparse.Namespace, db: Database) -> dict:
             raise ApiError("invalid_argument", "--clear clears every cap: give it alone")
         fields = {"max_in_flight": None, "max_claims_per_window": None}
     if not fields:
-        raise ApiError("invalid_argument", "give --max-in-flight N, --max-claims N --window SECONDS, or --clear")
+        raise ApiError("invalid_argument", "give --max-in-flight N, --max-claims N --window SECONDS,"
+                                           " --wait-limit STATE=SECONDS:THEN[:QUEUE], or --clear")
     return db.write_sync(set_queue_limits, OPERATOR, args.endpoint, args.queue,
                          parse_model(QueueLimits, json.dumps(fields)))
 

@@ -262,7 +262,7 @@ def _add_queues(commands: argparse._SubParsersAction, common: argparse.ArgumentP
                         " deliveries still land", common)
     resume = _subcommand(queue, "resume", cli_queue_resume, "resume a paused queue (it rings for what waited)",
                          common)
-    limits = _subcommand(queue, "limits", cli_queue_limits, "set or clear a queue's admission caps", common)
+    limits = _subcommand(queue, "limits", cli_queue_limits, "set or clear a queue's admission caps and wait limits", common)
     for sub in (pause, resume, limits):
         sub.add_argument("endpoint", help="endpoint id (ep_…)")
         sub.add_argument("queue", help="one of the endpoint's queues")
@@ -274,6 +274,9 @@ def _add_queues(commands: argparse._SubParsersAction, common: argparse.ArgumentP
     limits.add_argument("--max-claims", dest="max_claims", type=int, help="at most N claims in each window")
     limits.add_argument("--window", type=int, help="the window, in seconds (with --max-claims)")
     limits.add_argument("--clear", action="store_true", help="clear both caps")
+    limits.add_argument("--wait-limit", dest="wait_limits", action="append", metavar="STATE=SECONDS:THEN[:QUEUE]",
+                        help="how long a todo may wait in STATE (pending, needs_input, review, blocked) and what"
+                             " then: remind, cancel, defer, or reroute:QUEUE; STATE=none clears it (repeatable)")
 
 
 def _add_schedules(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

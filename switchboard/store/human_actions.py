@@ -133,7 +133,16 @@ def reroute(txn: Txn, principal: Principal, todo_id: str, body: Reroute) -> dict
     if body.queue in RESERVED_QUEUES:
         raise ApiError("invalid_argument", f"queue: {body.queue} is reserved")
     todo = human_todo(txn, principal, "reroute", todo_id, ACTION_STATES["reroute"])
-    endpoint_id = reroute_target(txn, todo, body.queue)
+    move_to_queue(txn, todo, body.queue, principal.actor, {})
+    return todo_view(reload_todo(txn, todo_id))
+
+
+def move_to_queue(txn: Txn, todo: sqlite3.Row, queue: str, actor: str, evidence: dict) -> None:
+    """A reroute (the human's, or a wait limit's): the todo starts again, pending on `queue` of the endpoint
+    reroute_target chooses. Refused (ApiError, before anything is written) when no endpoint takes the queue or
+    an open todo there holds the same idempotency key."""
+    todo_id = todo["id"]
+    endpoint_id = reroute_target(txn, todo, queue)
     if todo["idempotency_key"] is not None:
         twin = txn.one("SELECT id FROM todos WHERE endpoint_id = ? AND idempotency_key = ? AND id <> ?"
                        " AND state NOT IN ('done', 'failed', 'cancelled')",
@@ -142,11 +151,10 @@ def reroute(txn: Txn, principal: Principal, todo_id: str, body: Reroute) -> dict
             raise ApiError("conflict", f"todo {twin['id']} on {endpoint_id} already holds idempotency key"
                                        f" {todo['idempotency_key']!r}; finish or cancel one of them first")
     txn.execute("DELETE FROM absorptions WHERE absorbed_id = ?", (todo_id,))
-    transition(txn, todo, "pending", principal.actor,
-                {"from_queue": todo["queue"], "to_queue": body.queue, "endpoint_id": endpoint_id},
-                queue=body.queue, endpoint_id=endpoint_id, attempt=0, dead_letter=0, state_reason=None,
+    transition(txn, todo, "pending", actor,
+                {"from_queue": todo["queue"], "to_queue": queue, "endpoint_id": endpoint_id, **evidence},
+                queue=queue, endpoint_id=endpoint_id, attempt=0, dead_letter=0, state_reason=None,
                 deferred_until=None, answer=None)
-    return todo_view(reload_todo(txn, todo_id))
 
 
 # -- operator-authored todos ------------------------------------------------------------------------

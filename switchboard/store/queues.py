@@ -14,6 +14,7 @@ from switchboard.store.admission import claims_in_window, control_row, is_paused
 from switchboard.store.forge_outbox import lane_changed
 from switchboard.store.principals import Principal, own_endpoint
 from switchboard.store.transitions import ring_claimable
+from switchboard.store.wait_limits import set_wait_limits, wait_limits_view
 
 RING_MOST = 500  # todos one opening rings for at most (the scheduler's tick rings as many)
 
@@ -28,7 +29,8 @@ def queue_view(txn: Txn, queue: str, row: Row | None, counts: dict[tuple[str, st
                    "at": iso(row["paused_at"])} if paused else None,
         "limits": {"max_in_flight": row["max_in_flight"] if row is not None else None,
                    "max_claims_per_window": {"count": row["window_count"], "window_seconds": row["window_seconds"]}
-                   if windowed else None},
+                   if windowed else None,
+                   "wait_limits": wait_limits_view(row)},
         "in_flight": counts.get((queue, "claimed"), 0),
         "claims_in_window": claims_in_window(row, txn.now) if windowed else None,
         "window_ends_at": iso(window_end(row, txn.now)) if windowed else None,
@@ -75,6 +77,7 @@ def _after_change(txn: Txn, endpoint_id: str, queue: str) -> dict:
     row = control_row(txn, endpoint_id, queue)
     if row is not None:
         empty = row["paused_at"] is None and row["max_in_flight"] is None and row["window_count"] is None
+        empty = empty and row["wait_limits"] is None
         if empty and txn.inline_rings:
             txn.execute("DELETE FROM queue_controls WHERE endpoint_id = ? AND queue = ?", (endpoint_id, queue))
             row = None
@@ -137,9 +140,9 @@ def _end_pause(txn: Txn, endpoint_id: str, queue: str, actor: str) -> None:
 
 
 def set_queue_limits(txn: Txn, principal: Principal, endpoint_id: str, queue: str, body: QueueLimits) -> dict:
-    """Set or clear the queue's caps: a field given replaces its cap (null clears it), one left out keeps it. A
-    new window size starts its count again."""
-    _controlled(txn, principal, endpoint_id, queue)
+    """Set or clear the queue's caps and wait limits: a field given replaces its cap (null clears it), one left
+    out keeps it. A new window size starts its count again."""
+    endpoint = _controlled(txn, principal, endpoint_id, queue)
     _touch(txn, endpoint_id, queue)
     if "max_in_flight" in body.model_fields_set:
         txn.execute("UPDATE queue_controls SET max_in_flight = ? WHERE endpoint_id = ? AND queue = ?",
@@ -153,6 +156,8 @@ def set_queue_limits(txn: Txn, principal: Principal, endpoint_id: str, queue: st
                     (window.count if window else None, window.window_seconds if window else None,
                      row["window_started_at"] if same else None, row["window_claims"] if same else 0,
                      endpoint_id, queue))
+    if "wait_limits" in body.model_fields_set:
+        set_wait_limits(txn, endpoint["human_id"], endpoint_id, queue, body.wait_limits)
     txn.logs.append(f"queue {queue} of {endpoint_id} limits set by {principal.actor}")
     return _after_change(txn, endpoint_id, queue)
 

@@ -40,6 +40,7 @@ from switchboard.store.outbox import notify_todo
 from switchboard.store.outputs import accept_outputs, mark_status
 from switchboard.store.principals import Principal, endpoint_view, own_endpoint
 from switchboard.store.todos import attempt_view, dump_json, load_todo, reload_todo, todo_view
+from switchboard.store.wait_limits import wait_due_at
 
 
 def revoke_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> dict:
@@ -78,8 +79,8 @@ CLAIMABLE = (f"{_UNBLOCKED} AND NOT EXISTS (SELECT 1 FROM absorptions a JOIN tod
 TODO_DEFAULTS = {"state": "pending", "subject_key": None, "work_order": None, "work_item": None,
                  "idempotency_key": None, "priority": 0, "gated": 0, "state_reason": None, "silent": 0}
 _INSERT_TODO = (f"INSERT INTO todos (id, endpoint_id, queue, title, source, kind, trace, event_id,"
-                f" {', '.join(TODO_DEFAULTS)}, ring_count, last_ring_at, available_at, created_at, updated_at)"
-                f" VALUES ({', '.join('?' * (8 + len(TODO_DEFAULTS) + 5))})")
+                f" {', '.join(TODO_DEFAULTS)}, ring_count, last_ring_at, available_at, created_at, updated_at, wait_due_at)"
+                f" VALUES ({', '.join('?' * (8 + len(TODO_DEFAULTS) + 6))})")
 
 
 def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: str, title: str, source: str,
@@ -95,7 +96,8 @@ def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: 
     rung = txn.inline_rings and values["state"] == "pending" and not depends_on and not values["silent"]
     withheld = rung and ring_room(txn, endpoint_id, queue) == 0
     txn.execute(_INSERT_TODO, (todo_id, endpoint_id, queue, title, source, kind, trace, event_id,
-                               *values.values(), int(rung), txn.now if rung else None, txn.now, txn.now, txn.now))
+                               *values.values(), int(rung), txn.now if rung else None, txn.now, txn.now, txn.now,
+                               wait_due_at(txn, endpoint_id, queue, values["state"], txn.now)))
     for dependency in depends_on:
         txn.execute("INSERT INTO todo_deps (todo_id, depends_on_id) VALUES (?, ?)", (todo_id, dependency))
     txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence)"
@@ -148,6 +150,12 @@ def transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence:
     if to_state == "pending":
         columns.setdefault("available_at", txn.now)
         columns.update(ring_count=0, last_ring_at=None, ring_acked_at=None)
+    # A wait limit's clock starts with the state (for pending work held back by a backoff, when it is available):
+    # its due moment is written by this same statement, so the sweep never reads a stale one.
+    columns.update(wait_due_at=wait_due_at(txn, columns.get("endpoint_id", todo["endpoint_id"]),
+                                           columns.get("queue", todo["queue"]), to_state,
+                                           max(txn.now, columns.get("available_at") or txn.now)),
+                   wait_reminders=None)
     assignments = ", ".join(f"{name} = ?" for name in columns)
     if not txn.execute(f"UPDATE todos SET {assignments} WHERE id = ? AND state = ?",
                        (*columns.values(), todo["id"], todo["state"])).rowcount:

@@ -64,12 +64,13 @@ from switchboard.store.transitions import (
     release,
     transition,
 )
+from switchboard.store.wait_sweep import next_wait_moment, sweep_waits
 
 # -- background work --------------------------------------------------------------------------------
 
 def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
-    """Make the due schedules' todos, return lapsed leases, wake due deferrals, end pauses and ring queues that
-    opened, and ring todos that came due since they went pending."""
+    """Make the due schedules' todos, return lapsed leases, wake due deferrals, act on waits past their queue's
+    wait limit, end pauses and ring queues that opened, and ring todos that came due since they went pending."""
     scheduled = run_due_schedules(txn)
     # Each row locked as it is read (one another transaction holds is left to it): a claim reaps its endpoint's
     # lapsed leases too, and a human's verb may be changing a deferred or held todo.
@@ -87,6 +88,7 @@ def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
     for todo in expired:
         transition(txn, todo, "done", "system", {"expired_after_days": QUARANTINE_DAYS}, outcome="discarded",
                     state_reason="expired")
+    waits = sweep_waits(txn, limit)
     # The rings too: a todo another transaction holds is being claimed or changed and needs no ring now (waiting
     # for it, while holding the todos rung before it, could deadlock with a claim).
     unrung = txn.all(f"SELECT * FROM todos WHERE state = 'pending' AND ring_count = 0 AND available_at <= ?"
@@ -103,19 +105,21 @@ def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
             mark_rung(txn, todo)
     opened = ring_due_queues(txn)
     return {"lapsed": len(lapsed), "undeferred": len(due), "expired": len(expired), "rung": len(unrung),
-            "rerung": len(rerung), "queues": opened, "scheduled": scheduled, "next_due": next_due(txn)}
+            "rerung": len(rerung), "queues": opened, "scheduled": scheduled, "waits": waits,
+            "next_due": next_due(txn)}
 
 
 def next_due(txn: Txn) -> int | None:
     """When the scheduler next has something to do (a lease lapses, a deferral ends, a held item expires, a
-    retry comes due, a re-ring is owed, a queue's pause ends or its full window turns, a schedule is due), from
-    the partial indexes (and the few queue controls) alone; None when nothing waits."""
+    retry comes due, a re-ring is owed, a queue's pause ends or its full window turns, a schedule or a wait comes
+    due), from the partial indexes (and the few queue controls) alone; None when nothing waits."""
     moments = [txn.one("SELECT min(lease_expires_at) FROM todos WHERE state = 'claimed'")[0],
                txn.one("SELECT min(deferred_until) FROM todos WHERE state = 'deferred'")[0],
                txn.one("SELECT min(available_at) FROM todos WHERE state = 'pending' AND ring_count = 0"
                        " AND available_at > ?", (txn.now,))[0]]
     moments.append(next_queue_moment(txn))
     moments.append(next_schedule_moment(txn))
+    moments.append(next_wait_moment(txn))
     held = txn.one("SELECT min(created_at) FROM todos WHERE state = 'quarantined'")[0]
     moments.append(held + QUARANTINE_DAYS * 86_400_000 if held is not None else None)
     for count, wait_ms in enumerate(RERING_AFTER_MS, start=1):
