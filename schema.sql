@@ -201,6 +201,8 @@ CREATE INDEX IF NOT EXISTS todos_claimable ON todos(endpoint_id, queue, priority
 -- Leases, by endpoint (a claim reaps its own endpoint's lapsed leases first). It also serves the reaper and the
 -- next-due time across endpoints: it holds only claimed todos, which are few, so a scan of it is short.
 CREATE INDEX IF NOT EXISTS todos_lapsed_by_endpoint ON todos(endpoint_id, lease_expires_at) WHERE state = 'claimed';
+-- A queue's claimed todos by subject key: a claim under a per-key limit counts the keys in flight from it.
+CREATE INDEX IF NOT EXISTS todos_claimed_by_key ON todos(endpoint_id, queue, subject_key) WHERE state = 'claimed';
 CREATE INDEX IF NOT EXISTS todos_unrung ON todos(available_at) WHERE state = 'pending' AND ring_count = 0;
 CREATE INDEX IF NOT EXISTS todos_rerung ON todos(ring_count, last_ring_at) WHERE state = 'pending' AND ring_count > 0;
 CREATE INDEX IF NOT EXISTS todos_deferred ON todos(deferred_until) WHERE state = 'deferred';
@@ -265,6 +267,10 @@ CREATE TABLE IF NOT EXISTS queue_controls (
     window_started_at  INTEGER,
     window_claims      INTEGER NOT NULL DEFAULT 0 CHECK (window_claims >= 0),
     ring_due_at        INTEGER,
+    -- At most per_key_max claimed todos of the queue share a subject key (per_key 'subject') or a
+    -- repository (per_key 'repo'); both null: no such limit.
+    per_key            TEXT CHECK (per_key IN ('subject', 'repo')),
+    per_key_max        INTEGER CHECK (per_key_max >= 1),
     updated_at         INTEGER NOT NULL,
     CHECK ((paused_at IS NULL) = (paused_by IS NULL)),
     CHECK (paused_at IS NOT NULL OR (paused_until IS NULL AND paused_reason IS NULL)),

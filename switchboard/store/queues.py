@@ -28,7 +28,9 @@ def queue_view(txn: Txn, queue: str, row: Row | None, counts: dict[tuple[str, st
                    "at": iso(row["paused_at"])} if paused else None,
         "limits": {"max_in_flight": row["max_in_flight"] if row is not None else None,
                    "max_claims_per_window": {"count": row["window_count"], "window_seconds": row["window_seconds"]}
-                   if windowed else None},
+                   if windowed else None,
+                   "max_in_flight_per_key": {"key": row["per_key"], "max": row["per_key_max"]}
+                   if row is not None and row["per_key"] is not None else None},
         "in_flight": counts.get((queue, "claimed"), 0),
         "claims_in_window": claims_in_window(row, txn.now) if windowed else None,
         "window_ends_at": iso(window_end(row, txn.now)) if windowed else None,
@@ -75,6 +77,7 @@ def _after_change(txn: Txn, endpoint_id: str, queue: str) -> dict:
     row = control_row(txn, endpoint_id, queue)
     if row is not None:
         empty = row["paused_at"] is None and row["max_in_flight"] is None and row["window_count"] is None
+        empty = empty and row["per_key"] is None
         if empty and txn.inline_rings:
             txn.execute("DELETE FROM queue_controls WHERE endpoint_id = ? AND queue = ?", (endpoint_id, queue))
             row = None
@@ -153,6 +156,10 @@ def set_queue_limits(txn: Txn, principal: Principal, endpoint_id: str, queue: st
                     (window.count if window else None, window.window_seconds if window else None,
                      row["window_started_at"] if same else None, row["window_claims"] if same else 0,
                      endpoint_id, queue))
+    if "max_in_flight_per_key" in body.model_fields_set:
+        per_key = body.max_in_flight_per_key
+        txn.execute("UPDATE queue_controls SET per_key = ?, per_key_max = ? WHERE endpoint_id = ? AND queue = ?",
+                    (per_key.key if per_key else None, per_key.max if per_key else None, endpoint_id, queue))
     txn.logs.append(f"queue {queue} of {endpoint_id} limits set by {principal.actor}")
     return _after_change(txn, endpoint_id, queue)
 
