@@ -292,8 +292,6 @@ CREATE INDEX IF NOT EXISTS todos_claimable ON todos(endpoint_id, queue, priority
 -- Leases, by endpoint (a claim reaps its own endpoint's lapsed leases first). It also serves the reaper and the
 -- next-due time across endpoints: it holds only claimed todos, which are few, so a scan of it is short.
 CREATE INDEX IF NOT EXISTS todos_lapsed_by_endpoint ON todos(endpoint_id, lease_expires_at) WHERE state = 'claimed';
--- A queue's claimed todos by subject key: a claim under a per-key limit counts the keys in flight from it.
-CREATE INDEX IF NOT EXISTS todos_claimed_by_key ON todos(endpoint_id, queue, subject_key) WHERE state = 'claimed';
 CREATE INDEX IF NOT EXISTS todos_unrung ON todos(available_at) WHERE state = 'pending' AND ring_count = 0;
 CREATE INDEX IF NOT EXISTS todos_rerung ON todos(ring_count, last_ring_at) WHERE state = 'pending' AND ring_count > 0;
 CREATE INDEX IF NOT EXISTS todos_deferred ON todos(deferred_until) WHERE state = 'deferred';

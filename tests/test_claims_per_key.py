@@ -12,7 +12,7 @@ import time
 import httpx
 import producers
 import pytest
-from conftest import cli_inproc
+from conftest import cli, cli_inproc
 from helpers import count, hook_path
 
 from switchboard.models import ClaimAnswer, QueueAnswer
@@ -170,3 +170,14 @@ def test_16_racing_claims_over_3_subjects_with_max_1_hold_3(live_server, db_path
                 done = c.post(f"/api/v1/todos/{claim['todo']['id']}/complete",
                               json={"lease_token": claim["lease_token"]})
                 assert done.status_code == 200, done.text
+
+
+def test_the_cli_sets_and_clears_the_per_key_limit(world, pool, db_path):
+    code, capped = cli(db_path, "queue", "limits", pool.id, QUEUE, "--max-per-repo", "1")
+    assert code == 0 and capped["limits"]["max_in_flight_per_key"] == {"key": "repo", "max": 1}, capped
+    code, capped = cli(db_path, "queue", "limits", pool.id, QUEUE, "--max-per-subject", "2")
+    assert code == 0 and capped["limits"]["max_in_flight_per_key"] == {"key": "subject", "max": 2}, capped
+    code, cleared = cli(db_path, "queue", "limits", pool.id, QUEUE, "--clear")
+    assert code == 0 and cleared["limits"]["max_in_flight_per_key"] is None, cleared
+    code, refused = cli_inproc(db_path, "queue", "limits", pool.id, QUEUE, "--max-per-subject", "0")
+    assert code == 1 and "max_in_flight_per_key" in refused["message"], refused

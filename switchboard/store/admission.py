@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from switchboard.configuration import iso
 from switchboard.database import Row, Txn
-from switchboard.store.subjects import parse_subject_key
+from switchboard.envelope import parse_subject_key
 
 # A queue without a row in queue_controls is open and uncapped: one indexed read (of no row) is all it costs a
 # claim, a ring or a finished claim.
@@ -55,8 +55,8 @@ def key_group(per_key: str, subject_key: str | None) -> str | None:
 
 
 def full_groups(txn: Txn, row: Row) -> set[str]:
-    """The key groups of the queue at its per-key limit: its claimed todos' subject keys, read through
-    todos_claimed_by_key, counted by group. A lapsed lease counts until it is reaped, as for max_in_flight."""
+    """The key groups of the queue at its per-key limit: its claimed todos' subject keys (a few: read through
+    todos_by_state, by endpoint, state and queue), counted by group. A lapsed lease counts until it is reaped, as for max_in_flight."""
     if row["per_key"] is None:
         return set()
     counted = Counter(key_group(row["per_key"], r["subject_key"]) for r in txn.all(

@@ -93,6 +93,9 @@ class Settings:
 
 
 class Worker:
+    # Free slots share one claim (max_todos); off for good once a server of an earlier release refuses the field.
+    batching = True
+
     def __init__(self, settings: Settings, runner: JobRunner):
         self.settings = settings
         self.runner = runner
@@ -260,9 +263,10 @@ class Worker:
 
     def _ask_for_hungry(self) -> None:
         batch, self.hungry = self.hungry, []
-        asking = asyncio.create_task(self._ask(batch))
-        self.asking.add(asking)
-        asking.add_done_callback(self.asking.discard)
+        for part in [batch] if self.batching else [[slot] for slot in batch]:
+            asking = asyncio.create_task(self._ask(part))
+            self.asking.add(asking)
+            asking.add_done_callback(self.asking.discard)
 
     async def _ask(self, batch: list[tuple[asyncio.Future, float]]) -> None:
         """One waiting claim for the slots of `batch` (max_todos: one todo each), its todos handed out in order;
@@ -282,7 +286,13 @@ class Worker:
         if not claim.cancelled():
             try:
                 claimed = self._claimed(claim.result(), len(batch))
-            except Exception as exc:  # noqa: BLE001 - each slot handles it as its own claim's (Unanswered, Refused)
+            except Refused as exc:
+                if "max_todos" in body and exc.status == 400 and "max_todos" in exc.message:
+                    log.warning("the server does not take max_todos (an earlier release): each slot claims alone")
+                    self.batching = False  # the slots get nothing this time, and ask again one by one
+                else:
+                    error = exc
+            except Exception as exc:  # noqa: BLE001 - each slot handles it as its own claim's (Unanswered, ...)
                 error = exc
         for n, (slot, _) in enumerate(batch):
             if slot.done():
