@@ -9,10 +9,11 @@ import os
 import threading
 import time
 
+import httpx
 import producers
 import pytest
-from conftest import snapshot
-from helpers import count, query
+from conftest import cli_inproc, snapshot
+from helpers import count, hook_path, query
 from test_worker import SHELL_COMPLETE, lane, site, workers  # noqa: F401 - the worker tests' fixtures
 
 from switchboard.models import ClaimAnswer
@@ -169,3 +170,41 @@ def test_the_worker_fills_its_free_slots_with_one_claim(lane, workers):  # noqa:
                      (lane.endpoint_id,))
     assert sorted(row[0] for row in attempts) == sorted(pushed), "one attempt per todo"
     assert len({row[1] for row in attempts}) == 1, f"one claim for the four free slots: {attempts}"
+
+
+def test_racing_batch_claims_hold_max_in_flight_and_the_per_key_limit(live_server, db_path):
+    """A real server, 8 threads released together, each asking for 4 todos: 5 in flight at most across them all,
+    one per subject, whatever the engine runs side by side."""
+    server = live_server("--synchronous", "normal")
+    _, human = cli_inproc(db_path, "human", "add", "racer")
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {human['token']}"}, timeout=30) as http:
+        endpoint = http.post("/api/v1/endpoints", json={"name": "pool", "queues": [QUEUE]}).json()
+        hook = http.post("/api/v1/webhooks", json={"provider": "github", "queue": QUEUE, "endpoint_id": endpoint["id"],
+                                                  "trusted_actors": {"allow_all": True}}).json()
+        for number in range(1, 8):
+            for _ in range(3):
+                raw, headers = producers.github("issues.opened", hook["secret"], {
+                    "issue": {"number": number, "body": os.urandom(8).hex()}, "repository": {"full_name": "acme/site"}})
+                assert http.post(hook_path(hook["url"]), content=raw, headers=headers).status_code == 202
+        assert http.put(f"/api/v1/endpoints/{endpoint['id']}/queues/{QUEUE}/limits", json={
+            "max_in_flight": 5, "max_in_flight_per_key": {"key": "subject", "max": 1}}).status_code == 200
+    start, got, lock = threading.Barrier(8), [], threading.Lock()
+
+    def racer() -> None:
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {endpoint['token']}"},
+                          timeout=30) as c:
+            start.wait()
+            answer = c.post("/api/v1/todos/claim", json={"max_todos": 4}).json()
+        with lock:
+            got.append(answer)
+
+    threads = [threading.Thread(daemon=True, target=racer) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    claims = [c for answer in got for c in answer.get("claims", [])]
+    keys = [c["todo"]["subject_key"] for c in claims]
+    claimed = count(db_path, "todos", "endpoint_id = ? AND state = 'claimed'", (endpoint["id"],))
+    assert len(claims) == claimed == 5 and len(set(keys)) == 5, (claimed, keys, got)
