@@ -271,6 +271,12 @@ class Worker:
     async def _ask(self, batch: list[tuple[asyncio.Future, float]]) -> None:
         """One waiting claim for the slots of `batch` (max_todos: one todo each), its todos handed out in order;
         a slot left without one gets None, and an error the claim met reaches every slot of it."""
+        if self.stopping or self.parked_until is not None:
+            # Stopped or parked since the slots asked: a claim sent now would be one the stop (or the park) did
+            # not call off, and the worker would wait for its answer.
+            for slot, _ in batch:
+                slot.set_result(None)
+            return
         wait = min(w for _, w in batch)
         body = {**self._claim_fields(), "wait_seconds": wait}
         if len(batch) > 1:
