@@ -15,6 +15,20 @@ from switchboard.models import WorkItem
 from switchboard.payload import finite_float, producer_text, refuse_constant, stored_payload, value_at
 from switchboard.providers import PROVIDER_TABLE, event_kind
 
+_FORGE_KEY = re.compile(r"^(github|gitea):([^#@\s]+/[^#@\s]+)#([1-9][0-9]{0,17})$")
+
+
+def parse_subject_key(key: str) -> dict:
+    """What a subject key names: its provider, and for a forge issue or pull request its repository and number
+    (`github:acme/site#12`); a push (`github:acme/site@refs/heads/main`) names its repository."""
+    provider, _, rest = key.partition(":")
+    found = _FORGE_KEY.match(key)
+    if found:
+        return {"provider": provider, "repo": found[2], "number": int(found[3])}
+    repo = rest.split("@", 1)[0] if provider in ("github", "gitea") and "@" in rest else None
+    return {"provider": provider or None, "repo": repo, "number": None}
+
+
 # Switchboard decides the top-level fields; producer data lives only under .payload and .headers.
 
 SECRET_HEADER_PARTS = ("signature", "token", "secret", "auth", "cookie", "api-key")

@@ -102,7 +102,8 @@ class WaitingClaim:
     The waiter is attached before each attempt, so a todo that arrives between the attempt and the wait still
     wakes it; at the deadline it tries once more. A ring this waiter took but did not use is passed on, so no
     other session misses it. If the asker goes away (`gone`) the wait ends, and a todo claimed for an asker
-    already gone is handed back, uncharged."""
+    already gone is handed back, uncharged. With `max_todos`, the wait is for the first claimable todo: the
+    attempt that finds one takes up to `max_todos` then."""
 
     EMPTY = {"empty": True}
 
@@ -113,7 +114,7 @@ class WaitingClaim:
         self.gone = gone
         self.queues = claim_queues(principal, body.queue_filter())
         self.owed: dict | None = None  # a ring this waiter was given and has not yet claimed
-        self.claimed: str | None = None
+        self.claimed: set[str] = set()
         self.empty = self.EMPTY  # the last empty answer (with the queues a pause or a cap kept shut)
 
     async def run(self) -> dict:
@@ -146,10 +147,12 @@ class WaitingClaim:
             self.owed = None
             self.empty = result
             return None
+        claims = result.get("claims") or [result]
         if self.gone.done():
-            await self.flows.db.write(hand_back_unheard, self.principal, result["todo"]["id"], result["lease_token"])
+            for claim in claims:
+                await self.flows.db.write(hand_back_unheard, self.principal, claim["todo"]["id"], claim["lease_token"])
             return self.EMPTY
-        self.claimed = result["todo"]["id"]
+        self.claimed = {claim["todo"]["id"] for claim in claims}
         return result
 
     async def _wait(self, rung: asyncio.Future, remaining: float) -> str:
@@ -171,8 +174,8 @@ class WaitingClaim:
         if session is not None:
             self.flows.doorbell.detach(session)
         late = rung.result() if rung is not None and rung.done() and rung.result() is not self.owed else None
-        if self.claimed is not None or self.gone.done() or late:
-            unused = {r["todo_id"]: r for r in (self.owed, late) if r and r["todo_id"] != self.claimed}
+        if self.claimed or self.gone.done() or late:
+            unused = {r["todo_id"]: r for r in (self.owed, late) if r and r["todo_id"] not in self.claimed}
             if unused:
                 self.flows.pass_on([{**r, "endpoint_id": self.principal.id} for r in unused.values()])
             self.owed = None

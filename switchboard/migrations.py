@@ -172,9 +172,10 @@ MIGRATIONS: dict[int, Migration] = {
         " nobody until set), an event's disposition may be `command`, forge_reactions acknowledges each command on"
         " its comment, and subject_links keeps the pull requests that close issues. Time: schedules (an event's"
         " trust mode may be `schedule`); queue_controls keep wait_limits, and todos when their wait comes due"
-        " (wait_due_at, indexed where set) and the reminders sent in their state",
-        rebuild=("events", "webhook_connections"),
-        add={"todos": ("wait_due_at INTEGER", "wait_reminders INTEGER"), "queue_controls": ("wait_limits TEXT",)},
+        " (wait_due_at, indexed where set) and the reminders sent in their state. Keys: queue_controls keep a"
+        " limit of claimed todos per subject or repository (per_key, per_key_max)",
+        rebuild=("events", "webhook_connections", "queue_controls"),
+        add={"todos": ("wait_due_at INTEGER", "wait_reminders INTEGER")},
         postgres=(
             "ALTER TABLE events DROP CONSTRAINT events_disposition_check",
             "ALTER TABLE events ADD CONSTRAINT events_disposition_check CHECK (disposition IN ('routed', 'dropped',"
@@ -185,6 +186,8 @@ MIGRATIONS: dict[int, Migration] = {
             "ALTER TABLE todos ADD COLUMN wait_due_at BIGINT",
             "ALTER TABLE todos ADD COLUMN wait_reminders BIGINT",
             "ALTER TABLE queue_controls ADD COLUMN wait_limits TEXT",
+            "ALTER TABLE queue_controls ADD COLUMN per_key TEXT CHECK (per_key IN ('subject', 'repo'))",
+            "ALTER TABLE queue_controls ADD COLUMN per_key_max BIGINT CHECK (per_key_max >= 1)",
             "CREATE INDEX todos_wait_due ON todos(wait_due_at) WHERE wait_due_at IS NOT NULL",
             # The view fixed todos' columns when it was made: it is made again over the new ones.
             "DROP VIEW todo_rows",

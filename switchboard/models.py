@@ -219,7 +219,10 @@ class ClaimNow(Body):
 
 
 class ClaimNext(ClaimNow):
+    """A claim that may wait (`wait_seconds`) for the first claimable todo, and may take up to `max_todos` in one
+    transaction (then answered as `{"claims": [...]}`)."""
     wait_seconds: Annotated[float, Field(ge=0, le=60)] = 0
+    max_todos: Annotated[int, Field(ge=1, le=32)] = 1
 
 
 class ClaimById(Body):
@@ -532,12 +535,20 @@ class WaitLimits(Body):
     blocked: WaitLimit | None = None
 
 
+class KeyLimit(Body):
+    """At most `max` claimed todos of the queue share a subject key (`subject`) or a repository (`repo`)."""
+    key: Literal["subject", "repo"]
+    max: Annotated[int, Field(ge=1, le=100_000)]
+
+
 class QueueLimits(Body):
     """Admission caps of one queue: at most `max_in_flight` claimed at once, at most `count` claims in each window
-    of `window_seconds`. A field left out keeps its cap; null clears it; 0 admits no claim (paused)."""
+    of `window_seconds`, at most `max_in_flight_per_key.max` claimed per subject key or repository. A field left
+    out keeps its cap; null clears it; 0 admits no claim (paused)."""
     max_in_flight: Annotated[int, Field(ge=0, le=100_000)] | None = None
     max_claims_per_window: ClaimWindow | None = None
     wait_limits: WaitLimits | None = None
+    max_in_flight_per_key: KeyLimit | None = None
 
 
 PrintableSecret = Annotated[str, StringConstraints(min_length=16, max_length=512, pattern=r"^[\x20-\x7e]+$")]
@@ -926,20 +937,24 @@ class TodoListAnswer(AnswerModel):
 
 class AdmissionAnswer(AnswerModel):
     """Why a queue the claim named admitted nothing: paused (until its `until`, null: until resumed), at its
-    max_in_flight (until a claim ends: null) or its claims per window (until the window turns)."""
+    max_in_flight (until a claim ends: null), its claims per window (until the window turns), or its
+    max_in_flight_per_key (every claimable todo's subject key or repository is at its cap: until a claim ends)."""
     queue: str
-    reason: Literal["paused", "max_in_flight", "max_claims_per_window"]
+    reason: Literal["paused", "max_in_flight", "max_claims_per_window", "max_in_flight_per_key"]
     until: Instant
 
 
 class ClaimAnswer(AnswerModel):
     """A claim: the todo, its lease token (send it with every later verb), and what earlier attempts said; or
-    `{"empty": true}` when nothing was claimable, with `admission` naming the queues a pause or a cap kept shut."""
+    `{"empty": true}` when nothing was claimable, with `admission` naming the queues a pause or a cap kept shut.
+    A claim with `max_todos` above 1 that took any answers `claims`: one such answer per todo, each its own
+    attempt and lease token."""
     todo: TodoAnswer | None = None
     lease_token: str | None = None
     prior_attempts: list[AttemptAnswer] | None = None
     empty: bool | None = None
     admission: list[AdmissionAnswer] | None = None
+    claims: list[ClaimAnswer] | None = None
 
 
 class CompleteAnswer(TodoAnswer):
@@ -973,9 +988,15 @@ class WaitLimitsAnswer(AnswerModel):
     blocked: WaitLimitAnswer | None
 
 
+class KeyLimitAnswer(AnswerModel):
+    key: Literal["subject", "repo"]
+    max: int
+
+
 class LimitsAnswer(AnswerModel):
     max_in_flight: int | None
     max_claims_per_window: WindowAnswer | None
+    max_in_flight_per_key: KeyLimitAnswer | None
     wait_limits: WaitLimitsAnswer
 
 

@@ -98,6 +98,13 @@ def _calls(human: Principal, endpoint: Principal) -> dict:
         claim_next(txn, endpoint, ClaimNext(queue="inbox"))
         return resume_queue(txn, human, endpoint.id, "inbox", QueueResume())
 
+    def batch_claims_under_a_per_key_limit(txn):
+        """A per-key limit of one, two claims of eight: the second passes over the subjects the first holds."""
+        set_queue_limits(txn, human, endpoint.id, "inbox", QueueLimits.model_validate(
+            {"max_in_flight_per_key": {"key": "subject", "max": 1}}))
+        claim_next(txn, endpoint, ClaimNext(queue="inbox", max_todos=8))
+        return claim_next(txn, endpoint, ClaimNext(queue="inbox", max_todos=8))
+
     return {
         "the human's list of a queue": (lambda txn: list_todos(txn, human, TodoListQuery(queue="inbox")), False),
         "the human's list of a state": (lambda txn: list_todos(txn, human, TodoListQuery(state="failed")), False),
@@ -120,6 +127,7 @@ def _calls(human: Principal, endpoint: Principal) -> dict:
         "the endpoints page": (lambda txn: board_endpoints(txn, human), False),
         "the metrics' queue stats": (queue_stats, False),
         "a claim": (lambda txn: claim_next(txn, endpoint, ClaimNext(queue="inbox")), True),
+        "batch claims under a per-key limit": (batch_claims_under_a_per_key_limit, True),
         "a scheduler tick": (scheduler_tick, True),
         "a step of retention": (prune_batch, True),
     }
@@ -225,6 +233,10 @@ def test_the_plans_use_the_indexes_meant_for_them(built):
             "the human's finished work past a cursor", "ORDER BY created_at DESC, id DESC")
         assert "INDEX todos_claimable" in plan("claims from a capped and a paused queue", "ORDER BY priority DESC,"
                                                                                         " created_at, id LIMIT")
+        # A per-key limit reads the queue's claimed todos alone (a few, at any size) by todos_by_state.
+        assert "INDEX todos_by_state (endpoint_id=? AND state=? AND queue=?)" in plan(
+            "batch claims under a per-key limit", "subject_key IS NOT NULL")
+        assert "INDEX todos_claimable" in plan("batch claims under a per-key limit", "AND NOT ((queue = ?")
     finally:
         conn.close()
 

@@ -173,7 +173,8 @@ def test_resume_rings_for_what_waited_and_a_resumed_queue_is_claimed(world, app,
 
 def test_max_in_flight_holds_and_a_freed_slot_rings_the_next_waiting_worker(world, app, alice, worker):
     limits = control(world, alice, worker, "limits", "PUT", max_in_flight=1)
-    assert limits.json()["limits"] == {"max_in_flight": 1, "max_claims_per_window": None, **NO_WAIT_LIMITS}
+    assert limits.json()["limits"] == {"max_in_flight": 1, "max_claims_per_window": None,
+                                       "max_in_flight_per_key": None, **NO_WAIT_LIMITS}
     first, second = (world.push(alice, worker, QUEUE, f"job {n}")["id"] for n in range(2))
     held = world.claim(worker, queue=QUEUE)
     assert held["todo"]["id"] == first
@@ -198,7 +199,8 @@ def test_a_cap_of_zero_admits_nothing_and_null_clears_it(world, alice, worker):
     assert world.claim(worker, queue=QUEUE)["admission"] == [{"queue": QUEUE, "reason": "max_in_flight",
                                                              "until": None}]
     cleared = control(world, alice, worker, "limits", "PUT", max_in_flight=None)
-    assert cleared.json()["limits"] == {"max_in_flight": None, "max_claims_per_window": None, **NO_WAIT_LIMITS}
+    assert cleared.json()["limits"] == {"max_in_flight": None, "max_claims_per_window": None,
+                                        "max_in_flight_per_key": None, **NO_WAIT_LIMITS}
     assert world.claim(worker, queue=QUEUE)["todo"]["id"] == todo["id"]
 
 
@@ -348,9 +350,10 @@ def test_the_cli_pauses_and_resumes_and_the_server_rings_for_what_waited(world, 
     code, capped = cli(db_path, "queue", "limits", worker.id, QUEUE, "--max-in-flight", "2", "--max-claims", "10",
                        "--window", "3600")
     assert code == 0 and capped["limits"] == {"max_in_flight": 2, "max_claims_per_window": {
-        "count": 10, "window_seconds": 3600}, **NO_WAIT_LIMITS}
+        "count": 10, "window_seconds": 3600}, "max_in_flight_per_key": None, **NO_WAIT_LIMITS}
     code, cleared = cli(db_path, "queue", "limits", worker.id, QUEUE, "--clear")
-    assert code == 0 and cleared["limits"] == {"max_in_flight": None, "max_claims_per_window": None, **NO_WAIT_LIMITS}
+    assert code == 0 and cleared["limits"] == {"max_in_flight": None, "max_claims_per_window": None,
+                                               "max_in_flight_per_key": None, **NO_WAIT_LIMITS}
     code, refused = cli_inproc(db_path, "queue", "limits", worker.id, QUEUE, "--max-claims", "10")
     assert code == 1 and refused["message"] == "--max-claims and --window go together"
     code, refused = cli_inproc(db_path, "queue", "limits", worker.id, QUEUE)

@@ -264,9 +264,9 @@ def _wait_limit(text: str) -> tuple[str, dict | None]:
 
 
 def cli_queue_limits(args: argparse.Namespace, db: Database) -> dict:
-    """--max-in-flight N and --max-claims N --window SECONDS set those caps (the other one stays); --clear clears
-    both; 0 admits no claim. Each --wait-limit sets (or, with `none`, clears) one state's wait limit; the others
-    stay."""
+    """--max-in-flight N, --max-claims N --window SECONDS and --max-per-subject N (or --max-per-repo N) set those
+    caps (the others stay); --clear clears them all; 0 admits no claim. Each --wait-limit sets (or, with `none`,
+    clears) one state's wait limit; the others stay."""
     if (args.max_claims is None) != (args.window is None):
         raise ApiError("invalid_argument", "--max-claims and --window go together")
     fields: dict[str, Any] = {}
@@ -276,12 +276,16 @@ def cli_queue_limits(args: argparse.Namespace, db: Database) -> dict:
         fields["max_in_flight"] = args.max_in_flight
     if args.max_claims is not None:
         fields["max_claims_per_window"] = {"count": args.max_claims, "window_seconds": args.window}
+    for key, most in (("subject", args.max_per_subject), ("repo", args.max_per_repo)):
+        if most is not None:
+            fields["max_in_flight_per_key"] = {"key": key, "max": most}
     if args.clear:
         if fields:
             raise ApiError("invalid_argument", "--clear clears every cap: give it alone")
-        fields = {"max_in_flight": None, "max_claims_per_window": None}
+        fields = {"max_in_flight": None, "max_claims_per_window": None, "max_in_flight_per_key": None}
     if not fields:
         raise ApiError("invalid_argument", "give --max-in-flight N, --max-claims N --window SECONDS,"
+                                           " --max-per-subject N, --max-per-repo N,"
                                            " --wait-limit STATE=SECONDS:THEN[:QUEUE], or --clear")
     return db.write_sync(set_queue_limits, OPERATOR, args.endpoint, args.queue,
                          parse_model(QueueLimits, json.dumps(fields)))

@@ -273,7 +273,12 @@ def _add_queues(commands: argparse._SubParsersAction, common: argparse.ArgumentP
     limits.add_argument("--max-in-flight", dest="max_in_flight", type=int, help="at most N claimed at once")
     limits.add_argument("--max-claims", dest="max_claims", type=int, help="at most N claims in each window")
     limits.add_argument("--window", type=int, help="the window, in seconds (with --max-claims)")
-    limits.add_argument("--clear", action="store_true", help="clear both caps")
+    per_key = limits.add_mutually_exclusive_group()
+    per_key.add_argument("--max-per-subject", dest="max_per_subject", type=int,
+                         help="at most N claimed at once per subject key (issue, pull request)")
+    per_key.add_argument("--max-per-repo", dest="max_per_repo", type=int,
+                         help="at most N claimed at once per repository")
+    limits.add_argument("--clear", action="store_true", help="clear every cap")
     limits.add_argument("--wait-limit", dest="wait_limits", action="append", metavar="STATE=SECONDS:THEN[:QUEUE]",
                         help="how long a todo may wait in STATE (pending, needs_input, review, blocked) and what"
                              " then: remind, cancel, defer, or reroute:QUEUE; STATE=none clears it (repeatable)")

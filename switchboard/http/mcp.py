@@ -196,7 +196,8 @@ class Mcp:
             ToolSpec("list_todos", "List this endpoint's todos, newest first.", TodoListQuery, (), list_todos_tool),
             ToolSpec("get_todo", "Get one todo with its attempts, history and receipt.", None, ("id",),
                      read(get_todo)),
-            ToolSpec("claim_next", "Claim the best claimable todo under a lease; wait_seconds waits for a ring.",
+            ToolSpec("claim_next", "Claim the best claimable todo under a lease; wait_seconds waits for a ring;"
+                     " max_todos above 1 claims up to that many at once (answered as claims).",
                      ClaimNext, (), claim_next_tool),
             ToolSpec("claim", "Claim one todo by id under a lease.", ClaimById, ("id",), write(claim_todo)),
             ToolSpec("heartbeat", "Extend the lease of a todo you hold.", Heartbeat, ("id",), write(heartbeat)),
@@ -276,8 +277,9 @@ class Mcp:
                     "isError": True}
         if session is not None:
             claimed = result if spec.name in ("claim", "claim_next") else result.get("next") or {}
-            if "lease_token" in claimed:
-                session.leases[claimed["todo"]["id"]] = claimed["lease_token"]
+            for claim in claimed.get("claims") or [claimed]:  # a claim of max_todos: each todo's own lease
+                if "lease_token" in claim:
+                    session.leases[claim["todo"]["id"]] = claim["lease_token"]
         return {"content": [{"type": "text", "text": json.dumps(result)}], "structuredContent": result,
                 "isError": False}
 

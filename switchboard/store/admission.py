@@ -4,11 +4,13 @@ limits, the queues' views) is store.queues."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from switchboard.configuration import iso
 from switchboard.database import Row, Txn
+from switchboard.envelope import parse_subject_key
 
 # A queue without a row in queue_controls is open and uncapped: one indexed read (of no row) is all it costs a
 # claim, a ring or a finished claim.
@@ -40,6 +42,39 @@ def in_flight(txn: Txn, endpoint_id: str, queue: str) -> int:
     row = txn.one("SELECT n FROM todo_counts WHERE endpoint_id = ? AND queue = ? AND state = 'claimed'",
                   (endpoint_id, queue))
     return row["n"] if row else 0
+
+
+def key_group(per_key: str, subject_key: str | None) -> str | None:
+    """What a per-key limit counts a todo under: its subject key (`subject`), or its repository with its provider
+    (`repo`: `github:acme/site` for `github:acme/site#12` and `github:acme/site@refs/heads/main`). None: the
+    limit does not bind the todo (no subject key, or under `repo` a key that names no repository)."""
+    if subject_key is None or per_key == "subject":
+        return subject_key
+    repo = parse_subject_key(subject_key)["repo"]
+    return f"{subject_key.partition(':')[0]}:{repo}" if repo is not None else None
+
+
+def full_groups(txn: Txn, row: Row) -> set[str]:
+    """The key groups of the queue at its per-key limit: its claimed todos' subject keys (a few: read through
+    todos_by_state, by endpoint, state and queue), counted by group. A lapsed lease counts until it is reaped, as for max_in_flight."""
+    if row["per_key"] is None:
+        return set()
+    counted = Counter(key_group(row["per_key"], r["subject_key"]) for r in txn.all(
+        "SELECT subject_key FROM todos WHERE endpoint_id = ? AND queue = ? AND state = 'claimed'"
+        " AND subject_key IS NOT NULL", (row["endpoint_id"], row["queue"])))
+    return {group for group, n in counted.items() if group is not None and n >= row["per_key_max"]}
+
+
+def in_groups(per_key: str, groups: Iterable[str]) -> tuple[str, tuple]:
+    """SQL (and its parameters) true for a todo (of `todos`) whose key group is one of `groups`: a subject key
+    among them, or a subject key about one of the repositories (`{group}#…` or `{group}@…`)."""
+    groups = sorted(groups)
+    # False, never null, for a todo without a subject key: `NOT` of it must keep that todo.
+    if per_key == "subject":
+        return f"(subject_key IS NOT NULL AND subject_key IN ({', '.join('?' * len(groups))}))", tuple(groups)
+    terms = " OR ".join("substr(subject_key, 1, ?) IN (?, ?)" for _ in groups)
+    return (f"(subject_key IS NOT NULL AND ({terms}))",
+            tuple(p for g in groups for p in (len(g) + 1, f"{g}#", f"{g}@")))
 
 
 def refusal(txn: Txn, row: Row) -> dict | None:
@@ -74,11 +109,27 @@ def ring_room(txn: Txn, endpoint_id: str, queue: str) -> int | None:
     here (a ring wakes one worker, and a worker woken for a slot that is not there only asks in vain). None: no
     bound; 0: the ring is withheld."""
     row = control_row(txn, endpoint_id, queue)
-    left = room(txn, row) if row is not None else None
+    return _rings_left(txn, row) if row is not None else None
+
+
+def _rings_left(txn: Txn, row: Row) -> int | None:
+    left = room(txn, row)
     if left is None:
         return None
-    queued = sum(1 for ring in txn.rings if ring["endpoint_id"] == endpoint_id and ring["queue"] == queue)
+    queued = sum(1 for ring in txn.rings if ring["endpoint_id"] == row["endpoint_id"] and ring["queue"] == row["queue"])
     return max(0, left - queued)
+
+
+def withholds(txn: Txn, endpoint_id: str, queue: str, subject_key: str | None) -> bool:
+    """Whether the queue withholds a ring for a todo now: it has no room for its ring (ring_room), or the todo's
+    subject key (or repository) is at the queue's per-key limit."""
+    row = control_row(txn, endpoint_id, queue)
+    if row is None:
+        return False
+    if _rings_left(txn, row) == 0:
+        return True
+    group = key_group(row["per_key"], subject_key) if row["per_key"] is not None else None
+    return group is not None and group in full_groups(txn, row)
 
 
 def next_ring_at(row: Row, now: int) -> int | None:
@@ -98,6 +149,21 @@ class Admission:
     open: list[str]
     refused: list[dict] = field(default_factory=list)
     rows: dict[str, Row] = field(default_factory=dict)
+
+    def passed_over(self, txn: Txn) -> tuple[str, tuple, list[str]]:
+        """What a claim must pass over now under the open queues' per-key limits: SQL (with its parameters) true
+        for a todo whose key group is full in its queue ("" when none is), and those queues. Read after admit()
+        locked each queue, so claims racing for a key's last slot see each other's claims."""
+        terms, params, queues = [], [], []
+        for queue in self.open:
+            row = self.rows.get(queue)
+            full = full_groups(txn, row) if row is not None else set()
+            if full:
+                sql, values = in_groups(row["per_key"], full)
+                terms.append(f"(queue = ? AND {sql})")
+                params += [queue, *values]
+                queues.append(queue)
+        return (f"({' OR '.join(terms)})" if terms else "", tuple(params), queues)
 
     def count(self, txn: Txn, queue: str) -> None:
         """A claim was made from `queue`: it counts against the queue's window; the claim that fills the window

@@ -30,6 +30,8 @@ def queue_view(txn: Txn, queue: str, row: Row | None, counts: dict[tuple[str, st
         "limits": {"max_in_flight": row["max_in_flight"] if row is not None else None,
                    "max_claims_per_window": {"count": row["window_count"], "window_seconds": row["window_seconds"]}
                    if windowed else None,
+                   "max_in_flight_per_key": {"key": row["per_key"], "max": row["per_key_max"]}
+                   if row is not None and row["per_key"] is not None else None,
                    "wait_limits": wait_limits_view(row)},
         "in_flight": counts.get((queue, "claimed"), 0),
         "claims_in_window": claims_in_window(row, txn.now) if windowed else None,
@@ -78,6 +80,7 @@ def _after_change(txn: Txn, endpoint_id: str, queue: str) -> dict:
     if row is not None:
         empty = row["paused_at"] is None and row["max_in_flight"] is None and row["window_count"] is None
         empty = empty and row["wait_limits"] is None
+        empty = empty and row["per_key"] is None
         if empty and txn.inline_rings:
             txn.execute("DELETE FROM queue_controls WHERE endpoint_id = ? AND queue = ?", (endpoint_id, queue))
             row = None
@@ -156,6 +159,10 @@ def set_queue_limits(txn: Txn, principal: Principal, endpoint_id: str, queue: st
                     (window.count if window else None, window.window_seconds if window else None,
                      row["window_started_at"] if same else None, row["window_claims"] if same else 0,
                      endpoint_id, queue))
+    if "max_in_flight_per_key" in body.model_fields_set:
+        per_key = body.max_in_flight_per_key
+        txn.execute("UPDATE queue_controls SET per_key = ?, per_key_max = ? WHERE endpoint_id = ? AND queue = ?",
+                    (per_key.key if per_key else None, per_key.max if per_key else None, endpoint_id, queue))
     if "wait_limits" in body.model_fields_set:
         set_wait_limits(txn, endpoint["human_id"], endpoint_id, queue, body.wait_limits)
     txn.logs.append(f"queue {queue} of {endpoint_id} limits set by {principal.actor}")

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 
 from switchboard.configuration import TERMINAL_STATES, ApiError, iso
 from switchboard.database import Txn
+from switchboard.envelope import parse_subject_key
 from switchboard.models import SubjectListQuery
 from switchboard.payload import producer_text, value_at
 from switchboard.store.principals import Principal
@@ -21,18 +22,6 @@ SUBJECT_STATES = ("waiting", "open", "done")
 # A subject page shows at most this many of its deliveries (the latest); its todos, their transitions, outputs
 # and receipts are all shown.
 SUBJECT_DELIVERIES = 500
-_FORGE_KEY = re.compile(r"^(github|gitea):([^#@\s]+/[^#@\s]+)#([1-9][0-9]{0,17})$")
-
-
-def parse_subject_key(key: str) -> dict:
-    """What a subject key names: its provider, and for a forge issue or pull request its repository and number
-    (`github:acme/site#12`); a push (`github:acme/site@refs/heads/main`) names its repository."""
-    provider, _, rest = key.partition(":")
-    found = _FORGE_KEY.match(key)
-    if found:
-        return {"provider": provider, "repo": found[2], "number": int(found[3])}
-    repo = rest.split("@", 1)[0] if provider in ("github", "gitea") and "@" in rest else None
-    return {"provider": provider or None, "repo": repo, "number": None}
 
 
 def waits_on_human(todo: sqlite3.Row | dict) -> bool:

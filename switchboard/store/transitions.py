@@ -26,6 +26,7 @@ from switchboard.engines import database_errors
 from switchboard.models import (
     Block,
     ClaimById,
+    ClaimNext,
     ClaimNow,
     Complete,
     Fail,
@@ -35,7 +36,7 @@ from switchboard.models import (
     PostOutputs,
     Release,
 )
-from switchboard.store.admission import admit, ring_room
+from switchboard.store.admission import admit, control_row, full_groups, in_groups, key_group, ring_room, withholds
 from switchboard.store.outbox import notify_todo
 from switchboard.store.outputs import accept_outputs, mark_status
 from switchboard.store.principals import Principal, endpoint_view, own_endpoint
@@ -92,9 +93,9 @@ def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: 
     values = {**TODO_DEFAULTS, **optional}
     # Born pending with nothing to wait for, and allowed to ring, a todo is claimable this moment (nothing can
     # have absorbed an id just made): it is written rung already, instead of read back and updated. A paused or
-    # full queue withholds the ring (see mark_rung).
+    # full queue (or a full key of a per-key limit) withholds the ring (see mark_rung).
     rung = txn.inline_rings and values["state"] == "pending" and not depends_on and not values["silent"]
-    withheld = rung and ring_room(txn, endpoint_id, queue) == 0
+    withheld = rung and withholds(txn, endpoint_id, queue, values["subject_key"])
     txn.execute(_INSERT_TODO, (todo_id, endpoint_id, queue, title, source, kind, trace, event_id,
                                *values.values(), int(rung), txn.now if rung else None, txn.now, txn.now, txn.now,
                                wait_due_at(txn, endpoint_id, queue, values["state"], txn.now)))
@@ -208,29 +209,41 @@ def _became_pending(txn: Txn, todo_id: str) -> None:
 
 def mark_rung(txn: Txn, row: sqlite3.Row) -> dict | None:
     """Count a ring on the todo and queue it for the doorbell. A queue that is paused, or whose caps admit no more
-    claims, withholds it: counted on the todo (its re-ring sweep goes on) and sent to no one; the queue rings for
-    what waits when it opens again (ring_claimable). None: withheld, or the todo is no longer pending."""
+    claims (or no more of the todo's subject key or repository), withholds it: counted on the todo (its re-ring
+    sweep goes on) and sent to no one; the queue rings for what waits when it opens again (ring_claimable).
+    None: withheld, or the todo is no longer pending."""
     # Only while it is pending: a todo read without a lock may have been claimed (or moved) since, and needs no ring.
     if not txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ? AND state = 'pending'",
                        (txn.now, row["id"])).rowcount:
         return None
-    if ring_room(txn, row["endpoint_id"], row["queue"]) == 0:
+    if withholds(txn, row["endpoint_id"], row["queue"], row["subject_key"]):
         return None
     return _queue_ring(txn, row)
 
 
-def ring_claimable(txn: Txn, endpoint_id: str, queue: str, most: int) -> int:
+def ring_claimable(txn: Txn, endpoint_id: str, queue: str, most: int, group: str | None = None) -> int:
     """Ring for up to `most` of the queue's claimable todos, best first (as a claim takes them), leaving out those
-    this transaction rang already: a queue that opens again (resumed, its window turned, a slot freed) wakes one
-    worker per todo it now admits. How many rang."""
+    this transaction rang already and those a per-key limit holds back: a queue that opens again (resumed, its
+    window turned, a slot freed) wakes one worker per todo it now admits. `group`: only the todos of that key
+    group (a key that freed up). How many rang."""
     if not txn.inline_rings or most <= 0:
         return 0
     rung = {ring["todo_id"] for ring in txn.rings}
+    row = control_row(txn, endpoint_id, queue)
+    keyed, keyed_params = "", ()
+    if row is not None and row["per_key"] is not None:
+        if group is not None:
+            keyed, keyed_params = in_groups(row["per_key"], [group])
+            keyed = f" AND {keyed}"
+        full = full_groups(txn, row)
+        if full:
+            held_back, held_params = in_groups(row["per_key"], full)
+            keyed, keyed_params = f"{keyed} AND NOT {held_back}", (*keyed_params, *held_params)
     # A todo another transaction holds is being claimed (or changed) right now and needs no ring; waiting for it
     # here would wait on a claim that in turn waits for this transaction's count rows (a deadlock on Postgres).
     rows = txn.all(f"SELECT * FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue = ? AND available_at <= ?"
-                   f" AND silent = 0 AND {CLAIMABLE} ORDER BY priority DESC, created_at, id LIMIT ?{txn.skip_locked}",
-                   (endpoint_id, queue, txn.now, txn.now, most + len(rung)))
+                   f" AND silent = 0 AND {CLAIMABLE}{keyed} ORDER BY priority DESC, created_at, id"
+                   f" LIMIT ?{txn.skip_locked}", (endpoint_id, queue, txn.now, txn.now, *keyed_params, most + len(rung)))
     fresh = [row for row in rows if row["id"] not in rung][:most]
     return sum(mark_rung(txn, row) is not None for row in fresh)
 
@@ -244,10 +257,17 @@ def pending_among(txn: Txn, todo_ids: list[str]) -> set[str]:
 
 def _slot_freed(txn: Txn, todo: sqlite3.Row) -> None:
     """A claim ended (the todo left `claimed`): in a queue with a cap, the slot it held may admit the next
-    claimable todo, which rings (unless this transition already rang for it). Uncapped queues ring on their own."""
+    claimable todo, which rings (unless this transition already rang for it). Under a per-key limit alone, the
+    todo's subject key (or repository) has room again: its best waiting todo rings. Uncapped queues ring on their
+    own."""
     left = ring_room(txn, todo["endpoint_id"], todo["queue"])
     if left:
         ring_claimable(txn, todo["endpoint_id"], todo["queue"], 1)
+    elif left is None and todo["subject_key"] is not None:
+        row = control_row(txn, todo["endpoint_id"], todo["queue"])
+        group = key_group(row["per_key"], todo["subject_key"]) if row is not None and row["per_key"] else None
+        if group is not None:
+            ring_claimable(txn, todo["endpoint_id"], todo["queue"], 1, group)
 
 
 def _queue_ring(txn: Txn, todo: sqlite3.Row | dict) -> dict:
@@ -406,34 +426,55 @@ def claim_queues(principal: Principal, wanted: list[str] | None) -> list[str]:
     return wanted
 
 
-def claim_next(txn: Txn, principal: Principal, body: ClaimNow, rung_for: str | None = None) -> dict:
+def claim_next(txn: Txn, principal: Principal, body: ClaimNow | ClaimNext, rung_for: str | None = None) -> dict:
+    """Claim the best claimable todo of the caller's endpoint (see _claim_one). With `max_todos` above 1, up to
+    that many in this one transaction, each claimed as a claim of its own would be (its own attempt and lease
+    token; caps, per-key limits, pauses and dependencies read again for each), answered as `{"claims": [...]}`;
+    the usual empty answer when none was claimable."""
+    first = _claim_one(txn, principal, body, rung_for)
+    most = getattr(body, "max_todos", 1)
+    if most == 1 or "todo" not in first:
+        return first
+    claims = [first]
+    while len(claims) < most and "todo" in (more := _claim_one(txn, principal, body)):
+        claims.append(more)
+    return {"claims": claims}
+
+
+def _claim_one(txn: Txn, principal: Principal, body: ClaimNow, rung_for: str | None = None) -> dict:
     """Claim the best claimable todo of the caller's endpoint: highest priority, then oldest. Lapsed leases of the
     endpoint are expired first, so their todos count; one statement reads the best todo, its prior attempts and
-    whether any lease has lapsed (then the claim reaps and reads again). `rung_for`: the todo a waiting claim was
-    rung for, taken first while it is claimable: rings go out best first, one per waiter, and where claims run
-    side by side (Postgres) each waiter taking its own ring's todo keeps two of them from meeting on one."""
+    whether any lease has lapsed (then the claim reaps and reads again). A todo whose subject key (or repository)
+    is at its queue's per-key limit is passed over. `rung_for`: the todo a waiting claim was rung for, taken
+    first while it is claimable: rings go out best first, one per waiter, and where claims run side by side
+    (Postgres) each waiter taking its own ring's todo keeps two of them from meeting on one."""
     principal.require_verb("claim_next")
     queues = claim_queues(principal, body.queue_filter())
     # Queue control first: a paused or full queue is left out of the pick (a lapsed lease frees its slot).
     gate = admit(txn, principal.id, queues)
     if any(r["reason"] == "max_in_flight" for r in gate.refused) and _reap_endpoint(txn, principal.id):
         gate = admit(txn, principal.id, queues)
-    empty = {"empty": True, **({"admission": gate.refused} if gate.refused else {})}
     if not gate.open:
-        return empty
+        return {"empty": True, **({"admission": gate.refused} if gate.refused else {})}
     marks = ",".join("?" * len(gate.open))
+    # The key groups at a per-key limit, read once the queues are locked (admit): a claim racing for a key's last
+    # slot waits for the other's commit and then reads its claim here.
+    passed, passed_params, keyed = gate.passed_over(txn)
 
     def best(only: str = "") -> str:
         return (f"SELECT id, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at"
                 f" <= ? LIMIT 1) AS lapsed FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN"
-                f" ({marks}) AND available_at <= ? AND {CLAIMABLE}{only} ORDER BY priority DESC, created_at, rowid"
-                f" LIMIT 1{txn.skip_locked}")
+                f" ({marks}) AND available_at <= ? AND {CLAIMABLE}{' AND NOT ' + passed if passed else ''}{only}"
+                f" ORDER BY priority DESC, created_at, rowid LIMIT 1{txn.skip_locked}")
 
-    params = (principal.id, txn.now, principal.id, *gate.open, txn.now, txn.now)
+    params = (principal.id, txn.now, principal.id, *gate.open, txn.now, txn.now, *passed_params)
     picked = txn.one(best(" AND id = ?"), (*params, rung_for)) if rung_for else None
     if picked is None:
         picked = txn.one(best(), params)
     if (picked is None or picked["lapsed"]) and _reap_endpoint(txn, principal.id):
+        if keyed:  # a lapsed lease no longer holds its key
+            passed, passed_params, keyed = gate.passed_over(txn)
+            params = (principal.id, txn.now, principal.id, *gate.open, txn.now, txn.now, *passed_params)
         picked = txn.one(best(), params)
     row = None
     while picked is not None:
@@ -445,10 +486,20 @@ def claim_next(txn: Txn, principal: Principal, body: ClaimNow, rung_for: str | N
             break
         picked = txn.one(best(), params)
     if row is None:
-        return empty
+        refused = gate.refused + [{"queue": queue, "reason": "max_in_flight_per_key", "until": None}
+                                  for queue in keyed if _passed_over_in(txn, principal.id, queue, passed, passed_params)]
+        return {"empty": True, **({"admission": refused} if refused else {})}
     gate.count(txn, row["queue"])
     return _claim_row(txn, principal, row, _prior_attempts(row["prior_attempts"]), body.lease_seconds,
                       body.claimant)
+
+
+def _passed_over_in(txn: Txn, endpoint_id: str, queue: str, passed: str, params: tuple) -> bool:
+    """Whether a claim that came back empty passed over a claimable todo of `queue` for its per-key limit (its
+    admission then says so)."""
+    return txn.one(f"SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue = ? AND available_at"
+                   f" <= ? AND {CLAIMABLE} AND {passed} LIMIT 1", (endpoint_id, queue, txn.now, txn.now, *params)
+                   ) is not None
 
 
 def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) -> dict:
@@ -470,6 +521,11 @@ def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) ->
         shut = gate.refused[0]
         raise ApiError("conflict", f"queue {shut['queue']} admits no claim now ({shut['reason'].replace('_', ' ')}"
                                    f"{' until ' + shut['until'] if shut['until'] else ''})")
+    row = gate.rows.get(todo["queue"])
+    group = key_group(row["per_key"], todo["subject_key"]) if row is not None and row["per_key"] else None
+    if group is not None and group in full_groups(txn, row):
+        raise ApiError("conflict", f"queue {todo['queue']} admits no claim now (max in flight per key: {group} has"
+                                   f" {row['per_key_max']} claimed)")
     prior = _prior_attempts(txn.one(f"SELECT ({_PRIOR_ATTEMPTS}) FROM todos t WHERE t.id = ?", (todo_id,))[0])
     gate.count(txn, todo["queue"])
     return _claim_row(txn, principal, todo, prior, body.lease_seconds, body.claimant)

@@ -1,6 +1,6 @@
 """The worker's loop (SPEC section 15): each of `--concurrency` slots claims with a waiting claim (the doorbell wakes
-it at once), works the todo as a job under the claim's own lease, heartbeating every third of it, and reports the
-job's outcome. What a job does is a runner's business (switchboard.worker.job). The loop keeps the lease, stops a
+it at once; the slots free at one moment share one claim of as many todos, `max_todos`, one todo each), works the
+todo as a job under the claim's own lease, heartbeating every third of it, and reports the job's outcome. What a job does is a runner's business (switchboard.worker.job). The loop keeps the lease, stops a
 job whose lease is lost, enforces `--timeout`, parks the quota group (switchboard.worker.park) and shuts down
 cleanly."""
 
@@ -93,6 +93,9 @@ class Settings:
 
 
 class Worker:
+    # Free slots share one claim (max_todos); off for good once a server of an earlier release refuses the field.
+    batching = True
+
     def __init__(self, settings: Settings, runner: JobRunner):
         self.settings = settings
         self.runner = runner
@@ -103,6 +106,8 @@ class Worker:
         self.exit_code = 0
         self.unreachable = False  # the outage is logged once, and its end
         self.waiting_claims: set[asyncio.Task] = set()
+        self.hungry: list[tuple[asyncio.Future, float]] = []  # slots waiting for the next claim, and their waits
+        self.asking: set[asyncio.Task] = set()
         self.running: set[RunningJob] = set()
         self._changed = asyncio.Event()  # set (and replaced) when the park or shutdown state changes
 
@@ -246,24 +251,78 @@ class Worker:
         return fields
 
     async def _claim(self, wait: float) -> tuple[Job, Lease] | None:
-        """One waiting claim; None when nothing came (or the claim was called off: park or shutdown)."""
+        """This slot's next todo, from a waiting claim; None when nothing came for it (or the claim was called
+        off: park or shutdown). The slots that ask in one turn of the event loop (all of them at the start, those
+        a batch left without a todo) share one claim for as many todos as they are."""
+        loop = asyncio.get_running_loop()
+        slot = loop.create_future()
+        self.hungry.append((slot, wait))
+        if len(self.hungry) == 1:
+            loop.call_soon(self._ask_for_hungry)
+        return await slot
+
+    def _ask_for_hungry(self) -> None:
+        batch, self.hungry = self.hungry, []
+        for part in [batch] if self.batching else [[slot] for slot in batch]:
+            asking = asyncio.create_task(self._ask(part))
+            self.asking.add(asking)
+            asking.add_done_callback(self.asking.discard)
+
+    async def _ask(self, batch: list[tuple[asyncio.Future, float]]) -> None:
+        """One waiting claim for the slots of `batch` (max_todos: one todo each), its todos handed out in order;
+        a slot left without one gets None, and an error the claim met reaches every slot of it."""
+        if self.stopping or self.parked_until is not None:
+            # Stopped or parked since the slots asked: a claim sent now would be one the stop (or the park) did
+            # not call off, and the worker would wait for its answer.
+            for slot, _ in batch:
+                slot.set_result(None)
+            return
+        wait = min(w for _, w in batch)
         body = {**self._claim_fields(), "wait_seconds": wait}
+        if len(batch) > 1:
+            body["max_todos"] = len(batch)
         claim = asyncio.create_task(self.api.post("/todos/claim", body, wait + 10))
         self.waiting_claims.add(claim)
         try:
             await asyncio.wait([claim])
         finally:
             self.waiting_claims.discard(claim)
-        if claim.cancelled():
-            return None
-        answer = claim.result()
+        claimed: list[tuple[Job, Lease]] = []
+        error: Exception | None = None
+        if not claim.cancelled():
+            try:
+                claimed = self._claimed(claim.result(), len(batch))
+            except Refused as exc:
+                if "max_todos" in body and exc.status == 400 and "max_todos" in exc.message:
+                    log.warning("the server does not take max_todos (an earlier release): each slot claims alone")
+                    self.batching = False  # the slots get nothing this time, and ask again one by one
+                else:
+                    error = exc
+            except Exception as exc:  # noqa: BLE001 - each slot handles it as its own claim's (Unanswered, ...)
+                error = exc
+        for n, (slot, _) in enumerate(batch):
+            if slot.done():
+                continue
+            if error is not None:
+                slot.set_exception(error)
+            else:
+                slot.set_result(claimed[n] if n < len(claimed) else None)
+
+    def _claimed(self, answer: dict, most: int) -> list[tuple[Job, Lease]]:
+        """The jobs and leases of a claim's answer: none when it is empty, one, or each of its `claims`."""
         if answer.get("empty") is True and "todo" not in answer:
-            return None
-        todo, token, granted = claimed_todo(answer)
+            return []
+        claims = answer.get("claims") if most > 1 and "todo" not in answer else [answer]
+        if not isinstance(claims, list) or not 1 <= len(claims) <= most:
+            raise OddAnswer(f"the claim's answer holds no claims, or more than the {most} asked for")
         # The lease began when the server claimed, just before it answered (a waiting claim may have waited long
         # before that, so the time the claim was sent says nothing).
         received = asyncio.get_running_loop().time()
-        return Job(todo, self.settings.name), Lease(todo["id"], token, granted, received)
+        jobs = []
+        for claim in claims:
+            todo, token, granted = claimed_todo(claim if isinstance(claim, dict) else {})
+            jobs.append((Job(todo, self.settings.name), Lease(todo["id"], token, granted, received)))
+        return jobs
 
     async def _work(self, job: Job, lease: Lease, chain: bool) -> tuple[str, tuple[Job, Lease] | None]:
         """Run the job under its lease and report how it ended; returns the outcome its log line names, and the

@@ -19,6 +19,9 @@ The two tools, each on 127.0.0.1 with a fresh state every round:
   --exec -- JOB` draining the queue with the endpoint's token (a 0600 file). The lease is short so that a claim
   whose answer the crash below cut off comes back in 15 s rather than the default 300; a no-op job never
   heartbeats either way.
+- The same Switchboard with this release's worker claiming one todo per call (its slots' shared claim,
+  `max_todos`, switched off: `Worker.batching`), so the batch claim's worth shows against the worker it replaces,
+  on each engine: the columns "single-claim worker".
 
 The job script is the same file for both: bash appends one line, the id of its work (the todo id under the worker,
 the delivery id under webhook, which has no other) and `$EPOCHREALTIME` as the job begins, to a file. Switchboard's
@@ -326,6 +329,8 @@ class Switchboard(Tool):
     name = "switchboard"
     crash_horizon_s = LEASE_SECONDS + 10.0  # a claim the crash cut off comes back when its lease lapses
 
+    batching = True  # the worker's free slots share one claim (max_todos); False: one claim per slot
+
     def __init__(self, directory: Path, template: dict):
         super().__init__(directory)
         self.db, self.server_env = self.database(directory, template)
@@ -337,7 +342,8 @@ class Switchboard(Tool):
             out.write(template["endpoint_token"])
         self.worker: Child | None = None
         self.start_server()
-        self.worker = Child("worker", [sys.executable, str(ROOT / "switchboard.py"), "worker", "--server", self.url,
+        launcher = [str(ROOT / "switchboard.py")] if self.batching else ["-c", SINGLE_CLAIM_WORKER]
+        self.worker = Child("worker", [sys.executable, *launcher, "worker", "--server", self.url,
                                        "--token-file", str(self.token_file), "--queue", QUEUE, "--name", "bench",
                                        "--concurrency", str(CONCURRENCY), "--lease", str(LEASE_SECONDS),
                                        "--state-dir", str(directory / "state"), "--exec", "--", str(self.job)],
@@ -405,6 +411,24 @@ class SwitchboardPostgres(Switchboard):
 
     def outside_pids(self) -> list[int]:
         return [self.postmaster]
+
+
+class SwitchboardSingle(Switchboard):
+    name = "switchboard-single"
+    batching = False
+
+
+class SwitchboardPostgresSingle(SwitchboardPostgres):
+    name = "switchboard-postgres-single"
+    batching = False
+
+
+# This release's worker as it claimed before batch claims: each slot asks for its own todo.
+SINGLE_CLAIM_WORKER = ("import sys; from switchboard.worker.loop import Worker; Worker.batching = False; "
+                       "from switchboard.cli.parser import main; sys.exit(main())")
+
+TOOLS = {"webhook": None, "switchboard": Switchboard, "switchboard-single": SwitchboardSingle,
+         "switchboard-postgres": SwitchboardPostgres, "switchboard-postgres-single": SwitchboardPostgresSingle}
 
 
 def postgres_template(template: dict, root: Path) -> str | None:
@@ -642,12 +666,7 @@ def part_crash(tool: Tool, deliveries: Path, ids: list[str]) -> dict:
 
 def session(tool_name: str, directory: Path, sets: dict, webhook_binary: str, template: dict,
             idle_s: float) -> dict:
-    if tool_name == "webhook":
-        tool: Tool = Webhook(directory, webhook_binary)
-    elif tool_name == "switchboard-postgres":
-        tool = SwitchboardPostgres(directory, template)
-    else:
-        tool = Switchboard(directory, template)
+    tool: Tool = Webhook(directory, webhook_binary) if tool_name == "webhook" else TOOLS[tool_name](directory, template)
     out: dict = {}
     try:
         for name, fn, args in (("throughput", part_throughput, sets["throughput"]),
@@ -706,9 +725,9 @@ def run(quick: bool, webhook_binary: str, rounds: int | None = None, keep: bool 
         template_dir = root / "template"
         template_dir.mkdir()
         template = make_template(template_dir)
-        tools = ["webhook", "switchboard"]
+        tools = ["webhook", "switchboard", "switchboard-single"]
         if postgres and postgres_template(template, root):
-            tools.append("switchboard-postgres")
+            tools += ["switchboard-postgres", "switchboard-postgres-single"]
         results["tools"] = tools
         sets = {}
         for name, count, first in (("throughput", sizes["throughput"], 100_000), ("paced", sizes["paced"], 200_000),
@@ -860,6 +879,24 @@ def table(results: dict) -> list[str]:
     return rows
 
 
+def batch_table(results: dict) -> list[str]:
+    """What the batch claim bought (issue 45): the worker whose free slots share one claim against this release's
+    worker claiming one todo per call, on each engine, in the same rounds."""
+    f, w = results["figures"], results["figures"]["webhook"]
+    rows = ["| engine | jobs started per second: single-claim worker | batch-claim worker | batch / single | "
+            "batch / webhook (goal ≥ 0.6×) | send → job start p50 / p99 at 20/s: single | batch |",
+            "|---|---:|---:|---:|---:|---|---|"]
+    for engine, batch, single in (("SQLite", "switchboard", "switchboard-single"),
+                                  ("Postgres", "switchboard-postgres", "switchboard-postgres-single")):
+        if batch not in f or single not in f:
+            continue
+        b, s = f[batch], f[single]
+        rows.append(f"| {engine} | {_n(s['jobs_per_s'])} | {_n(b['jobs_per_s'])} | {_ratio(b['jobs_per_s'], s['jobs_per_s'])}"
+                    f" | {_ratio(b['jobs_per_s'], w['jobs_per_s'])} | {_n(s['start_p50_ms'], 1)} / "
+                    f"{_n(s['start_p99_ms'], 1)} ms | {_n(b['start_p50_ms'], 1)} / {_n(b['start_p99_ms'], 1)} ms |")
+    return rows
+
+
 def details(results: dict) -> list[str]:
     out = []
     for tool in results["tools"]:
@@ -930,6 +967,8 @@ def markdown(results: dict) -> str:
         f"{'/'.join(f'{x:.2f}' for x in results['loadavg_end'])} at the end (this run's processes count in it).",
         "",
         *table(results),
+        "",
+        *batch_table(results),
         "",
         *details(results),
         "",
