@@ -274,12 +274,12 @@ CREATE TABLE IF NOT EXISTS queue_controls (
     window_started_at  INTEGER,
     window_claims      INTEGER NOT NULL DEFAULT 0 CHECK (window_claims >= 0),
     ring_due_at        INTEGER,
+    updated_at         INTEGER NOT NULL,
+    wait_limits        TEXT,
     -- At most per_key_max claimed todos of the queue share a subject key (per_key 'subject') or a
     -- repository (per_key 'repo'); both null: no such limit.
     per_key            TEXT CHECK (per_key IN ('subject', 'repo')),
     per_key_max        INTEGER CHECK (per_key_max >= 1),
-    updated_at         INTEGER NOT NULL,
-    wait_limits        TEXT,
     CHECK ((paused_at IS NULL) = (paused_by IS NULL)),
     CHECK (paused_at IS NOT NULL OR (paused_until IS NULL AND paused_reason IS NULL)),
     CHECK ((window_count IS NULL) = (window_seconds IS NULL)),
