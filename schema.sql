@@ -182,6 +182,8 @@ CREATE TABLE IF NOT EXISTS todos (
     ring_acked_at    INTEGER,
     created_at       INTEGER NOT NULL,
     updated_at       INTEGER NOT NULL,
+    -- The W3C traceparent of the span that made it (`send {queue}`): its trace, kept export or not.
+    traceparent      TEXT,
     -- A claimed todo always has a lease; any other state never does.
     CHECK ((state = 'claimed') = (lease_expires_at IS NOT NULL AND lease_token_hash IS NOT NULL)),
     -- Only done carries an outcome, and done always does.
@@ -294,6 +296,7 @@ CREATE TABLE IF NOT EXISTS attempts (
                                               'blocked', 'absorbed_into_other', 'cancelled')),
     summary           TEXT,
     artifact          TEXT,
+    span_id           TEXT,  -- the attempt's `process {queue}` span, under its todo's traceparent
     CHECK ((ended_at IS NULL) = (outcome IS NULL)),
     PRIMARY KEY (todo_id, seq)
 ) WITHOUT ROWID;
@@ -602,6 +605,7 @@ CREATE TABLE IF NOT EXISTS forge_outputs (
     created_at     INTEGER NOT NULL,
     sent_at        INTEGER,
     forge_id       TEXT,
+    traceparent    TEXT,  -- its `forge {type}` span (the label event it causes links to it)
     CHECK ((type = 'comment') = (body IS NOT NULL)),
     CHECK ((type = 'comment') = (labels IS NULL)),
     CHECK ((state = 'sent') = (sent_at IS NOT NULL)),

@@ -5,6 +5,7 @@ The modules, in layers: each imports only from the layers above it in this list 
 checks it from the import graph).
 
   configuration      constants, limits, the clock, errors
+  tracing            W3C trace ids, and span records exported over OTLP when the `otel` extra and an endpoint are there
   migrations         the schema files and one numbered list of migrations, each step in both engines' forms
   database           connections, the single writer, readers
   crypto             tokens, ids, sealed webhook secrets

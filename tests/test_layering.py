@@ -12,7 +12,7 @@ PACKAGE = ROOT / "switchboard"
 
 # Lowest first. A module may import any module listed before it, never one after it.
 LAYERS = [
-    "configuration", "migrations", "database", "crypto", "postgres", "engines", "engine_copy", "payload", "providers", "models", "envelope", "evaluator",
+    "configuration", "tracing", "migrations", "database", "crypto", "postgres", "engines", "engine_copy", "payload", "providers", "models", "envelope", "evaluator",
     "store.principals", "store.outbox", "store.todos", "store.admission", "store.outputs", "store.forge_outbox",
     "store.transitions", "store.queues", "store.webhooks", "store.connections", "store.human_actions", "store.bulk",
     "store.subjects", "store.forge_control", "store.deliveries", "store.rules", "store.routing", "store.quarantine", "store.replay",

@@ -263,7 +263,8 @@ class Worker:
         # The lease began when the server claimed, just before it answered (a waiting claim may have waited long
         # before that, so the time the claim was sent says nothing).
         received = asyncio.get_running_loop().time()
-        return Job(todo, self.settings.name), Lease(todo["id"], token, granted, received)
+        return Job(todo, self.settings.name, traceparent=answer.get("traceparent")), Lease(todo["id"], token, granted,
+                                                                                           received)
 
     async def _work(self, job: Job, lease: Lease, chain: bool) -> tuple[str, tuple[Job, Lease] | None]:
         """Run the job under its lease and report how it ended; returns the outcome its log line names, and the
@@ -393,7 +394,8 @@ class Worker:
         except OddAnswer as exc:
             log.warning("server %s answered oddly (%s): claiming again", self.settings.server, exc)
             return None
-        return Job(todo, self.settings.name), Lease(todo["id"], token, granted, sent)
+        return Job(todo, self.settings.name, traceparent=answer.get("traceparent")), Lease(todo["id"], token, granted,
+                                                                                           sent)
 
     async def _hand_back(self, lease: Lease, note: str) -> None:
         try:
