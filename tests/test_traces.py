@@ -241,3 +241,25 @@ def test_serve_otel_without_the_extra_exits_1_naming_it(db_path, tmp_path, recei
     assert done.returncode == 1, done.stdout + done.stderr
     assert "`otel` extra" in done.stdout + done.stderr
     assert receiver.requests == 0
+
+
+def test_the_todo_page_draws_its_life_on_a_time_axis_with_its_trace(world, alice, client, clock):
+    """Export or not, the Board's todo page draws the wait, the attempt and its end from the store, and names the
+    trace the claim handed the worker; the subject page names each todo's trace too."""
+    endpoint = world.endpoint(alice, ["lane-s"])
+    pushed = world.push(alice, endpoint, "lane-s", "a job")
+    clock.advance(2)
+    claim = world.claim(endpoint)
+    trace_id = claim["traceparent"].split("-")[1]
+    clock.advance(3)
+    done = client.post(f"/api/v1/todos/{pushed['id']}/complete", headers=endpoint.auth,
+                       json={"lease_token": claim["lease_token"], "summary": "done"})
+    assert done.status_code == 200, done.text
+    answer = client.post("/board/login", data={"token": alice.token}, headers={"Origin": "http://testserver"},
+                         follow_redirects=False)
+    assert answer.status_code == 303, answer.text
+    page = client.get(f"/board/todos/{pushed['id']}").text
+    assert f'<code id="trace-id">{trace_id}</code>' in page
+    assert '<svg class="time-axis"' in page
+    assert "pending: 2.0 s" in page and "claimed: 3.0 s" in page
+    assert "attempt 1: completed after 3.0 s, 0 heartbeats" in page
