@@ -31,6 +31,7 @@ checks it from the import graph).
                      static files beside them)
   app                the app factory: every part put together
   server             uvicorn, logging, the process's lifetime
-  worker.*           `switchboard worker`, the client side: job, park, api, exec_runner, triage, loop, main
+  worker.*           `switchboard worker`, the client side: job, tracing (its own spans), park, api, exec_runner,
+                     triage, loop, main
   cli.*              output, commands, forge_commands (connections, subjects), parser and main()
 """

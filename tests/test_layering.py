@@ -20,7 +20,7 @@ LAYERS = [
     "doorbell", "notifier", "forge", "limits", "metrics", "flows",
     "http.common", "http.streams", "http.rest", "http.mcp",
     "board.queries", "board.forge_pages", "board.pages", "app", "server",
-    "worker.job", "worker.park", "worker.api", "worker.exec_runner", "worker.triage", "worker.loop", "worker.main",
+    "worker.job", "worker.tracing", "worker.park", "worker.api", "worker.exec_runner", "worker.triage", "worker.loop", "worker.main",
     "cli.output", "cli.commands", "cli.forge_commands", "cli.parser",
 ]
 # Package markers (docstrings only) and the entry point, which sits above everything.

@@ -21,11 +21,18 @@ import httpx
 import producers
 import pytest
 from conftest import ROOT, LiveServer, cli_inproc
+from forges import REPO as FORGE_REPO
+from forges import RULES as FORGE_RULES
+from forges import FakeForge
 from helpers import hook_path
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from test_triage import MODEL, FakeModel, sized, triage_worker_command
 
 from switchboard.tracing import start_tracing
+
+BOT = "switchboard-bot"  # the login of the forge connection's token
+FORGE_TOKEN = "ghp_" + "Tr4ce" * 8
 
 KINDS = {Span.SPAN_KIND_SERVER: "server", Span.SPAN_KIND_INTERNAL: "internal", Span.SPAN_KIND_PRODUCER: "producer",
          Span.SPAN_KIND_CONSUMER: "consumer", Span.SPAN_KIND_CLIENT: "client"}
@@ -263,3 +270,92 @@ def test_the_todo_page_draws_its_life_on_a_time_axis_with_its_trace(world, alice
     assert '<svg class="time-axis"' in page
     assert "pending: 2.0 s" in page and "claimed: 3.0 s" in page
     assert "attempt 1: completed after 3.0 s, 0 heartbeats" in page
+
+
+# -- the seed's loop: triage, the server's label write, its echo, the lane ------------------------------------------
+
+def test_the_seeds_loop_is_one_trace_from_the_issue_to_the_lane_workers_child(db_path, tmp_path, receiver):
+    """An issue opened on a forge of ours is triaged by `worker --triage` (a model of ours sizes it S), which
+    completes with an `add_labels` output; the server writes the label through the webhook's connection, the forge
+    sends the label event back, the rules route it to lane-s, and `worker --exec` works it. One trace: `ingest
+    github` → `route` → `send triage` → `process triage` (with the model call `chat MODEL` under it) → `forge
+    add_labels` → the label event's `ingest github` (under the write and linked to it) → `route` → `send lane-s` →
+    `process lane-s`, whose span the child got as TRACEPARENT."""
+    forge = FakeForge("github", FORGE_TOKEN, BOT)
+    model = FakeModel()
+    model.script = lambda request: sized("S")
+    server = LiveServer(db_path, "--notify-allow-private", env=otel_environment(receiver))
+    try:
+        code, human = cli_inproc(db_path, "human", "add", "alice")
+        assert code == 0, human
+
+        def call(method: str, path: str, **body) -> dict:
+            answer = httpx.request(method, f"{server.url}/api/v1{path}", json=body, timeout=10,
+                                   headers={"Authorization": f"Bearer {human['token']}"})
+            assert answer.status_code in (200, 201), answer.text
+            return answer.json()
+
+        triage = call("POST", "/endpoints", name="triage", queues=["triage"], verbs=["all"])
+        lane = call("POST", "/endpoints", name="lane", queues=["lane-s"], verbs=["drain"])
+        hook = call("POST", "/webhooks", provider="github", queue="triage", endpoint_id=triage["id"],
+                    trusted_actors={"allow_all": True})
+        call("POST", f"/webhooks/{hook['id']}/routes", endpoint_id=lane["id"])
+        call("PUT", f"/webhooks/{hook['id']}/rules", **FORGE_RULES)
+        connection = call("POST", "/connections", kind="github", api_url=forge.api, token=FORGE_TOKEN,
+                          repos=["acme/"])
+        call("PUT", f"/webhooks/{hook['id']}/connection", connection_id=connection["id"])
+        forge.hook = (server.url + hook_path(hook["url"]), hook["secret"])
+        files = {}
+        for name, text in (("triage", triage["token"]), ("lane", lane["token"]), ("llm", "sk-" + "k" * 20)):
+            files[name] = tmp_path / f"{name}.secret"
+            files[name].write_text(text + "\n")
+            files[name].chmod(0o600)
+
+        forge.open(FORGE_REPO, 41)
+        opened = forge.wait_for(lambda: forge.sent[:1], what="the issue's delivery")[0]
+        environment = {**{k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")},
+                       **otel_environment(receiver)}
+        triaged = subprocess.run(triage_worker_command([
+            "--server", server.url, "--token-file", str(files["triage"]), "--state-dir", str(tmp_path / "state"),
+            "--name", "triage-worker", "--llm-url", f"{model.url}/v1", "--llm-model", MODEL, "--llm-key-file",
+            str(files["llm"]), "--once", "--wait", "10"]), cwd=ROOT, env=environment, capture_output=True,
+            text=True, timeout=60)
+        assert triaged.returncode == 0, triaged.stdout + triaged.stderr
+        labelled = forge.wait_for(lambda: next((a for a in forge.sent if any(
+            t["queue"] == "lane-s" for t in a.get("todos", []))), None), what="the label event routed to lane-s")
+        site = {"token_file": files["lane"]}
+        run_worker(server, site, tmp_path)
+        [lane_todo] = labelled["todos"]
+        worked = call("GET", f"/todos/{lane_todo['id']}")
+        assert worked["state"] == "done"
+        spans = receiver.wait_for("send triage", "process triage", f"chat {MODEL}", "forge add_labels",
+                                  "send lane-s", "process lane-s")
+        ingests = {s["attributes"].get("switchboard.event_id"): s for s in receiver.named("ingest github")}
+        receiver.wait_for("route")
+    finally:
+        server.stop()
+        forge.stop()
+        model.stop()
+    first, echo = ingests[opened["event_id"]], ingests[labelled["event_id"]]
+    routes = {s["parent"]: s for s in receiver.named("route")}
+    chain = [first, routes[first["id"]], spans["send triage"], spans["process triage"], spans["forge add_labels"],
+             echo, routes[echo["id"]], spans["send lane-s"], spans["process lane-s"]]
+    assert [s["name"] for s in chain] == ["ingest github", "route", "send triage", "process triage",
+                                          "forge add_labels", "ingest github", "route", "send lane-s",
+                                          "process lane-s"]
+    assert [s["kind"] for s in chain] == ["server", "internal", "producer", "consumer", "client", "server",
+                                          "internal", "producer", "consumer"]
+    assert {s["trace"] for s in chain} == {first["trace"]} and first["parent"] is None
+    assert [s["parent"] for s in chain[1:]] == [s["id"] for s in chain[:-1]]
+    assert echo["links"] == [(first["trace"], spans["forge add_labels"]["id"], {"switchboard.link": "forge_write"})]
+    # The triage worker's model call is a span of its own under its attempt's, from the worker's own exporter.
+    chat = spans[f"chat {MODEL}"]
+    assert (chat["trace"], chat["parent"], chat["kind"]) == (first["trace"], spans["process triage"]["id"], "client")
+    assert chat["service"] == "switchboard-worker"
+    # The lane worker's child was handed the process span.
+    process = spans["process lane-s"]
+    assert worked["result"] == {"traceparent": f"00-{process['trace']}-{process['id']}-01"}
+    assert spans["forge add_labels"]["attributes"]["switchboard.outcome"] == "sent"
+    everything = json.dumps(receiver.spans)
+    for secret in (FORGE_TOKEN, hook["secret"], triage["token"], lane["token"], human["token"], "sk-" + "k" * 20):
+        assert secret not in everything

@@ -46,6 +46,7 @@ from pydantic import ValidationError
 
 from switchboard.worker.job import OUTCOME_KINDS, OUTCOMES, Complete, ConfigError, Fail, Job, Outcome, Park
 from switchboard.worker.park import open_regular
+from switchboard.worker.tracing import valid_traceparent
 
 log = logging.getLogger("switchboard.worker")
 
@@ -340,10 +341,6 @@ class Capture(asyncio.Protocol):
             self.closed.set_result(None)
 
 
-# A W3C traceparent of version 00 (the server's answer, checked before it reaches a child's environment).
-TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
-
-
 def child_environment(job: Job, outcome_file: str, user: JobUser | None) -> dict[str, str]:
     """The worker's environment for the child, less what configures the worker itself (every SWITCHBOARD_*: some
     hold or name its secrets) and systemd's CREDENTIALS_DIRECTORY (where its token is), plus the job's own: its
@@ -351,7 +348,7 @@ def child_environment(job: Job, outcome_file: str, user: JobUser | None) -> dict
     itself joins the todo's trace. The worker's own TRACEPARENT and TRACESTATE never pass: they are not the job's."""
     env = {name: value for name, value in os.environ.items()
            if not name.startswith("SWITCHBOARD_") and name not in ("CREDENTIALS_DIRECTORY", "TRACEPARENT", "TRACESTATE")}
-    if job.traceparent is not None and TRACEPARENT.fullmatch(job.traceparent):
+    if valid_traceparent(job.traceparent):
         env["TRACEPARENT"] = job.traceparent
     if user is not None:
         env.update(HOME=user.home, USER=user.name, LOGNAME=user.name)
