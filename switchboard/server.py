@@ -283,7 +283,7 @@ def _serve(args: argparse.Namespace) -> int:
                     " ulimit -n for %d)", file_limit, cap, MAX_CONNECTIONS)
     proxies = TrustedProxies.parse(args.trust_proxy, "--trust-proxy (or SWITCHBOARD_TRUST_PROXY)")
     try:
-        tracing = start_tracing(required=getattr(args, "otel", False))
+        tracing = start_tracing(required=switch_value("otel", getattr(args, "otel", False)))
     except ExtraMissing as missing:
         log.critical("exiting: %s", missing)
         return 1

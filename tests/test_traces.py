@@ -330,6 +330,10 @@ def test_the_seeds_loop_is_one_trace_from_the_issue_to_the_lane_workers_child(db
         assert worked["state"] == "done"
         spans = receiver.wait_for("send triage", "process triage", f"chat {MODEL}", "forge add_labels",
                                   "send lane-s", "process lane-s")
+        with httpx.Client(base_url=server.url, timeout=10) as board:
+            signed_in = board.post("/board/login", data={"token": human["token"]}, headers={"Origin": server.url})
+            assert signed_in.status_code == 303, signed_in.text
+            subject_page = board.get(f"/board/subjects/github:{FORGE_REPO}%2341").text
         ingests = {s["attributes"].get("switchboard.event_id"): s for s in receiver.named("ingest github")}
         receiver.wait_for("route")
     finally:
@@ -356,6 +360,36 @@ def test_the_seeds_loop_is_one_trace_from_the_issue_to_the_lane_workers_child(db
     process = spans["process lane-s"]
     assert worked["result"] == {"traceparent": f"00-{process['trace']}-{process['id']}-01"}
     assert spans["forge add_labels"]["attributes"]["switchboard.outcome"] == "sent"
+    # The subject page names the trace of each of its todos: here, the one trace of both.
+    assert subject_page.count(f'<code class="trace-id">{first["trace"]}</code>') == 2
     everything = json.dumps(receiver.spans)
     for secret in (FORGE_TOKEN, hook["secret"], triage["token"], lane["token"], human["token"], "sk-" + "k" * 20):
         assert secret not in everything
+
+
+def test_a_notification_about_a_todo_is_a_span_under_its_send_span(db_path, tmp_path, receiver):
+    """The human's channel is told a todo needs input: `notify webhook` (CLIENT), in the todo's trace, under its
+    `send` span, after the attempt's `process` span ended `needs_input`. Producer text stays out of it."""
+    server = LiveServer(db_path, "--notify-allow-private", env=otel_environment(receiver))
+    try:
+        site = deploy(db_path, server, tmp_path)
+        auth = {"Authorization": f"Bearer {site['human']['token']}"}
+        channel = httpx.post(f"{server.url}/api/v1/notify", headers=auth, timeout=10, json={
+            "kind": "webhook", "url": f"{receiver.url}/channel", "events": ["needs_input"]})
+        assert channel.status_code == 201, channel.text
+        [made] = deliver(server, site["hook"], 9)["todos"]
+        lane = {"Authorization": f"Bearer {site['endpoint']['token']}"}
+        claim = httpx.post(f"{server.url}/api/v1/todos/claim", headers=lane, json={}, timeout=10).json()
+        asked = httpx.post(f"{server.url}/api/v1/todos/{made['id']}/needs-input", headers=lane, timeout=10,
+                           json={"lease_token": claim["lease_token"], "question": "which branch?"})
+        assert asked.status_code == 200, asked.text
+        spans = receiver.wait_for("send lane-s", "process lane-s", "notify webhook")
+    finally:
+        server.stop()
+    send, process, notify = spans["send lane-s"], spans["process lane-s"], spans["notify webhook"]
+    assert claim["traceparent"] == f"00-{process['trace']}-{process['id']}-01"
+    assert process["attributes"]["switchboard.outcome"] == "needs_input"
+    assert (notify["trace"], notify["parent"], notify["kind"]) == (send["trace"], send["id"], "client")
+    assert notify["attributes"]["messaging.message.id"] == made["id"]
+    assert notify["attributes"]["switchboard.outcome"] == "sent"
+    assert "which branch?" not in json.dumps(receiver.spans) and SECRET_WORDS not in json.dumps(receiver.spans)
