@@ -393,3 +393,43 @@ def test_a_notification_about_a_todo_is_a_span_under_its_send_span(db_path, tmp_
     assert notify["attributes"]["messaging.message.id"] == made["id"]
     assert notify["attributes"]["switchboard.outcome"] == "sent"
     assert "which branch?" not in json.dumps(receiver.spans) and SECRET_WORDS not in json.dumps(receiver.spans)
+
+
+def test_each_attempt_is_its_own_process_span_and_a_lapsed_lease_ends_one(db_path, tmp_path, receiver):
+    """A lease that lapses ends its attempt's span (`lease_expired`, from the claim to the reaping); the next claim
+    is a new span under the same `send` span, and the claim's traceparent names it."""
+    server = LiveServer(db_path, env=otel_environment(receiver))
+    try:
+        site = deploy(db_path, server, tmp_path)
+        [made] = deliver(server, site["hook"], 10)["todos"]
+        lane = {"Authorization": f"Bearer {site['endpoint']['token']}"}
+        first = httpx.post(f"{server.url}/api/v1/todos/claim", headers=lane, json={"lease_seconds": 1},
+                           timeout=10).json()
+        expired = receiver.wait_for("process lane-s")["process lane-s"]
+        second = httpx.post(f"{server.url}/api/v1/todos/claim", headers=lane, json={}, timeout=10).json()
+        done = httpx.post(f"{server.url}/api/v1/todos/{made['id']}/complete", headers=lane, timeout=10,
+                          json={"lease_token": second["lease_token"]})
+        assert done.status_code == 200, done.text
+        deadline = time.monotonic() + 20
+        while len(receiver.named("process lane-s")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        send = receiver.wait_for("send lane-s")["send lane-s"]
+    finally:
+        server.stop()
+    ended = {s["attributes"]["switchboard.attempt"]: s for s in receiver.named("process lane-s")}
+    assert sorted(ended) == [1, 2]
+    assert ended[1] == expired and expired["attributes"]["switchboard.outcome"] == "lease_expired"
+    assert ended[2]["attributes"]["switchboard.outcome"] == "completed"
+    assert {s["parent"] for s in ended.values()} == {send["id"]} and {s["trace"] for s in ended.values()} == {
+        send["trace"]}
+    assert [first["traceparent"], second["traceparent"]] == [f"00-{s['trace']}-{s['id']}-01"
+                                                             for s in (ended[1], ended[2])]
+    assert expired["end"] - expired["start"] >= 1_000_000_000  # from the claim to at least the lease's end
+
+
+def test_the_store_never_imports_the_sdk():
+    """The store keeps ids and strings; only switchboard.tracing (and the worker's own) touch OpenTelemetry."""
+    package = ROOT / "switchboard"
+    touching = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                      if "opentelemetry" in path.read_text())
+    assert touching == ["tracing.py", "worker/tracing.py"]
