@@ -97,6 +97,7 @@ async def stream_queue(queue: asyncio.Queue, first: list[str]) -> AsyncIterator[
             return
         yield frame
 
+
 def ingest_spans(webhook: sqlite3.Row, envelope: dict, headers: dict[str, str], outcome: dict,
                  spans: DeliverySpans, times: tuple[int, int, int, int]) -> list[dict]:
     """A recorded delivery's `ingest {provider}` span (SERVER) and its `route` span (INTERNAL) inside. The ingest
