@@ -144,6 +144,9 @@ CREATE TABLE IF NOT EXISTS routing_once (
     PRIMARY KEY (webhook_id, once_key)
 ) WITHOUT ROWID;
 
+-- `traceparent`: the W3C trace context of the span that made the todo (`send {queue}`), kept whether or not traces
+-- are exported. Added in place by its migration (SQLite writes an added column right after the last one, before
+-- the constraints), so a new database's text is the same.
 CREATE TABLE IF NOT EXISTS todos (
     id               TEXT PRIMARY KEY CHECK (id LIKE 'td\_%' ESCAPE '\'),
     endpoint_id      TEXT NOT NULL REFERENCES endpoints(id),
@@ -184,6 +187,7 @@ CREATE TABLE IF NOT EXISTS todos (
     updated_at       INTEGER NOT NULL,
     wait_due_at      INTEGER,
     wait_reminders   INTEGER,
+    traceparent      TEXT,
     -- A claimed todo always has a lease; any other state never does.
     CHECK ((state = 'claimed') = (lease_expires_at IS NOT NULL AND lease_token_hash IS NOT NULL)),
     -- Only done carries an outcome, and done always does.
@@ -325,6 +329,7 @@ CREATE TABLE IF NOT EXISTS todo_deps (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS todo_deps_reverse ON todo_deps(depends_on_id);
 
+-- `span_id`: the attempt's `process {queue}` span, under its todo's traceparent (added in place, as on todos).
 CREATE TABLE IF NOT EXISTS attempts (
     todo_id           TEXT NOT NULL REFERENCES todos(id) ON DELETE CASCADE,
     seq               INTEGER NOT NULL CHECK (seq >= 1),
@@ -338,7 +343,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     outcome           TEXT CHECK (outcome IN ('completed', 'failed', 'released', 'lease_expired', 'needs_input',
                                               'blocked', 'absorbed_into_other', 'cancelled')),
     summary           TEXT,
-    artifact          TEXT,
+    artifact          TEXT, span_id TEXT,
     CHECK ((ended_at IS NULL) = (outcome IS NULL)),
     PRIMARY KEY (todo_id, seq)
 ) WITHOUT ROWID;
@@ -630,6 +635,7 @@ CREATE INDEX IF NOT EXISTS webhook_connections_by_connection ON webhook_connecti
 -- Outputs: what a worker asked the server to write on the forge, accepted in the transaction of the worker's
 -- report and sent after commit, in order per subject, by the forge sender. The target (repository and number)
 -- is the work order's, never the worker's. `error` is the last failure (a pending output is being retried).
+-- `traceparent`: its `forge {type}` span, which the label event it causes links to (added in place).
 CREATE TABLE IF NOT EXISTS forge_outputs (
     id             TEXT PRIMARY KEY CHECK (id LIKE 'out\_%' ESCAPE '\'),
     todo_id        TEXT NOT NULL REFERENCES todos(id) ON DELETE CASCADE,
@@ -646,7 +652,7 @@ CREATE TABLE IF NOT EXISTS forge_outputs (
     next_at        INTEGER NOT NULL,
     created_at     INTEGER NOT NULL,
     sent_at        INTEGER,
-    forge_id       TEXT,
+    forge_id       TEXT, traceparent TEXT,
     CHECK ((type = 'comment') = (body IS NOT NULL)),
     CHECK ((type = 'comment') = (labels IS NULL)),
     CHECK ((state = 'sent') = (sent_at IS NOT NULL)),

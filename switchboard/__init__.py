@@ -5,6 +5,7 @@ The modules, in layers: each imports only from the layers above it in this list 
 checks it from the import graph).
 
   configuration      constants, limits, the clock, errors
+  tracing            W3C trace ids, and span records exported over OTLP when the `otel` extra and an endpoint are there
   migrations         the schema files and one numbered list of migrations, each step in both engines' forms
   database           connections, the single writer, readers
   crypto             tokens, ids, sealed webhook secrets
@@ -31,6 +32,7 @@ checks it from the import graph).
                      static files beside them)
   app                the app factory: every part put together
   server             uvicorn, logging, the process's lifetime
-  worker.*           `switchboard worker`, the client side: job, park, api, exec_runner, triage, loop, main
+  worker.*           `switchboard worker`, the client side: job, tracing (its own spans), park, api, exec_runner,
+                     triage, loop, main
   cli.*              output, commands, forge_commands (connections, subjects), parser and main()
 """

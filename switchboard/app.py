@@ -32,6 +32,7 @@ from switchboard.http.rest import MCP_ROUTES, Api
 from switchboard.limits import RateLimiter, TrustedProxies
 from switchboard.metrics import Metrics
 from switchboard.notifier import Addresses, Notifier
+from switchboard.tracing import Tracing
 
 LEADER_POLL_SECONDS = 1.0
 
@@ -74,7 +75,8 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
                base_url: str | None = None, allowed_origins: str | None = None,
                trust_proxy: TrustedProxies | bool | str = False, auth_header: str | None = None,
                notify_allow_private: bool | None = None, notify_allow: str | None = None,
-               key_file: str | None = None, db_pool_size: int = 8, db_listen: str | None = None) -> Starlette:
+               key_file: str | None = None, db_pool_size: int = 8, db_listen: str | None = None,
+               tracing: Tracing | None = None) -> Starlette:
     """The ASGI app. `background=False` leaves the scheduler to the caller (tests drive it by hand).
     `ingest_rate`/`ingest_burst`: per source address, for unauthenticated deliveries and failed signature checks;
     `verified_rate`/`verified_burst`: per webhook, for deliveries whose signature verified; an ingest rate of 0
@@ -84,7 +86,8 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     and forge connections may reach loopback, link-local and unspecified addresses (all, or those listed); not given,
     SWITCHBOARD_NOTIFY_ALLOW_PRIVATE / SWITCHBOARD_NOTIFY_ALLOW say. `db_path` is a SQLite file or a
     postgresql:// URL (then `key_file` names the secrets' key, `db_pool_size` its connections, and `db_listen` a
-    direct URL for LISTEN and the leader's lock when `db_path` goes through a transaction pooler)."""
+    direct URL for LISTEN and the leader's lock when `db_path` goes through a transaction pooler). `tracing`: the
+    span exporter (switchboard.tracing.start_tracing), shut down with the app; None exports nothing."""
     proxies = trust_proxy if isinstance(trust_proxy, TrustedProxies) else TrustedProxies.parse(trust_proxy)
     auth_header = auth_header_name(auth_header, proxies)
     addresses = Addresses.configured(notify_allow_private, notify_allow)
@@ -116,8 +119,11 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
         forge.wake()
 
     db.on_outbox = wake_senders
+    if tracing is not None:
+        db.on_spans = notifier.tracing = forge.tracing = tracing.emit
     flows = Flows(db, doorbell, evaluator, box, RateLimiter(ingest_rate, ingest_burst), metrics, vitals, notifier,
                   forge, RateLimiter(verified_rate if ingest_rate > 0 else 0, verified_burst))
+    flows.tracing = tracing.emit if tracing is not None else None
     origins = allowed_origins if allowed_origins is not None else os.environ.get("SWITCHBOARD_ALLOWED_ORIGINS", "")
     api = Api(flows, base_url, frozenset(o.strip().rstrip("/") for o in origins.split(",") if o.strip()), proxies)
 
@@ -145,6 +151,8 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
             await asyncio.gather(*tasks, return_exceptions=True)
             await flows.close()
             db.close()
+            if tracing is not None:
+                tracing.shutdown()
 
     mcp = Mcp(api)
     routes = [*(Route(r.path, getattr(mcp, r.handler), methods=[r.method]) for r in MCP_ROUTES), *api.route_table()]

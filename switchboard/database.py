@@ -62,6 +62,12 @@ class Txn:
     # The app's secret box (`SecretBox.open`), given to write transactions: a body that must compare a sealed
     # credential with text (a comment holding the forge connection's token) opens it with `unseal`.
     opener: Callable[[bytes, str], bytes] | None = None
+    # Span records (plain dicts of ids, times and strings; switchboard.tracing makes them spans) for the process's
+    # exporter, handed over only after COMMIT. None when nothing exports: then no body builds one.
+    spans: list[dict] | None = None
+    # (trace id, parent span id) a todo made in this transaction is sent under (a delivery's route span); None: a
+    # todo starts a trace of its own.
+    trace_context: tuple[str, str] | None = None
 
     def __init__(self, conn: sqlite3.Connection, now: int, inline_rings: bool):
         self.conn = conn
@@ -124,6 +130,7 @@ class Database:
         self.clock = clock or Clock()
         self.inline_rings = inline_rings
         self.on_rings: Callable[[list[dict]], None] | None = None
+        self.on_spans: Callable[[list[dict]], None] | None = None  # the exporter's, after commit (see Txn.spans)
         self.on_outbox: Callable[[], None] | None = None
         self.opener: Callable[[bytes, str], bytes] | None = None  # the app's SecretBox.open, for write transactions
         self.loop: AbstractEventLoop | None = None
@@ -319,6 +326,8 @@ class Database:
                         self.counts.update(txn.counts)
                 if txn.outbox and self.on_outbox:
                     self.on_outbox()
+                if txn.spans and self.on_spans:
+                    self.on_spans(txn.spans)
                 future.set_result((value, txn.rings))
             else:
                 future.set_exception(value)
@@ -330,6 +339,8 @@ class Database:
         for fn, args, _ in batch:
             txn = Txn(conn, self.clock.now_ms(), self.inline_rings)
             txn.opener = self.opener
+            if self.on_spans:
+                txn.spans = []
             if savepoints:
                 conn.execute("SAVEPOINT job")
             try:

@@ -62,7 +62,7 @@ from switchboard.payload import decode_payload, payload_text, value_at
 from switchboard.providers import VerificationFailed, delivery_key, verify_delivery
 from switchboard.store.bulk import BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step, step_pacing
 from switchboard.store.connections import add_connection
-from switchboard.store.deliveries import Delivery, duplicate_of, find_webhook, record_delivery
+from switchboard.store.deliveries import Delivery, DeliverySpans, duplicate_of, find_webhook, record_delivery
 from switchboard.store.forge_control import commands_of, read_command
 from switchboard.store.outbox import add_channel, notify_verification_failures, queue_test_message
 from switchboard.store.principals import Principal
@@ -78,8 +78,9 @@ from switchboard.store.replay import (
 from switchboard.store.routing import decide_for_webhook, dry_run_rules, gate, set_rules, trust_gate, verdict
 from switchboard.store.rules import rules_view
 from switchboard.store.todos import stored_json
-from switchboard.store.transitions import claim_next, claim_queues, hand_back_unheard, pending_among
+from switchboard.store.transitions import claim_next, claim_queues, hand_back_unheard, pending_among, span_record
 from switchboard.store.upkeep import prune, rings_for_new_session, scheduler_tick
+from switchboard.tracing import new_span_id, new_trace_id, parse_traceparent
 
 
 async def stream_queue(queue: asyncio.Queue, first: list[str]) -> AsyncIterator[str]:
@@ -95,6 +96,29 @@ async def stream_queue(queue: asyncio.Queue, first: list[str]) -> AsyncIterator[
         if frame is None:
             return
         yield frame
+
+
+def ingest_spans(webhook: sqlite3.Row, envelope: dict, headers: dict[str, str], outcome: dict,
+                 spans: DeliverySpans, times: tuple[int, int, int, int]) -> list[dict]:
+    """A recorded delivery's `ingest {provider}` span (SERVER) and its `route` span (INTERNAL) inside. The ingest
+    span is the root of its trace, or, for the server's own label write coming back, a child of that write's span
+    and linked to it. A `traceparent` header the producer sent is a link only: producer text never places a span."""
+    started, routing, routed, ended = times
+    attributes = {"messaging.system": "switchboard", "switchboard.endpoint_id": webhook["endpoint_id"],
+                  "switchboard.webhook_id": webhook["id"], "switchboard.event_id": outcome.get("event_id"),
+                  "switchboard.outcome": outcome.get("disposition"), "switchboard.subject_key": envelope["subject_key"]}
+    attributes = {name: value for name, value in attributes.items() if value is not None}
+    links = []
+    if spans.follows is not None:
+        links.append((spans.trace_id, spans.follows, {"switchboard.link": "forge_write"}))
+    producer = parse_traceparent(headers.get("traceparent"))
+    if producer is not None:
+        links.append((*producer, {"switchboard.link": "producer"}))
+    return [span_record(f"ingest {webhook['provider']}", "server", spans.trace_id, spans.ingest_span, spans.follows,
+                        started, ended, attributes, links),
+            span_record("route", "internal", spans.trace_id, spans.route_span, spans.ingest_span, routing, routed,
+                        {"messaging.system": "switchboard", "switchboard.outcome": outcome.get("disposition", "")})]
+
 
 class WaitingClaim:
     """One `claim_next` with `wait_seconds`: claim now, or wait for a ring and try again, until the deadline.
@@ -297,6 +321,7 @@ class Flows:
         self.shed: dict[str, Shedding] = {}  # by webhook id: what the Board's webhook page shows
         self.changes = Changes()  # told by the background loop's probe; the Board's live view listens
         self.passing: set[asyncio.Task] = set()  # rings being passed on (a task needs a holder)
+        self.tracing: Callable[[list[dict]], None] | None = None  # the span exporter's emit (app), if any
 
     def pass_on(self, rings: list[dict]) -> None:
         """Rings a waiting claim was given and did not use, for the next session in line: only those whose todo is
@@ -529,6 +554,7 @@ class Flows:
                               source: str) -> tuple[int, dict]:
         """Verify, project, dedup, decide and record one delivery: (status, answer)."""
         provider = webhook["provider"]
+        started = self.db.clock.now_ms()
         verified = await self._verify(webhook, headers, body, source)
         payload, payload_error = decode_payload(headers, body)
         envelope = build_envelope(provider=provider, webhook_id=webhook["id"], trust_mode=webhook["trust_mode"],
@@ -545,14 +571,21 @@ class Flows:
             self.metrics.deliveries.labels(provider, "duplicate").inc()
             return 202, seen
         record, headers_json = envelope_record(envelope), json.dumps(envelope["headers"])
+        routing = self.db.clock.now_ms()
         action, trace = await self._decide(webhook, envelope, record, headers_json, body)
+        routed = self.db.clock.now_ms()
         if payload_error:
             trace = {**trace, "payload_error": payload_error}
+        # Its trace's ids, minted whether or not anything exports: its todos are sent under its route span.
+        spans = DeliverySpans(new_trace_id(), new_span_id(), new_span_id())
         outcome = await self.db.write(record_delivery, Delivery(
             webhook_id=webhook["id"], token_hash=webhook["token_hash"], body=body, envelope=envelope,
             envelope_record=record, headers_json=headers_json,
-            delivery_key=key, body_hash=body_hash, action=action, trace=trace))
+            delivery_key=key, body_hash=body_hash, action=action, trace=trace, spans=spans))
         self.metrics.count_delivery(provider, outcome, trace)
+        if self.tracing is not None:
+            self.tracing(ingest_spans(webhook, envelope, headers, outcome, spans, (started, routing, routed,
+                                                                                  self.db.clock.now_ms())))
         return 202, outcome
 
     # -- claims and rings ----------------------------------------------------------------------------

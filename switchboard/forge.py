@@ -37,6 +37,8 @@ from switchboard.store.forge_outbox import (
     record_status,
 )
 from switchboard.store.principals import Principal
+from switchboard.store.transitions import span_record
+from switchboard.tracing import parse_traceparent
 
 if TYPE_CHECKING:
     import httpx
@@ -281,6 +283,18 @@ class ForgeApi:
         return answer.status != 404
 
 
+def forge_span(output: dict, state: str, started: int, ended: int) -> list[dict]:
+    """The `forge {type}` span (CLIENT) of one try of an output, under the attempt that asked for it."""
+    context = parse_traceparent(output["traceparent"])
+    if context is None:
+        return []
+    attributes = {"messaging.system": "switchboard", "messaging.message.id": output["todo_id"],
+                  "switchboard.subject_key": output["subject_key"], "switchboard.output_id": output["id"],
+                  "switchboard.outcome": state}
+    return [span_record(f"forge {output['type']}", "client", *context, output["attempt_span_id"], started, ended,
+                        attributes)]
+
+
 class ForgeSender:
     """The outputs outbox's sender loop (and the status comments'). `wake()` may be called from any thread (the
     writer calls it after a commit that queued an output or made a status comment due); the loop also wakes when
@@ -296,6 +310,7 @@ class ForgeSender:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: httpx.AsyncClient | None = None
         self._client_made: asyncio.Lock | None = None
+        self.tracing: Callable[[list[dict]], None] | None = None  # the span exporter's emit (app), if any
 
     def wake(self) -> None:
         if self._loop is not None and self._wake is not None:
@@ -365,8 +380,11 @@ class ForgeSender:
             attempt = job.output["attempts"] + 1
             if not await self.db.write(begin_output, job.output["id"], job.output["attempts"]):
                 return
+            started = self.db.clock.now_ms()
             outcome = await self._send(client, job, attempt)
             state = await self.db.write(record_output, job.output["id"], attempt, outcome)
+            if self.tracing is not None:
+                self.tracing(forge_span(job.output, state, started, self.db.clock.now_ms()))
             if self.outputs is not None and state != "pending":
                 self.outputs.labels(job.output["type"], state).inc()
             if not outcome.ok:

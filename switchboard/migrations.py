@@ -173,9 +173,11 @@ MIGRATIONS: dict[int, Migration] = {
         " its comment, and subject_links keeps the pull requests that close issues. Time: schedules (an event's"
         " trust mode may be `schedule`); queue_controls keep wait_limits, and todos when their wait comes due"
         " (wait_due_at, indexed where set) and the reminders sent in their state. Keys: queue_controls keep a"
-        " limit of claimed todos per subject or repository (per_key, per_key_max)",
+        " limit of claimed todos per subject or repository (per_key, per_key_max). Traces: todos keep their W3C"
+        " traceparent, attempts their span id, forge outputs the trace they belong to",
         rebuild=("events", "webhook_connections", "queue_controls"),
-        add={"todos": ("wait_due_at INTEGER", "wait_reminders INTEGER")},
+        add={"todos": ("wait_due_at INTEGER", "wait_reminders INTEGER", "traceparent TEXT"),
+             "attempts": ("span_id TEXT",), "forge_outputs": ("traceparent TEXT",)},
         postgres=(
             "ALTER TABLE events DROP CONSTRAINT events_disposition_check",
             "ALTER TABLE events ADD CONSTRAINT events_disposition_check CHECK (disposition IN ('routed', 'dropped',"
@@ -185,6 +187,9 @@ MIGRATIONS: dict[int, Migration] = {
             " 'operator', 'schedule'))",
             "ALTER TABLE todos ADD COLUMN wait_due_at BIGINT",
             "ALTER TABLE todos ADD COLUMN wait_reminders BIGINT",
+            "ALTER TABLE todos ADD COLUMN traceparent TEXT",
+            "ALTER TABLE attempts ADD COLUMN span_id TEXT",
+            "ALTER TABLE forge_outputs ADD COLUMN traceparent TEXT",
             "ALTER TABLE queue_controls ADD COLUMN wait_limits TEXT",
             "ALTER TABLE queue_controls ADD COLUMN per_key TEXT CHECK (per_key IN ('subject', 'repo'))",
             "ALTER TABLE queue_controls ADD COLUMN per_key_max BIGINT CHECK (per_key_max >= 1)",

@@ -952,6 +952,8 @@ class ClaimAnswer(AnswerModel):
     todo: TodoAnswer | None = None
     lease_token: str | None = None
     prior_attempts: list[AttemptAnswer] | None = None
+    # The attempt's `process` span as a W3C traceparent (its todo's trace): a job that traces itself joins it.
+    traceparent: str | None = None
     empty: bool | None = None
     admission: list[AdmissionAnswer] | None = None
     claims: list[ClaimAnswer] | None = None

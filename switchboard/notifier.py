@@ -15,7 +15,7 @@ import re
 import socket
 import threading
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,16 @@ from prometheus_client import Counter
 from switchboard.configuration import UNSAFE_TEXT, VERSION, ApiError, iso, log, switch_value
 from switchboard.crypto import SecretBox
 from switchboard.database import Database, Txn
-from switchboard.store.outbox import OUTPUTS_HELD_RECHECK_MS, Outgoing, due_messages, outputs_held, record_sending
+from switchboard.store.outbox import (
+    OUTPUTS_HELD_RECHECK_MS,
+    Outgoing,
+    due_messages,
+    outputs_held,
+    record_sending,
+    todo_traceparent,
+)
+from switchboard.store.transitions import span_record
+from switchboard.tracing import new_span_id, new_trace_id, parse_traceparent
 
 if TYPE_CHECKING:
     import httpx
@@ -396,6 +405,7 @@ class Notifier:
         self._humans: dict[str, _HumanSlots] = {}
         self._client: httpx.AsyncClient | None = None
         self._client_made: asyncio.Lock | None = None
+        self.tracing: Callable[[list[dict]], None] | None = None  # the span exporter's emit (app), if any
 
     def wake(self) -> None:
         if self._loop is not None and self._wake is not None:
@@ -482,8 +492,11 @@ class Notifier:
     async def deliver(self, client: httpx.AsyncClient, message: Outgoing, patience: float | None = None) -> str | None:
         """Send one message and record how it went; the error, or None."""
         channel = message.channel
+        started = self.db.clock.now_ms()
         error = await self.send(client, message, patience)
         await self.db.write(record_sending, message, error)
+        if self.tracing is not None:
+            self.tracing(await self._notify_span(message, error, started))
         counter = self.failures if error else self.sent
         if counter is not None:
             counter.labels(channel["kind"]).inc()
@@ -491,6 +504,21 @@ class Notifier:
             log.warning("notification %s to channel %s (%s) failed: %s", message.id, channel["id"], channel["kind"],
                         error)
         return error
+
+    async def _notify_span(self, message: Outgoing, error: str | None, started: int) -> list[dict]:
+        """The `notify {channel kind}` span (CLIENT): under the `send` span of the todo it is about, else a trace of
+        its own (a digest, a test message)."""
+        data = json.loads(message.rows[0]["data"]) if len(message.rows) == 1 else {}
+        todo_id = data.get("todo_id")
+        context = parse_traceparent(await self.db.read(todo_traceparent, todo_id)) if todo_id else None
+        trace_id, parent = context or (new_trace_id(), None)
+        attributes = {"messaging.system": "switchboard", "switchboard.channel_id": message.channel["id"],
+                      "switchboard.notification": message.rows[0]["event"] if len(message.rows) == 1 else "digest",
+                      "switchboard.outcome": "failed" if error else "sent"}
+        if todo_id:
+            attributes["messaging.message.id"] = todo_id
+        return [span_record(f"notify {message.channel['kind']}", "client", trace_id, new_span_id(), parent, started,
+                            self.db.clock.now_ms(), attributes)]
 
     async def send(self, client: httpx.AsyncClient, message: Outgoing, patience: float | None = None) -> str | None:
         """One message to its channel within NOTIFY_TIMEOUT_SECONDS from start to end; the error, or None."""

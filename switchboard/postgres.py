@@ -236,6 +236,7 @@ class Postgres:
         self.clock = clock or Clock()
         self.inline_rings = inline_rings
         self.on_rings: Callable[[list[dict]], None] | None = None
+        self.on_spans: Callable[[list[dict]], None] | None = None  # the exporter's, after commit (see Txn.spans)
         self.on_outbox: Callable[[], None] | None = None
         self.opener: Callable[[bytes, str], bytes] | None = None  # the app's SecretBox.open, for write transactions
         self.on_fatal: Callable[[str], None] | None = None
@@ -281,6 +282,8 @@ class Postgres:
                             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
                         txn = PgTxn(conn, self.clock.now_ms(), self.inline_rings and not read_only)
                         txn.opener = self.opener
+                        if self.on_spans and not read_only:
+                            txn.spans = []
                         if read_only:
                             txn.reading()
                         result = fn(txn, *args)
@@ -303,6 +306,8 @@ class Postgres:
                 self.counts.update(txn.counts)
         if txn.outbox and self.on_outbox:
             self.on_outbox()
+        if txn.spans and self.on_spans:
+            self.on_spans(txn.spans)
         return result, local
 
     def _route_rings(self, txn: PgTxn) -> list[dict]:

@@ -35,6 +35,7 @@ from switchboard.configuration import (
 )
 from switchboard.engines import shown_database
 from switchboard.limits import TrustedProxies
+from switchboard.tracing import ExtraMissing, start_tracing
 
 # -- serve -----------------------------------------------------------------------------------------
 
@@ -281,13 +282,20 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning("the file limit is %d descriptors: at most %d connections at once (raise LimitNOFILE or"
                     " ulimit -n for %d)", file_limit, cap, MAX_CONNECTIONS)
     proxies = TrustedProxies.parse(args.trust_proxy, "--trust-proxy (or SWITCHBOARD_TRUST_PROXY)")
+    try:
+        tracing = start_tracing(required=switch_value("otel", getattr(args, "otel", False)))
+    except ExtraMissing as missing:
+        log.critical("exiting: %s", missing)
+        return 1
     app = create_app(args.db, synchronous=args.synchronous, ingest_rate=args.ingest_rate,
                      ingest_burst=args.ingest_burst, verified_rate=args.verified_rate,
                      verified_burst=args.verified_burst, base_url=args.base_url,
                      allowed_origins=args.allowed_origins, trust_proxy=proxies, auth_header=args.auth_header,
                      notify_allow_private=switch_value("notify-allow-private", args.notify_allow_private),
                      notify_allow=args.notify_allow or "", key_file=getattr(args, "key_file", None),
-                     db_pool_size=args.db_pool_size, db_listen=args.db_listen)
+                     db_pool_size=args.db_pool_size, db_listen=args.db_listen, tracing=tracing)
+    if tracing is not None:
+        log.info("traces: exported over OTLP/HTTP (the OTEL_* variables say where)")
     if app.state.db.engine == "postgres" and app.state.db.synchronous == "off":
         app.state.db.close()
         raise ApiError("invalid_argument", "the database runs with synchronous_commit off: a 202 would not survive a"

@@ -12,7 +12,7 @@ PACKAGE = ROOT / "switchboard"
 
 # Lowest first. A module may import any module listed before it, never one after it.
 LAYERS = [
-    "configuration", "migrations", "database", "crypto", "postgres", "engines", "engine_copy", "payload", "providers", "models", "envelope", "evaluator",
+    "configuration", "tracing", "migrations", "database", "crypto", "postgres", "engines", "engine_copy", "payload", "providers", "models", "envelope", "evaluator",
     "store.principals", "store.outbox", "store.todos", "store.wait_limits", "store.admission", "store.outputs", "store.forge_outbox",
     "store.transitions", "store.queues", "store.webhooks", "store.connections", "store.human_actions", "store.bulk",
     "store.subjects", "store.forge_control", "store.deliveries", "store.rules", "store.routing", "store.quarantine", "store.replay",
@@ -20,7 +20,7 @@ LAYERS = [
     "doorbell", "notifier", "forge", "limits", "metrics", "flows",
     "http.common", "http.streams", "http.rest", "http.mcp",
     "board.queries", "board.forge_pages", "board.pages", "app", "server",
-    "worker.job", "worker.park", "worker.api", "worker.exec_runner", "worker.triage", "worker.loop", "worker.main",
+    "worker.job", "worker.tracing", "worker.park", "worker.api", "worker.exec_runner", "worker.triage", "worker.loop", "worker.main",
     "cli.output", "cli.commands", "cli.forge_commands", "cli.parser",
 ]
 # Package markers (docstrings only) and the entry point, which sits above everything.

@@ -44,8 +44,9 @@ def board_subject(txn: Txn, principal: Principal, key: str) -> dict:
     todos = []
     for todo in subject["todos"]:
         event = txn.one("SELECT webhook_id FROM events WHERE id = ?", (todo["event_id"],)) if todo["event_id"] else None
-        todos.append(with_choices(txn, principal, {**todo, "webhook_id": event["webhook_id"] if event else None},
-                                  cache))
+        trace = txn.one("SELECT traceparent FROM todos WHERE id = ?", (todo["id"],))["traceparent"]
+        todos.append(with_choices(txn, principal, {**todo, "webhook_id": event["webhook_id"] if event else None,
+                                                   "trace_id": trace.split("-")[1] if trace else None}, cache))
     by_id = {t["id"]: t for t in todos}
     for entry in subject["timeline"]:
         if "todo_id" in entry:

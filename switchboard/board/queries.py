@@ -9,9 +9,10 @@ import secrets
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
-from switchboard.configuration import BULK_MAX, HOLD_QUEUE, RESERVED_QUEUES, VERB_PRESETS
+from switchboard.configuration import BULK_MAX, HOLD_QUEUE, RESERVED_QUEUES, TERMINAL_STATES, VERB_PRESETS
 from switchboard.crypto import new_token, token_hash
 from switchboard.database import Txn
 from switchboard.envelope import stored_envelope, untrusted_names
@@ -431,7 +432,45 @@ def board_todo(txn: Txn, principal: Principal, todo_id: str) -> dict:
     timeline.sort(key=lambda entry: (entry["at"] or "", entry["kind"] != "history"))
     event = txn.one("SELECT webhook_id FROM events WHERE id = ?", (todo["event_id"],)) if todo["event_id"] else None
     todo = with_choices(txn, principal, {**todo, "webhook_id": event["webhook_id"] if event else None}, {})
-    return {"todo": todo, "timeline": timeline, "facts": attempt_facts(todo)}
+    trace = txn.one("SELECT traceparent FROM todos WHERE id = ?", (todo_id,))["traceparent"]
+    return {"todo": todo, "timeline": timeline, "facts": attempt_facts(todo),
+            "axis": time_axis(todo, txn.now), "trace_id": trace.split("-")[1] if trace else None}
+
+
+# What each state is on the time axis: waiting for a worker, worked, or waiting for a human.
+AXIS_PART = {"pending": "wait", "deferred": "wait", "blocked": "wait", "quarantined": "human", "needs_input": "human",
+             "review": "human", "claimed": "work"}
+
+
+def time_axis(todo: dict, now_ms: int) -> dict:
+    """The todo's life on one time axis, from what the store holds (its history and attempts, export or not): one
+    row of state spans (waits, the human's part) and one bar per attempt (claim to end, or to its lease's end while
+    open, with its heartbeats); each as percentages of the whole, for the page's SVG."""
+    def ms(text: str | None) -> int | None:
+        return None if text is None else int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+
+    history = todo["history"]
+    start = ms(history[0]["at"]) if history else ms(todo["created_at"])
+    ends = [ms(h["at"]) for h in history[1:]]
+    final = now_ms if todo["state"] not in TERMINAL_STATES else (ends[-1] if ends else start)
+    attempts = [(a, ms(a["claimed_at"]), ms(a["ended_at"]) or min(ms(a["lease_expires_at"]), now_ms))
+                for a in todo["attempts"]]
+    stop = max([final, *(end for _, _, end in attempts)])
+    span = max(stop - start, 1)
+
+    def place(begin: int, end: int) -> dict:
+        left = (begin - start) * 100 / span
+        return {"x": round(left, 2), "w": round(max((end - begin) * 100 / span, 0.4), 2),
+                "seconds": round((end - begin) / 1000, 1)}
+
+    states = []
+    for entry, end in zip(history, [*ends, final], strict=True):
+        if end > ms(entry["at"]) or entry is history[-1]:
+            states.append({"state": entry["to"], "part": AXIS_PART.get(entry["to"], "end"),
+                           **place(ms(entry["at"]), max(end, ms(entry["at"])))})
+    bars = [{"seq": a["seq"], "outcome": a["outcome"] or "open", "heartbeats": a["heartbeats"], **place(begin, end)}
+            for a, begin, end in attempts]
+    return {"states": states, "attempts": bars, "seconds": round(span / 1000, 1)}
 
 
 _ERROR_OUTCOMES = ("failed", "lease_expired")

@@ -162,6 +162,9 @@ def _add_serve(commands: argparse._SubParsersAction, common: argparse.ArgumentPa
     serve.add_argument("--notify-allow", dest="notify_allow", default=env_default("notify-allow", None),
                        help="comma-separated addresses or networks, each with an optional :port, that notification"
                             " channels may reach although loopback or link-local (e.g. 127.0.0.1:8090)")
+    serve.add_argument("--otel", action="store_true", default=env_default("otel", False),
+                       help="export traces over OTLP/HTTP (needs the `otel` extra; the standard OTEL_* variables,"
+                            " OTEL_EXPORTER_OTLP_ENDPOINT first, say where): without the extra, exit 1")
     serve.add_argument("--log-format", dest="log_format", choices=["plain", "json"],
                        default=env_default("log-format", "plain"), help="plain lines (default) or one JSON object per line")
 

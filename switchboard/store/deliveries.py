@@ -28,6 +28,7 @@ from switchboard.store.subjects import note_delivery
 from switchboard.store.todos import stored_json
 from switchboard.store.transitions import claim_once, create_todo, record_event
 from switchboard.store.webhooks import visible_webhook, webhook_targets
+from switchboard.tracing import parse_traceparent
 
 # -- events -----------------------------------------------------------------------------------------
 
@@ -94,6 +95,34 @@ class Delivery:
     body_hash: str
     action: dict
     trace: dict
+    spans: DeliverySpans | None = None
+
+
+@dataclass
+class DeliverySpans:
+    """A delivery's trace: its `ingest` and `route` span ids, minted before the write (its todos are sent under the
+    route span). The write may move it into the trace of the forge write it echoes (`follows`, see echoed_write)."""
+    trace_id: str
+    ingest_span: str
+    route_span: str
+    follows: str | None = None  # the echoed forge write's span id, the ingest span's parent and link
+
+
+ECHO_WINDOW_MS = 3_600_000  # how long after the server's forge write a label event is read as its echo
+
+
+def echoed_write(txn: Txn, envelope: dict) -> tuple[str, str] | None:
+    """(trace id, span id) of the server's own label write that this verified label event reports back: its sender
+    is the webhook's forge connection (the server itself), and the server tried a label output on that subject
+    within the hour. Only the server's own records decide; a producer's `traceparent` header never does."""
+    issue = envelope.get("issue") or {}
+    if not (envelope["verified"] and envelope["actor"].get("via_connection") and issue.get("label_event")
+            and envelope["subject_key"]):
+        return None
+    row = txn.one("SELECT traceparent FROM forge_outputs WHERE subject_key = ? AND created_at >= ?"
+                  " AND type IN ('add_labels', 'remove_labels') AND attempts > 0 AND traceparent IS NOT NULL"
+                  " ORDER BY created_at DESC LIMIT 1", (envelope["subject_key"], txn.now - ECHO_WINDOW_MS))
+    return parse_traceparent(row["traceparent"]) if row else None
 
 
 def find_webhook(txn: Txn, token: str) -> sqlite3.Row | None:
@@ -297,6 +326,11 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
         txn.logs.append(f"delivery {duplicate['event_id']} redelivered to {webhook['id']}: duplicate")
         return duplicate
     envelope = delivery.envelope
+    if delivery.spans is not None:
+        spans = delivery.spans
+        echoed = echoed_write(txn, envelope)
+        spans.trace_id, spans.follows = echoed if echoed else (spans.trace_id, None)
+        txn.trace_context = (spans.trace_id, spans.route_span)
     plan = plan_delivery(txn, webhook, envelope, delivery.action, delivery.trace)
     if plan.trace.get("hold") == "payload_error":
         plan.trace["payload_detail"] = parse_payload({"content-type": envelope["content_type"] or ""},

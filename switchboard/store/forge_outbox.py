@@ -80,7 +80,10 @@ def due_forge_work(txn: Txn, busy: frozenset[str], room: int) -> tuple[list[Forg
         return [], txn.now + OUTPUTS_HELD_RECHECK_MS
     jobs: list[ForgeJob] = []
     next_due: int | None = None
-    heads = txn.all("SELECT o.*, c.kind, c.api_url, c.token_sealed, c.login FROM forge_outputs o"
+    # With each output, the span of the attempt that asked for it (its `forge` span's parent).
+    heads = txn.all("SELECT o.*, c.kind, c.api_url, c.token_sealed, c.login, (SELECT a.span_id FROM attempts a"
+                    " WHERE a.todo_id = o.todo_id AND a.claimed_at <= o.created_at ORDER BY a.seq DESC LIMIT 1)"
+                    " AS attempt_span_id FROM forge_outputs o"
                     " JOIN forge_connections c ON c.id = o.connection_id WHERE o.state = 'pending'"
                     " AND NOT EXISTS (SELECT 1 FROM forge_outputs p WHERE p.state = 'pending'"
                     " AND p.subject_key = o.subject_key AND (p.created_at < o.created_at"
@@ -95,7 +98,9 @@ def due_forge_work(txn: Txn, busy: frozenset[str], room: int) -> tuple[list[Forg
         if len(jobs) < room:
             jobs.append(ForgeJob("output", key, _connection(row), row["repo"], row["number"], output={
                 "id": row["id"], "type": row["type"], "labels": row["labels"], "body": row["body"],
-                "attempts": row["attempts"], "created_at": row["created_at"]}))
+                "attempts": row["attempts"], "created_at": row["created_at"], "todo_id": row["todo_id"],
+                "subject_key": row["subject_key"], "traceparent": row["traceparent"],
+                "attempt_span_id": row["attempt_span_id"]}))
     statuses = txn.all("SELECT s.*, c.kind, c.api_url, c.token_sealed, c.login FROM forge_status s"
                        " JOIN forge_connections c ON c.id = s.connection_id WHERE s.due_at IS NOT NULL ORDER BY s.due_at")
     for row in statuses:

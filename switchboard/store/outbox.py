@@ -119,6 +119,12 @@ def queue_test_message(txn: Txn, principal: Principal, channel_id: str) -> Outgo
     return Outgoing(message_id, channel, [txn.one("SELECT * FROM notify_outbox WHERE id = ?", (message_id,))])
 
 
+def todo_traceparent(txn: Txn, todo_id: str) -> str | None:
+    """The todo's traceparent (its `send` span): a notification about it is traced under it."""
+    row = txn.one("SELECT traceparent FROM todos WHERE id = ?", (todo_id,))
+    return row["traceparent"] if row else None
+
+
 @dataclass
 class Outgoing:
     """One message for one channel: a single event, or a digest of the ones the rate limit held back."""

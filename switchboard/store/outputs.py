@@ -15,6 +15,7 @@ from switchboard.crypto import new_id, token_hash
 from switchboard.database import Txn
 from switchboard.models import MAX_COMMENT_BYTES, AddLabels, CommentOutput, RemoveLabels
 from switchboard.store.todos import output_view, stored_json
+from switchboard.tracing import new_span_id, parse_traceparent, traceparent
 
 # A status comment is edited at most this often (SPEC 16).
 STATUS_EDIT_MS = 10_000
@@ -202,11 +203,15 @@ def accept_outputs(txn: Txn, todo: sqlite3.Row, outputs: Sequence[AddLabels | Re
     made = []
     for kind, labels, body in rows:
         output_id = new_id("out")
+        # Its `forge` span, in the todo's trace (under the attempt that asked for it, found when it is sent).
+        context = parse_traceparent(todo["traceparent"])
         txn.execute("INSERT INTO forge_outputs (id, todo_id, connection_id, subject_key, repo, number, type, labels,"
-                    " body, state, next_at, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+                    " body, state, next_at, created_at, traceparent)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?)",
                     (output_id, todo["id"], connection["id"], todo["subject_key"] or
                      f"{subject['provider']}:{subject['repo']}#{subject['number']}", subject["repo"],
-                     subject["number"], kind, labels, body, txn.now, txn.now))
+                     subject["number"], kind, labels, body, txn.now, txn.now,
+                     traceparent(context[0], new_span_id()) if context else None))
         made.append(output_id)
         txn.counts[f"output_accepted:{kind}"] += 1
     txn.outbox = True  # the forge sender wakes after commit, with the notifier

@@ -53,6 +53,22 @@ def todo_view(row: sqlite3.Row) -> dict:
     }
 
 
+TITLE_IN_SPAN = 200  # the only producer text a span carries (SPEC 17), cut to this many characters
+
+
+def messaging_attributes(todo_id: str, queue: str, endpoint_id: str, subject_key: str | None, *,
+                         title: str | None = None, attempt: int | None = None, outcome: str | None = None) -> dict:
+    """A todo's span attributes after OpenTelemetry's messaging conventions: ids, names and counts, never a payload,
+    a token or producer text beyond the cut title."""
+    attributes = {"messaging.system": "switchboard", "messaging.destination.name": queue,
+                  "messaging.message.id": todo_id, "switchboard.endpoint_id": endpoint_id}
+    for name, value in (("switchboard.subject_key", subject_key), ("switchboard.title", title and title[:TITLE_IN_SPAN]),
+                        ("switchboard.attempt", attempt), ("switchboard.outcome", outcome)):
+        if value is not None:
+            attributes[name] = value
+    return attributes
+
+
 def attempt_view(row: sqlite3.Row) -> dict:
     return {"seq": row["seq"], "claimant": row["claimant"], "claimed_at": iso(row["claimed_at"]),
             "lease_expires_at": iso(row["lease_expires_at"]), "heartbeats": row["heartbeats"],

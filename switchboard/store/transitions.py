@@ -40,8 +40,9 @@ from switchboard.store.admission import admit, control_row, full_groups, in_grou
 from switchboard.store.outbox import notify_todo
 from switchboard.store.outputs import accept_outputs, mark_status
 from switchboard.store.principals import Principal, endpoint_view, own_endpoint
-from switchboard.store.todos import attempt_view, dump_json, load_todo, reload_todo, todo_view
+from switchboard.store.todos import attempt_view, dump_json, load_todo, messaging_attributes, reload_todo, todo_view
 from switchboard.store.wait_limits import wait_due_at
+from switchboard.tracing import new_span_id, new_trace_id, parse_traceparent, traceparent
 
 
 def revoke_endpoint(txn: Txn, principal: Principal, endpoint_id: str) -> dict:
@@ -80,8 +81,8 @@ CLAIMABLE = (f"{_UNBLOCKED} AND NOT EXISTS (SELECT 1 FROM absorptions a JOIN tod
 TODO_DEFAULTS = {"state": "pending", "subject_key": None, "work_order": None, "work_item": None,
                  "idempotency_key": None, "priority": 0, "gated": 0, "state_reason": None, "silent": 0}
 _INSERT_TODO = (f"INSERT INTO todos (id, endpoint_id, queue, title, source, kind, trace, event_id,"
-                f" {', '.join(TODO_DEFAULTS)}, ring_count, last_ring_at, available_at, created_at, updated_at, wait_due_at)"
-                f" VALUES ({', '.join('?' * (8 + len(TODO_DEFAULTS) + 6))})")
+                f" {', '.join(TODO_DEFAULTS)}, ring_count, last_ring_at, available_at, created_at, updated_at, wait_due_at,"
+                f" traceparent) VALUES ({', '.join('?' * (8 + len(TODO_DEFAULTS) + 7))})")
 
 
 def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: str, title: str, source: str,
@@ -96,9 +97,17 @@ def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: 
     # full queue (or a full key of a per-key limit) withholds the ring (see mark_rung).
     rung = txn.inline_rings and values["state"] == "pending" and not depends_on and not values["silent"]
     withheld = rung and withholds(txn, endpoint_id, queue, values["subject_key"])
+    # Its `send` span: under the transaction's context (a delivery's route span), else the root of a new trace.
+    trace_id, parent_id = txn.trace_context or (new_trace_id(), None)
+    send_span = new_span_id()
     txn.execute(_INSERT_TODO, (todo_id, endpoint_id, queue, title, source, kind, trace, event_id,
                                *values.values(), int(rung), txn.now if rung else None, txn.now, txn.now, txn.now,
-                               wait_due_at(txn, endpoint_id, queue, values["state"], txn.now)))
+                               wait_due_at(txn, endpoint_id, queue, values["state"], txn.now),
+                               traceparent(trace_id, send_span)))
+    if txn.spans is not None:
+        txn.spans.append(span_record(
+            f"send {queue}", "producer", trace_id, send_span, parent_id, txn.now, txn.now,
+            messaging_attributes(todo_id, queue, endpoint_id, values["subject_key"], title=title)))
     for dependency in depends_on:
         txn.execute("INSERT INTO todo_deps (todo_id, depends_on_id) VALUES (?, ?)", (todo_id, dependency))
     txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence)"
@@ -115,6 +124,13 @@ def create_todo(txn: Txn, todo_id: str, actor: str, *, endpoint_id: str, queue: 
                               "source": source, "title": title})
     elif values["state"] == "pending":
         _became_pending(txn, todo_id)
+
+
+def span_record(name: str, kind: str, trace_id: str, span_id: str, parent_id: str | None, start_ms: int,
+                end_ms: int, attributes: dict, links: Iterable[tuple[str, str, dict]] = ()) -> dict:
+    """A span as plain data (what switchboard.tracing exports once the transaction commits)."""
+    return {"name": name, "kind": kind, "trace_id": trace_id, "span_id": span_id, "parent_id": parent_id,
+            "start_ms": start_ms, "end_ms": end_ms, "attributes": attributes, "links": list(links)}
 
 
 def record_event(txn: Txn, event_id: str, *, human_id: str, source: str, kind: str | None, trust_mode: str,
@@ -280,10 +296,26 @@ def _queue_ring(txn: Txn, todo: sqlite3.Row | dict) -> dict:
 
 def end_attempt(txn: Txn, todo: sqlite3.Row, outcome: str, summary: str | None, artifact: str | None = None) -> None:
     """Close the open attempt. Anything but completion lets go of what the attempt absorbed (fail open)."""
+    if txn.spans is not None:
+        _process_span(txn, todo, outcome)
     txn.execute("UPDATE attempts SET ended_at = ?, outcome = ?, summary = ?, artifact = ?"
                 " WHERE todo_id = ? AND ended_at IS NULL", (txn.now, outcome, summary, artifact, todo["id"]))
     if outcome != "completed":
         let_go_of_absorbed(txn, todo["id"])
+
+
+def _process_span(txn: Txn, todo: sqlite3.Row, outcome: str) -> None:
+    """The attempt's `process` span, from its claim to now, under its todo's `send` span, with the ids the claim
+    minted (read only when something exports)."""
+    attempt = txn.one("SELECT seq, claimed_at, span_id FROM attempts WHERE todo_id = ? AND ended_at IS NULL",
+                      (todo["id"],))
+    context = parse_traceparent(todo["traceparent"])
+    if attempt is None or attempt["span_id"] is None or context is None:
+        return
+    txn.spans.append(span_record(
+        f"process {todo['queue']}", "consumer", context[0], attempt["span_id"], context[1], attempt["claimed_at"],
+        txn.now, messaging_attributes(todo["id"], todo["queue"], todo["endpoint_id"], todo["subject_key"],
+                                      attempt=attempt["seq"], outcome=outcome)))
 
 
 def let_go_of_absorbed(txn: Txn, holder_id: str) -> None:
@@ -406,15 +438,20 @@ def _claim_row(txn: Txn, principal: Principal, todo: sqlite3.Row, prior: list[di
     seq = prior[-1]["seq"] + 1 if prior else 1
     expires = txn.now + lease * 1000
     who = claimant or principal.actor
+    # The attempt's `process` span: in its todo's trace, under its `send` span (a todo older than traces starts one).
+    context = parse_traceparent(todo["traceparent"])
+    span_id = new_span_id()
     written = transition(txn, todo, "claimed", principal.actor,
                           {"attempt": todo["attempt"] + 1, "seq": seq, "claimant": who},
                           attempt=todo["attempt"] + 1, lease_expires_at=expires,
                           lease_token_hash=token_hash(lease_token),
                           ring_acked_at=txn.now if todo["ring_count"] else None)
-    txn.execute("INSERT INTO attempts (todo_id, seq, endpoint_id, claimant, claimed_at, lease_expires_at, lease_seconds)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)", (todo["id"], seq, principal.id, who, txn.now, expires, lease))
+    txn.execute("INSERT INTO attempts (todo_id, seq, endpoint_id, claimant, claimed_at, lease_expires_at, lease_seconds,"
+                " span_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (todo["id"], seq, principal.id, who, txn.now, expires, lease, span_id if context else None))
     return {"todo": todo_view(_as_written(todo, written)), "lease_token": lease_token,
-            "prior_attempts": [attempt_view(a) for a in prior]}
+            "prior_attempts": [attempt_view(a) for a in prior],
+            "traceparent": traceparent(context[0] if context else new_trace_id(), span_id)}
 
 
 def claim_queues(principal: Principal, wanted: list[str] | None) -> list[str]:

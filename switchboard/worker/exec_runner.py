@@ -46,6 +46,7 @@ from pydantic import ValidationError
 
 from switchboard.worker.job import OUTCOME_KINDS, OUTCOMES, Complete, ConfigError, Fail, Job, Outcome, Park
 from switchboard.worker.park import open_regular
+from switchboard.worker.tracing import valid_traceparent
 
 log = logging.getLogger("switchboard.worker")
 
@@ -342,9 +343,13 @@ class Capture(asyncio.Protocol):
 
 def child_environment(job: Job, outcome_file: str, user: JobUser | None) -> dict[str, str]:
     """The worker's environment for the child, less what configures the worker itself (every SWITCHBOARD_*: some
-    hold or name its secrets) and systemd's CREDENTIALS_DIRECTORY (where its token is), plus the job's own."""
+    hold or name its secrets) and systemd's CREDENTIALS_DIRECTORY (where its token is), plus the job's own: its
+    ids, and as TRACEPARENT (what otel-cli and the OpenTelemetry SDKs read) the attempt's span, so a job that traces
+    itself joins the todo's trace. The worker's own TRACEPARENT and TRACESTATE never pass: they are not the job's."""
     env = {name: value for name, value in os.environ.items()
-           if not name.startswith("SWITCHBOARD_") and name != "CREDENTIALS_DIRECTORY"}
+           if not name.startswith("SWITCHBOARD_") and name not in ("CREDENTIALS_DIRECTORY", "TRACEPARENT", "TRACESTATE")}
+    if valid_traceparent(job.traceparent):
+        env["TRACEPARENT"] = job.traceparent
     if user is not None:
         env.update(HOME=user.home, USER=user.name, LOGNAME=user.name)
     env.update(SWITCHBOARD_TODO_ID=job.id, SWITCHBOARD_QUEUE=job.queue, SWITCHBOARD_ATTEMPT=str(job.todo["attempt"]),

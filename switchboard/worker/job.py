@@ -141,6 +141,7 @@ class Job:
     todo: dict
     worker: str
     note: str | None = None
+    traceparent: str | None = None  # the claim's: the attempt's `process` span (W3C), the job's spans go under it
 
     @property
     def id(self) -> str:

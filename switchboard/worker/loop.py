@@ -320,8 +320,10 @@ class Worker:
         received = asyncio.get_running_loop().time()
         jobs = []
         for claim in claims:
-            todo, token, granted = claimed_todo(claim if isinstance(claim, dict) else {})
-            jobs.append((Job(todo, self.settings.name), Lease(todo["id"], token, granted, received)))
+            claim = claim if isinstance(claim, dict) else {}
+            todo, token, granted = claimed_todo(claim)
+            job = Job(todo, self.settings.name, traceparent=claim.get("traceparent"))
+            jobs.append((job, Lease(todo["id"], token, granted, received)))
         return jobs
 
     async def _work(self, job: Job, lease: Lease, chain: bool) -> tuple[str, tuple[Job, Lease] | None]:
@@ -452,7 +454,8 @@ class Worker:
         except OddAnswer as exc:
             log.warning("server %s answered oddly (%s): claiming again", self.settings.server, exc)
             return None
-        return Job(todo, self.settings.name), Lease(todo["id"], token, granted, sent)
+        return Job(todo, self.settings.name, traceparent=answer.get("traceparent")), Lease(todo["id"], token, granted,
+                                                                                           sent)
 
     async def _hand_back(self, lease: Lease, note: str) -> None:
         try:

@@ -66,6 +66,7 @@ from switchboard.worker.job import (
     read_secret_file,
     scrub,
 )
+from switchboard.worker.tracing import span
 
 log = logging.getLogger("switchboard.worker.triage")
 
@@ -249,9 +250,13 @@ class TriageRunner:
         if self.forge_token and api is None:
             return Fail(error=f"{issue.repo}#{issue.number} is a gitea issue, and no --gitea-api is set to label it"
                               " through", retry=False)
+        # The model call is a span of its own under the attempt's (GenAI's `chat {model}`): ids and names only.
         async with http_client(self.llm_url) as model_http:
             job.note = f"asking {self.model}"
-            sized = await self.size(model_http, job, order)
+            with span(f"chat {self.model}", job.traceparent, {"gen_ai.operation.name": "chat",
+                                                             "gen_ai.request.model": self.model,
+                                                             "messaging.message.id": job.id}):
+                sized = await self.size(model_http, job, order)
         if not isinstance(sized, tuple):
             return sized
         answer, cut = sized
