@@ -143,6 +143,9 @@ SKIPPED = {
         "needs vLLM and a model; tests/test_triage.py runs the worker against a model of its own",
     ("docs/running.md", "sudo systemctl daemon-reload"): "root and systemd (installs the service)",
     ("docs/operations.md", "docker build"): "docker",
+    ("docs/operations.md", "pip install 'switchboard-hooks[otel]'"):
+        "installs packages and serves until stopped, against a collector of your own; tests/test_traces.py runs"
+        " serve with the extra and an OTLP receiver of ours",
     ("docs/operations.md", "apt-get update && apt-get install"): "root and systemd (a fresh Debian box)",
     ("docs/operations.md", "systemd-run --quiet --pipe"): "systemd (the service's dynamic user)",
     ("docs/operations.md", "systemctl list-timers"): "systemd (the backup timer)",
@@ -464,6 +467,7 @@ def prep_queue_control(scene: Scene, shell: Shell) -> Prep:
         build = next(q for q in scene.call("GET", f"/api/v1/endpoints/{scene.ep}/queues")["queues"]
                      if q["queue"] == "build")
         assert build["paused"] is None and build["limits"] == {"max_in_flight": None, "max_claims_per_window": None,
+                                                              "max_in_flight_per_key": None,
                                                               "wait_limits": dict.fromkeys(
                                                                   ("pending", "needs_input", "review", "blocked"))}
         assert "quota" in done.stdout or "walls" in done.stdout, done.stdout[-500:]

@@ -828,7 +828,8 @@ def table(results: dict) -> list[str]:
 
     acks_ok = (s["acks_per_s"] >= 0.8 * w["acks_per_s"] and s["ack_p99_ms"] <= w["ack_p99_ms"]
                if known("acks_per_s", "ack_p99_ms") else None)
-    jobs_ok = s["jobs_per_s"] >= w["jobs_per_s"] if known("jobs_per_s") else None
+    # Issue 39 asked 1.0×; issue 45 restates the goal for jobs started per second as 0.6× of webhook's.
+    jobs_ok = s["jobs_per_s"] >= 0.6 * w["jobs_per_s"] if known("jobs_per_s") else None
     start_ok = s["start_p50_ms"] <= 4 and s["start_p99_ms"] <= 10 if known("start_p50_ms", "start_p99_ms") else None
     slower = (f"{s['start_p50_ms'] / w['start_p50_ms']:.1f}× / {s['start_p99_ms'] / w['start_p99_ms']:.1f}× slower"
               if known("start_p50_ms", "start_p99_ms") else "")
@@ -855,7 +856,7 @@ def table(results: dict) -> list[str]:
         f"{_n(s['ack_p50_ms'], 1)} / {_n(s['ack_p99_ms'], 1)} ms | | | |"
         + (on_postgres(f"{_n(pg['ack_p50_ms'], 1)} / {_n(pg['ack_p99_ms'], 1)} ms") if pg else ""),
         f"| jobs started per second, same run (`--concurrency {CONCURRENCY}`) | {_n(w['jobs_per_s'])} | "
-        f"{_n(s['jobs_per_s'])} | {_ratio(s['jobs_per_s'], w['jobs_per_s'])} | ≥ 1.0× | {met(jobs_ok, 'throughput')} |"
+        f"{_n(s['jobs_per_s'])} | {_ratio(s['jobs_per_s'], w['jobs_per_s'])} | ≥ 0.6× (issue 45) | {met(jobs_ok, 'throughput')} |"
         + (on_postgres(_n(pg['jobs_per_s']), ratio_key="jobs_per_s") if pg else ""),
         f"| at {PACED_RATE:.0f} deliveries/s: send → job start p50 / p99 | {_n(w['start_p50_ms'], 1)} / "
         f"{_n(w['start_p99_ms'], 1)} ms | {_n(s['start_p50_ms'], 1)} / {_n(s['start_p99_ms'], 1)} ms | {slower} | "
