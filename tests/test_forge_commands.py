@@ -159,6 +159,10 @@ def status(forge: FakeForge, number: int) -> str:
 
 
 def edit_due(scene: Scene, clock: ManualClock) -> None:
+    """The status comment's next edit due: once the sender has recorded every send it began (a send recorded after
+    the clock moved would set its next edit from the moved clock), the clock moves past the edit interval."""
+    sender = scene.world.client.app.state.flows.forge
+    scene.forge.wait_for(lambda: not sender.busy, what="the forge sender idle")
     clock.advance(STATUS_EDIT_MS / 1000 + 1)
     scene.wake()
 
@@ -417,8 +421,17 @@ def test_a_reaction_the_forge_fails_twice_is_sent_once(world, alice, github, clo
     caplog.set_level(logging.INFO)
     cancelled, comment_id = comment(scene, 28, COMMANDER, "/cancel a duplicate of #7")
     assert cancelled["command"]["result"] == "acted" and scene.todo(lane)["state"] == "cancelled"
+    sender, busy = world.client.app.state.flows.forge, f"reaction:{cancelled['event_id']}"
+
+    def recorded(tries: int) -> bool:
+        """The try is over and its failure recorded (its retry time set from the clock): only then may the clock
+        move, or the retry would be set from the moved clock and not come due."""
+        row = world.db.read_sync(lambda txn: txn.one("SELECT attempts, error FROM forge_reactions WHERE event_id = ?",
+                                                     (cancelled["event_id"],)))
+        return row["attempts"] == tries and row["error"] is not None and busy not in sender.busy
+
     for tries in (1, 2):
-        github.wait_for(lambda tries=tries: len(reaction_posts(github)) == tries, what=f"try {tries}")
+        github.wait_for(lambda tries=tries: recorded(tries), what=f"try {tries} recorded")
         clock.advance(60)
         scene.wake()
     github.wait_for(lambda: reactions(github, 28, comment_id) == ["+1"], what="the reaction after two 500s")

@@ -150,7 +150,8 @@ def _act(txn: Txn, principal: Principal, verb: str, todo_id: str, text: str, via
         duration = _DURATION.match(words[0]) if words else None
         until = None
         if duration:
-            until = datetime.fromtimestamp(txn.now / 1000, UTC) + timedelta(seconds=int(duration.group(1)) * _DURATION_UNITS[duration.group(2)])
+            seconds = int(duration.group(1)) * _DURATION_UNITS[duration.group(2)]
+            until = datetime.fromtimestamp(txn.now / 1000, UTC) + timedelta(seconds=seconds)
             text = words[1] if len(words) > 1 else ""
         human_actions.defer(txn, principal, todo_id, Defer(reason=text, until=until), via)
 
@@ -161,7 +162,7 @@ def _refusal(error: Exception) -> str:
         field = ".".join(str(p) for p in problem["loc"])
         return f"{field or 'the command'}: {problem['msg']}" if problem["type"] != "missing" else (
             f"the command needs its text ({field})")
-    return str(error)
+    return error.message if isinstance(error, ApiError) else str(error)
 
 
 def run_command(txn: Txn, webhook: sqlite3.Row, envelope: dict, command: Command, event_id: str) -> dict:
