@@ -63,7 +63,7 @@ from switchboard.providers import VerificationFailed, delivery_key, verify_deliv
 from switchboard.store.bulk import BULK_STEP_TODOS, BulkRun, bulk_dry_run, bulk_matches, bulk_step, step_pacing
 from switchboard.store.connections import add_connection
 from switchboard.store.deliveries import Delivery, DeliverySpans, duplicate_of, find_webhook, record_delivery
-from switchboard.store.forge_control import commands_of, read_command
+from switchboard.store.forge_control import read_command
 from switchboard.store.outbox import add_channel, notify_verification_failures, queue_test_message
 from switchboard.store.principals import Principal
 from switchboard.store.quarantine import apply_quarantine_release, prepare_quarantine_release
@@ -80,6 +80,7 @@ from switchboard.store.rules import rules_view
 from switchboard.store.todos import stored_json
 from switchboard.store.transitions import claim_next, claim_queues, hand_back_unheard, pending_among, span_record
 from switchboard.store.upkeep import prune, rings_for_new_session, scheduler_tick
+from switchboard.store.webhooks import commands_of
 from switchboard.tracing import new_span_id, new_trace_id, parse_traceparent
 
 

@@ -11,7 +11,7 @@ from switchboard.crypto import SecretBox, new_id
 from switchboard.database import Txn
 from switchboard.models import DEFAULT_OUTPUT_POLICY, ConnectionCreate, WebhookConnect
 from switchboard.store.principals import Principal, owned_rows
-from switchboard.store.webhooks import visible_webhook
+from switchboard.store.webhooks import commands_of, visible_webhook
 
 # A human's connections: each is a credential the sender opens, and a row of the Board's connections page.
 MAX_CONNECTIONS = 20
@@ -89,7 +89,7 @@ def remove_connection(txn: Txn, principal: Principal, connection_id: str) -> dic
 def webhook_connection_view(row: sqlite3.Row) -> dict:
     return {"webhook_id": row["webhook_id"], "connection_id": row["connection_id"], "kind": row["kind"],
             "login": row["login"], "mirror": bool(row["mirror"]), "policy": json.loads(row["policy"]),
-            "commands": {"logins": [], "on_close": "cancel", **json.loads(row["commands"] or "{}")},
+            "commands": commands_of(row["commands"]),
             "connected_at": iso(row["connected_at"])}
 
 

@@ -17,7 +17,6 @@ from switchboard.payload import parse_payload
 from switchboard.store.forge_control import (
     Command,
     close_issue,
-    commands_of,
     pull_request_effects,
     queue_reaction,
     read_command,
@@ -27,7 +26,7 @@ from switchboard.store.principals import Principal
 from switchboard.store.subjects import note_delivery
 from switchboard.store.todos import stored_json
 from switchboard.store.transitions import claim_once, create_todo, record_event
-from switchboard.store.webhooks import visible_webhook, webhook_targets
+from switchboard.store.webhooks import commands_of, visible_webhook, webhook_targets
 from switchboard.tracing import parse_traceparent
 
 # -- events -----------------------------------------------------------------------------------------

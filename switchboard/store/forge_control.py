@@ -27,8 +27,6 @@ from switchboard.store.outputs import MARKER_PREFIX, covers
 from switchboard.store.principals import Principal
 from switchboard.store.subjects import parse_subject_key
 
-DEFAULT_COMMANDS = {"logins": [], "on_close": "cancel"}
-
 # Each verb: the states a todo it acts on is in.
 VERB_STATES: dict[str, tuple[str, ...]] = {
     "answer": ("needs_input",), "approve": ("review",), "changes": ("review",), "retry": ("failed",),
@@ -51,11 +49,6 @@ _WEB_URL = re.compile(r"^https?://[^\s<>\"]+$")
 _CLOSES = re.compile(r"(?<![A-Za-z0-9_])(?:close[sd]?|fix(?:e[sd])?|resolve[sd]?)[ \t]*:?[ \t]+"
                      r"((?:[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)?)#([1-9][0-9]{0,17})(?![0-9A-Za-z_])", re.IGNORECASE)
 MAX_LINKS = 20
-
-
-def commands_of(stored: str | None) -> dict:
-    """A webhook connection's `commands` as stored (NULL: nobody may command, and closing cancels)."""
-    return {**DEFAULT_COMMANDS, **json.loads(stored)} if stored else dict(DEFAULT_COMMANDS)
 
 
 def is_commander(commands: dict, login: object) -> bool:

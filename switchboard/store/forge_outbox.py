@@ -7,6 +7,7 @@ import json
 import re
 import sqlite3
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from switchboard.configuration import HOLD_QUEUE, TERMINAL_STATES, UNSAFE_TEXT, iso
@@ -74,12 +75,11 @@ def _connection(row: sqlite3.Row) -> dict:
 
 def due_forge_work(txn: Txn, busy: frozenset[str], room: int) -> tuple[list[ForgeJob], int | None]:
     """What to send now, at most `room` jobs: for each subject, its oldest pending output once due (the later ones
-    wait for it: outputs reach an issue in the order they were accepted), and each status comment that is due;
-    and when the next one falls due. Pending work is few rows, read through partial indexes."""
+    wait for it: outputs reach an issue in the order they were accepted), each status comment that is due and
+    each command's reaction; and when the next one falls due. Pending work is few rows, read through partial indexes."""
     if outputs_held(txn) is not None:  # a restored copy (outputs hold): nothing goes out until the operator resumes
         return [], txn.now + OUTPUTS_HELD_RECHECK_MS
     jobs: list[ForgeJob] = []
-    next_due: int | None = None
     # With each output, the span of the attempt that asked for it (its `forge` span's parent).
     heads = txn.all("SELECT o.*, c.kind, c.api_url, c.token_sealed, c.login, (SELECT a.span_id FROM attempts a"
                     " WHERE a.todo_id = o.todo_id AND a.claimed_at <= o.created_at ORDER BY a.seq DESC LIMIT 1)"
@@ -88,48 +88,48 @@ def due_forge_work(txn: Txn, busy: frozenset[str], room: int) -> tuple[list[Forg
                     " AND NOT EXISTS (SELECT 1 FROM forge_outputs p WHERE p.state = 'pending'"
                     " AND p.subject_key = o.subject_key AND (p.created_at < o.created_at"
                     " OR (p.created_at = o.created_at AND p.id < o.id))) ORDER BY o.next_at, o.id")
-    for row in heads:
-        key = f"output:{row['subject_key']}"
-        if key in busy:
-            continue
-        if row["next_at"] > txn.now:
-            next_due = row["next_at"] if next_due is None else min(next_due, row["next_at"])
-            continue
-        if len(jobs) < room:
-            jobs.append(ForgeJob("output", key, _connection(row), row["repo"], row["number"], output={
-                "id": row["id"], "type": row["type"], "labels": row["labels"], "body": row["body"],
-                "attempts": row["attempts"], "created_at": row["created_at"], "todo_id": row["todo_id"],
-                "subject_key": row["subject_key"], "traceparent": row["traceparent"],
-                "attempt_span_id": row["attempt_span_id"]}))
+    outputs, next_output = _due(heads, busy, txn.now, lambda row: f"output:{row['subject_key']}", "next_at")
+    for key, row in outputs[:room]:
+        jobs.append(ForgeJob("output", key, _connection(row), row["repo"], row["number"], output={
+            "id": row["id"], "type": row["type"], "labels": row["labels"], "body": row["body"],
+            "attempts": row["attempts"], "created_at": row["created_at"], "todo_id": row["todo_id"],
+            "subject_key": row["subject_key"], "traceparent": row["traceparent"],
+            "attempt_span_id": row["attempt_span_id"]}))
     statuses = txn.all("SELECT s.*, c.kind, c.api_url, c.token_sealed, c.login FROM forge_status s"
                        " JOIN forge_connections c ON c.id = s.connection_id WHERE s.due_at IS NOT NULL ORDER BY s.due_at")
-    for row in statuses:
-        key = f"status:{row['connection_id']}:{row['subject_key']}"
-        if key in busy:
-            continue
-        if row["due_at"] > txn.now:
-            next_due = row["due_at"] if next_due is None else min(next_due, row["due_at"])
-            continue
-        if len(jobs) < room:
-            jobs.append(ForgeJob("status", key, _connection(row), row["repo"], row["number"], status={
-                "subject_key": row["subject_key"], "version": row["version"], "comment_id": row["comment_id"],
-                "attempts": row["attempts"], "due_at": row["due_at"],
-                "text": status_text(txn, row["connection_id"], row["subject_key"])}))
+    statuses, next_status = _due(statuses, busy, txn.now,
+                                 lambda row: f"status:{row['connection_id']}:{row['subject_key']}", "due_at")
+    for key, row in statuses[:room - len(jobs)]:
+        jobs.append(ForgeJob("status", key, _connection(row), row["repo"], row["number"], status={
+            "subject_key": row["subject_key"], "version": row["version"], "comment_id": row["comment_id"],
+            "attempts": row["attempts"], "due_at": row["due_at"],
+            "text": status_text(txn, row["connection_id"], row["subject_key"])}))
     reactions = txn.all("SELECT r.*, c.kind, c.api_url, c.token_sealed, c.login FROM forge_reactions r"
                         " JOIN forge_connections c ON c.id = r.connection_id WHERE r.state = 'pending'"
                         " ORDER BY r.next_at, r.event_id LIMIT ?", (max(room, 1) + len(busy),))
-    for row in reactions:
-        key = f"reaction:{row['event_id']}"
+    reactions, next_reaction = _due(reactions, busy, txn.now, lambda row: f"reaction:{row['event_id']}", "next_at")
+    for key, row in reactions[:room - len(jobs)]:
+        jobs.append(ForgeJob("reaction", key, _connection(row), row["repo"], 0, reaction={
+            "event_id": row["event_id"], "comment_id": row["comment_id"], "content": row["content"],
+            "attempts": row["attempts"]}))
+    later = [moment for moment in (next_output, next_status, next_reaction) if moment is not None]
+    return jobs, min(later) if later else None
+
+
+def _due(rows: list[sqlite3.Row], busy: frozenset[str], now: int, key_of: Callable[[sqlite3.Row], str],
+         due_column: str) -> tuple[list[tuple[str, sqlite3.Row]], int | None]:
+    """Of one kind of send's rows, those due now that no send is busy with (with their busy keys), in order, and
+    the earliest due moment still to come."""
+    due, later = [], None
+    for row in rows:
+        key = key_of(row)
         if key in busy:
             continue
-        if row["next_at"] > txn.now:
-            next_due = row["next_at"] if next_due is None else min(next_due, row["next_at"])
+        if row[due_column] > now:
+            later = row[due_column] if later is None else min(later, row[due_column])
             continue
-        if len(jobs) < room:
-            jobs.append(ForgeJob("reaction", key, _connection(row), row["repo"], 0, reaction={
-                "event_id": row["event_id"], "comment_id": row["comment_id"], "content": row["content"],
-                "attempts": row["attempts"]}))
-    return jobs, next_due
+        due.append((key, row))
+    return due, later
 
 
 def begin_reaction(txn: Txn, event_id: str, attempts: int) -> bool:

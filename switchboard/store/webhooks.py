@@ -164,13 +164,18 @@ def add_trusted_actors(txn: Txn, principal: Principal, webhook_id: str, names: l
             known.add(fold(name))
     document = {**trusted, kind: listed, **({"match": match} if match is not None else {})}
     return set_trusted_actors(txn, principal, webhook_id, parse_model(TrustedActors, document))
+def commands_of(stored: str | None) -> dict:
+    """A webhook connection's `commands` as stored (NULL: nobody may command, and closing cancels)."""
+    return {"logins": [], "on_close": "cancel", **(json.loads(stored) if stored else {})}
+
+
 def _with_connections(txn: Txn, views: list[dict]) -> list[dict]:
     """Each webhook with the forge connection it writes through (its login is one of its trusted actors) and who
     may command through it, or None."""
     ids = [view["id"] for view in views]
     found = {r["webhook_id"]: {"id": r["connection_id"], "kind": r["kind"], "login": r["login"],
                                "mirror": bool(r["mirror"]),
-                               "commands": {"logins": [], "on_close": "cancel", **json.loads(r["commands"] or "{}")}}
+                               "commands": commands_of(r["commands"])}
              for r in txn.all(f"SELECT wc.webhook_id, wc.connection_id, wc.mirror, wc.commands, c.kind, c.login"
                               f" FROM webhook_connections wc JOIN forge_connections c ON c.id = wc.connection_id"
                               f" WHERE wc.webhook_id IN ({', '.join('?' * len(ids))})", ids)} if ids else {}
