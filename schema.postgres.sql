@@ -48,6 +48,17 @@ EXCEPTION WHEN data_exception THEN
     RETURN NULL;
 END $$;
 
+-- A transaction's check of what its process remembered (a token's principal, a read found empty): it fails the
+-- transaction, and so the COMMIT sent behind it, when the check no longer holds (switchboard.postgres.PgTxn).
+CREATE OR REPLACE FUNCTION switchboard_confirm(holds boolean, what text) RETURNS boolean
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF holds IS NOT TRUE THEN
+        RAISE EXCEPTION 'switchboard_confirm: % changed', what;
+    END IF;
+    RETURN true;
+END $$;
+
 -- SQLite's json_type for what schema.sql asks of it ('object', 'array'); NULL for a text that is not JSON, where
 -- SQLite raises instead (every CHECK asks switchboard_json_valid first, so both refuse the row).
 CREATE OR REPLACE FUNCTION switchboard_json_type(document text) RETURNS text

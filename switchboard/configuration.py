@@ -26,7 +26,7 @@ SCHEMA_PATH = shipped_path("schema.sql")
 # The rule packs that ship with Switchboard (`rules set --pack fleet`), wherever it is installed.
 PACKS_DIR = shipped_path("packs")
 PACK_NAMES = ("fleet", "pool-review")
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 # `check` fails when the clocks of the processes serving one Postgres database are further apart: leases,
 # deferrals and backoff are stamped by whichever process runs the verb.
 MAX_CLOCK_SKEW_MS = 2000

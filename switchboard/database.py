@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import contextvars
 import queue as queue_module
 import sqlite3
 import threading
@@ -49,6 +50,14 @@ _CHECKPOINT = object()
 Row = sqlite3.Row
 
 
+# The re-check of the principal the current request acts for, when a process's memory supplied it
+# (Flows.principal): each transaction the request runs confirms it before COMMIT (Postgres). A context variable, so
+# that every store call of the request is covered, whatever it passes; a task the request starts for others runs in
+# a context of its own.
+PRINCIPAL_RECHECK: contextvars.ContextVar[tuple[str, tuple] | None] = contextvars.ContextVar("principal_recheck",
+                                                                                              default=None)
+
+
 class Txn:
     """What a transaction body sees: the connection, one fixed `now`, and what to do after commit.
 
@@ -77,6 +86,11 @@ class Txn:
         self.outbox = False  # whether this transaction queued notifications (the sender wakes after commit)
         self.logs: list[str] = []
         self.counts: collections.Counter = collections.Counter()
+        # Todos whose row this transaction holds (read FOR UPDATE, or picked by a claim): their state cannot move
+        # under it, so a transition of one needs no word back on whether it still found the state it read.
+        self.held: set[str] = set()
+        # Events this transaction recorded for a webhook that mirrors through no connection (mark_status).
+        self.unmirrored: set[str] = set()
 
     def unseal(self, sealed: bytes, bound_to: str) -> bytes:
         if self.opener is None:
@@ -101,6 +115,26 @@ class Txn:
     def all(self, sql: str, params: Iterable = ()) -> list[sqlite3.Row]:
         return self.conn.execute(sql, tuple(params)).fetchall()
 
+    def read_ahead(self, sql: str, params: Iterable = ()) -> None:
+        """A read the body will (likely) make later with these very statement and parameters, sent now where reads
+        cost a round trip (Postgres: in the flight of the next read; `one`/`all` then take its rows). SQLite reads
+        when asked."""
+
+    def confirm_exists(self, sql: str, params: Iterable = ()) -> None:
+        """The body goes on as if `sql` finds a row now. Where a read judged other tables as they were when it
+        began while writers run side by side (Postgres), the transaction checks it before its COMMIT and runs again
+        if it does not hold; SQLite's one writer read it in this very transaction, so it holds."""
+
+    def all_usually_none(self, sql: str, params: Iterable = ()) -> list[sqlite3.Row]:
+        """`all` for a read whose answer is nearly always no rows and seldom changes (a queue without controls, an
+        event whose webhook mirrors nowhere). Where a read costs a round trip (Postgres), a "none" is remembered
+        by the process and confirmed inside each transaction that relies on it; SQLite just reads."""
+        return self.all(sql, params)
+
+    def settle(self) -> None:
+        """Have every statement sent so far run, raising here what one of them met (Postgres sends statements whose
+        results are not read later, together; SQLite runs each as it is called)."""
+
     def has_table(self, name: str) -> bool:
         """Whether the table exists (a body that also reads databases older migrations have not reached yet)."""
         return self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (name,)).fetchone() is not None
@@ -120,6 +154,7 @@ class Database:
 
     engine = "sqlite"
     one_writer = True  # every write of every process waits for the one lock on the file
+    caches_principals = False  # a token's lookup is one indexed row in this process: cheaper than a cache's checks
     is_leader = True
     poll_seconds = None  # a waiting claim needs no poll: every ring is this process's own
 
@@ -401,6 +436,11 @@ class Database:
         back."""
         with self._reading():
             return fn(Txn(self._reader(), self.clock.now_ms(), False), *args)
+
+    async def lookup(self, fn: Callable, *args) -> Any:
+        """read_statement from the event loop: inline, where one indexed row under WAL (which never waits on the
+        writer) costs less than the hop to a thread and back."""
+        return self.read_statement(fn, *args)
 
     async def read(self, fn: Callable, *args) -> Any:
         import anyio.to_thread  # as in write()

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -27,8 +28,8 @@ from switchboard.configuration import (
     Vitals,
     log,
 )
-from switchboard.crypto import SecretBox
-from switchboard.database import Database
+from switchboard.crypto import SecretBox, token_hash
+from switchboard.database import PRINCIPAL_RECHECK, Database
 from switchboard.doorbell import RING_FIELDS, Doorbell, Session
 from switchboard.envelope import build_envelope, envelope_document, envelope_record
 from switchboard.evaluator import (
@@ -65,7 +66,7 @@ from switchboard.store.connections import add_connection
 from switchboard.store.deliveries import Delivery, DeliverySpans, duplicate_of, find_webhook, record_delivery
 from switchboard.store.forge_control import read_command
 from switchboard.store.outbox import add_channel, notify_verification_failures, queue_test_message
-from switchboard.store.principals import Principal
+from switchboard.store.principals import Principal, authenticate
 from switchboard.store.quarantine import apply_quarantine_release, prepare_quarantine_release
 from switchboard.store.replay import (
     apply_replays,
@@ -82,6 +83,11 @@ from switchboard.store.transitions import claim_next, claim_queues, hand_back_un
 from switchboard.store.upkeep import prune, rings_for_new_session, scheduler_tick
 from switchboard.store.webhooks import commands_of
 from switchboard.tracing import new_span_id, new_trace_id, parse_traceparent
+
+# A remembered principal (Flows.principal) is looked up afresh after this long (each transaction re-checks it
+# anyway), and at most this many are kept.
+PRINCIPAL_CACHE_SECONDS = 10.0
+PRINCIPAL_CACHE_SIZE = 4096
 
 
 async def stream_queue(queue: asyncio.Queue, first: list[str]) -> AsyncIterator[str]:
@@ -323,12 +329,37 @@ class Flows:
         self.changes = Changes()  # told by the background loop's probe; the Board's live view listens
         self.passing: set[asyncio.Task] = set()  # rings being passed on (a task needs a holder)
         self.tracing: Callable[[list[dict]], None] | None = None  # the span exporter's emit (app), if any
+        self.principals: dict[str, tuple[Principal, float]] = {}  # by token hash: (principal, monotonic expiry)
+
+    async def principal(self, token: str, *, remembered: bool = False) -> Principal | None:
+        """Who a bearer token names (None: nobody). Where a lookup is a round trip to a database server (Postgres)
+        and the caller answers only through transactions (`remembered`), a principal found is remembered for
+        PRINCIPAL_CACHE_SECONDS, and the request it serves then has every transaction confirm in its first flight
+        that the token still names it (PRINCIPAL_RECHECK): a revoked or replaced token stops at once, in every
+        process. Any other caller (an MCP session opening, a doorbell stream) looks the token up. SQLite's lookup
+        is one indexed row in this process, which costs less than remembering."""
+        PRINCIPAL_RECHECK.set(None)
+        if not (remembered and self.db.caches_principals):
+            return await self.db.lookup(authenticate, token)
+        digest = token_hash(token)
+        now = time.monotonic()
+        hit = self.principals.get(digest)
+        if hit is not None and hit[1] > now:
+            PRINCIPAL_RECHECK.set(hit[0].recheck(digest))
+            return hit[0]
+        principal = await self.db.read(authenticate, token)
+        self.principals.pop(digest, None)
+        if principal is not None:
+            if len(self.principals) >= PRINCIPAL_CACHE_SIZE:
+                self.principals.pop(next(iter(self.principals)))
+            self.principals[digest] = (principal, now + PRINCIPAL_CACHE_SECONDS)
+        return principal
 
     def pass_on(self, rings: list[dict]) -> None:
         """Rings a waiting claim was given and did not use, for the next session in line: only those whose todo is
         still pending. Where claims run side by side (Postgres) a claim rung for one todo may take another, and
         the ring of a todo claimed meanwhile would wake a worker in vain, which would pass it on in turn."""
-        task = asyncio.get_running_loop().create_task(self._pass_on(rings))
+        task = asyncio.get_running_loop().create_task(self._pass_on(rings), context=contextvars.Context())
         self.passing.add(task)
         task.add_done_callback(self.passing.discard)
 
@@ -381,7 +412,7 @@ class Flows:
         gate.deliveries.append(pending)
         if not gate.dispatching:
             gate.dispatching = True
-            task = asyncio.get_running_loop().create_task(self._dispatch(tenant, gate))
+            task = asyncio.get_running_loop().create_task(self._dispatch(tenant, gate), context=contextvars.Context())
             self.dispatchers.add(task)
             task.add_done_callback(self.dispatchers.discard)
         try:
@@ -465,9 +496,8 @@ class Flows:
     # -- deliveries ----------------------------------------------------------------------------------
     async def open_webhook(self, token: str, source: str) -> sqlite3.Row:
         """The webhook behind an ingest URL, ready to take a delivery from `source`, before any body is read.
-        Looked up on the event loop: one indexed row under WAL (which never waits on the writer) costs less than
-        the hop to a thread and back."""
-        webhook = self.db.read_statement(find_webhook, token)
+        (Database.lookup: on the event loop in SQLite mode.)"""
+        webhook = await self.db.lookup(find_webhook, token)
         if webhook is None:
             raise ApiError("not_found", "no such webhook")
         if webhook["owner_revoked_at"] is not None:
@@ -567,7 +597,7 @@ class Flows:
         key, body_hash = delivery_key(provider, headers, payload, body), hashlib.sha256(body).hexdigest()
         # With rules, dedup comes before evaluation: a redelivery answers its first outcome even when the sandbox
         # is down. The write transaction checks again (and alone, without rules), so racing redeliveries mint once.
-        seen = self.db.read_statement(duplicate_of, webhook, key, body_hash) if webhook["rules"] else None
+        seen = await self.db.lookup(duplicate_of, webhook, key, body_hash) if webhook["rules"] else None
         if seen is not None:
             self.metrics.deliveries.labels(provider, "duplicate").inc()
             return 202, seen
@@ -580,7 +610,8 @@ class Flows:
         # Its trace's ids, minted whether or not anything exports: its todos are sent under its route span.
         spans = DeliverySpans(new_trace_id(), new_span_id(), new_span_id())
         outcome = await self.db.write(record_delivery, Delivery(
-            webhook_id=webhook["id"], token_hash=webhook["token_hash"], body=body, envelope=envelope,
+            webhook_id=webhook["id"], endpoint_id=webhook["endpoint_id"], token_hash=webhook["token_hash"], body=body,
+            envelope=envelope,
             envelope_record=record, headers_json=headers_json,
             delivery_key=key, body_hash=body_hash, action=action, trace=trace, spans=spans))
         self.metrics.count_delivery(provider, outcome, trace)

@@ -82,6 +82,16 @@ _TODO_ROWS_VIEW = (
     " (SELECT replace(e.envelope, '\\u0000', '\\ufffd')::json ->> 'content_type' FROM events e"
     " WHERE e.id = t.event_id) AS event_content_type FROM todos t")
 
+# Postgres's switchboard_confirm, as schema.postgres.sql makes it (migration 13).
+_CONFIRM_FUNCTION = """CREATE OR REPLACE FUNCTION switchboard_confirm(holds boolean, what text) RETURNS boolean
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF holds IS NOT TRUE THEN
+        RAISE EXCEPTION 'switchboard_confirm: % changed', what;
+    END IF;
+    RETURN true;
+END $$"""
+
 # Explicit, ordered migrations: MIGRATIONS[v] upgrades a database from version v to v + 1. Steps 1 to 8 are SQLite's
 # alone (no Postgres database was ever older than 9).
 MIGRATIONS: dict[int, Migration] = {
@@ -230,6 +240,10 @@ MIGRATIONS: dict[int, Migration] = {
             " issue_key TEXT NOT NULL CHECK (length(issue_key) BETWEEN 1 AND 4096), event_id TEXT,"
             " linked_at BIGINT NOT NULL, PRIMARY KEY (human_id, pull_key, issue_key))",
             "CREATE INDEX subject_links_by_issue ON subject_links(human_id, issue_key, pull_key)")),
+    13: Migration(
+        "Postgres at speed: switchboard_confirm, the statement with which a transaction checks what its process"
+        " remembered (a token's principal, a read found empty) in the flight of its COMMIT. SQLite: nothing changes",
+        postgres=(_CONFIRM_FUNCTION,)),
 }
 
 # Columns that moved to a table of their own: (table, column) -> (new table, the copy). Whichever migration first

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import json
 import os
 import random
@@ -20,7 +21,9 @@ import re
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -31,7 +34,7 @@ from psycopg.pq import Format
 
 from switchboard.configuration import SCHEMA_VERSION, ApiError, Clock, log, shipped_path
 from switchboard.crypto import new_id
-from switchboard.database import Txn
+from switchboard.database import PRINCIPAL_RECHECK, Txn
 from switchboard.migrations import CREATED, MIGRATIONS, POSTGRES_FIRST_VERSION, RECORD_STEP, Migration
 
 if TYPE_CHECKING:
@@ -41,12 +44,20 @@ if TYPE_CHECKING:
 RETRIED = (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected, psycopg.errors.UniqueViolation,
            psycopg.errors.LockNotAvailable)
 MAX_ATTEMPTS = 8
+_traced_connections = itertools.count(1)
 LEADER_LOCK = 0x5357_4c45_4144  # "SWLEAD": pg_try_advisory_lock's key for the leader
 MIGRATE_LOCK = 0x5357_4d49_4752  # "SWMIGR": one process migrates, the others wait for it
 HEARTBEAT_SECONDS = 2.0
 PROCESS_STALE_MS = 15_000  # a process not heard of for this long is gone: its ring listeners are dropped
 RING_CHANNEL = "switchboard_ring_"  # + the process id: NOTIFY payloads are the rings chosen for that process
+PROTOCOL_TRACE = "SWITCHBOARD_PG_TRACE"  # a directory: each pooled connection's libpq trace (_trace_protocol)
 OUTBOX_CHANNEL = "switchboard_outbox"  # a commit wrote to an outbox: the leader's senders look (whoever committed)
+BEGIN = "BEGIN"
+CONFIRM_FAILED = "switchboard_confirm:"  # how the message of a failed check of what the process remembered begins
+PRINCIPAL_GONE = "principal"
+STALE_NONE = "none"
+SAVEPOINT_COMMANDS = ("SAVEPOINT ", "ROLLBACK TO ", "RELEASE ")
+BEGIN_READING = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"  # one snapshot for every read of the body
 
 
 class Row(tuple):
@@ -99,6 +110,14 @@ _REWRITES = (
 )
 
 
+_WRITES = re.compile(r"\s*(?:INSERT (?:OR \w+ )?INTO|UPDATE|DELETE FROM) (\w+)")
+
+
+@functools.lru_cache(maxsize=256)
+def _tables_read(sql: str) -> frozenset[str]:
+    return frozenset(re.findall(r"\b(?:FROM|JOIN) (\w+)", sql))
+
+
 @functools.lru_cache(maxsize=4096)
 def dialect_sql(sql: str) -> str:
     """A store statement as Postgres takes it: `?` placeholders become `%s` (a literal `%` doubles), and the
@@ -108,6 +127,81 @@ def dialect_sql(sql: str) -> str:
     return sql.replace("%", "%%").replace("?", "%s")
 
 
+def _trace_protocol(conn: psycopg.Connection, directory: Path) -> None:
+    """libpq's trace of every message this connection sends and receives, in a file of its own in `directory`
+    (`SWITCHBOARD_PG_TRACE`): what a statement costs on the wire, and the benchmark's and tests' count of round trips
+    (round_trips). The file stays open as long as the connection; it names no secret, but it does hold the
+    statements' parameters, so the directory is the operator's to guard and empty."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{os.getpid()}-{next(_traced_connections)}.trace"
+    stream = open(path, "w")  # noqa: SIM115 - closed with the connection, below
+    conn.pgconn.trace(stream.fileno())
+    conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE)
+    weakref.finalize(conn, stream.close)
+
+
+def round_trips(trace: str) -> int:
+    """How many times a connection sent and then waited for the server, in a libpq trace's lines: each turn from
+    the frontend's messages (F) to the backend's (B) is one round trip, however many statements went in it."""
+    turns, sending = 0, False
+    for line in trace.splitlines():
+        if line.startswith("F"):
+            sending = True
+        elif line.startswith("B") and sending:
+            turns += 1
+            sending = False
+    return turns
+
+
+class KnownNones:
+    """The reads (statement and parameters) this process found empty, for Txn.all_usually_none: a bounded set,
+    oldest forgotten first, shared by the pool's threads."""
+
+    def __init__(self, most: int = 8192):
+        self.most = most
+        self._keys: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def known(self, key: tuple) -> bool:
+        return key in self._keys
+
+    def remember(self, key: tuple) -> None:
+        with self._lock:
+            self._keys[key] = None
+            while len(self._keys) > self.most:
+                self._keys.popitem(last=False)
+
+    def forget(self, key: tuple) -> None:
+        with self._lock:
+            self._keys.pop(key, None)
+
+
+class Sent:
+    """A statement sent in the transaction's pipeline: its result is read only when the body asks for it (its rows,
+    or how many rows it changed), so statements whose results nobody reads go to the server together with the next
+    one that is read, or with the COMMIT."""
+
+    __slots__ = ("pipeline", "cursor")
+
+    def __init__(self, pipeline: psycopg.Pipeline | None, cursor: psycopg.Cursor):
+        self.pipeline, self.cursor = pipeline, cursor
+
+    @property
+    def rowcount(self) -> int:
+        if self.pipeline is not None:  # the count arrives with the result: send what waits, and read it
+            self.pipeline.sync()
+        return self.cursor.rowcount
+
+    def fetchone(self) -> Row | None:
+        return self.cursor.fetchone()
+
+    def fetchall(self) -> list[Row]:
+        return self.cursor.fetchall()
+
+    def __iter__(self):
+        return iter(self.cursor.fetchall())
+
+
 class PgTxn(Txn):
     """A body's view on Postgres: the same calls, on one pooled connection inside one READ COMMITTED transaction;
     the lock vocabulary takes real locks."""
@@ -115,6 +209,65 @@ class PgTxn(Txn):
     skip_locked = " FOR UPDATE SKIP LOCKED"
     for_update = " FOR UPDATE"
     engine = "postgres"
+
+    def __init__(self, conn: psycopg.Connection, now: int, inline_rings: bool,
+                 pipeline: psycopg.Pipeline | None = None, nones: KnownNones | None = None,
+                 rechecks: Iterable[tuple[str, tuple]] = ()):
+        super().__init__(conn, now, inline_rings)
+        self.pipeline = pipeline  # None: a one-statement read in autocommit (read_statement)
+        self.nones = nones
+        # Each check of what the process remembered (a principal behind a token, PRINCIPAL_RECHECK; a read found
+        # empty, all_usually_none) is a statement that fails the transaction when it no longer holds
+        # (switchboard_confirm): sent where the body would have read, it costs no flight of its own, and a COMMIT
+        # behind a failed one is never run.
+        self.checks = len(rechecks)
+        for sql, params in rechecks:
+            conn.execute(dialect_sql(f"SELECT switchboard_confirm(EXISTS ({sql}), '{PRINCIPAL_GONE}')"), params)
+        self.relied: set[tuple] = set()
+        self.written: set[str] = set()  # the tables this transaction's statements wrote (not its triggers)
+        self.ahead: dict[tuple, psycopg.Cursor] = {}  # read_ahead's statements, by (statement, parameters)
+
+    def read_ahead(self, sql: str, params: Iterable = ()) -> None:
+        if self.pipeline is not None:
+            key = (sql, tuple(params))
+            self.ahead[key] = self.conn.execute(dialect_sql(sql), key[1])
+
+    def all_usually_none(self, sql: str, params: Iterable = ()) -> list[Row]:
+        key = (sql, tuple(params))
+        if self.nones is None or (self.written and self.written & _tables_read(sql)):
+            return self.all(sql, key[1])  # what this transaction wrote is read, and not remembered
+        if not self.nones.known(key):
+            rows = self.all(sql, key[1])
+            if not rows:
+                self.nones.remember(key)
+            return rows
+        if key not in self.relied:
+            self.relied.add(key)
+            self.checks += 1
+            self.conn.execute(dialect_sql(f"SELECT switchboard_confirm(NOT EXISTS ({sql}), '{STALE_NONE}')"), key[1])
+        return []
+
+    def confirm_exists(self, sql: str, params: Iterable = ()) -> None:
+        self.checks += 1
+        self.conn.execute(dialect_sql(f"SELECT switchboard_confirm(EXISTS ({sql}), 'what was read')"), tuple(params))
+
+    def confirm(self) -> None:
+        """Before a refusal goes out: what it was decided on still held (a failed check raises here)."""
+        if self.checks and self.pipeline is not None:
+            self.pipeline.sync()
+
+    def trusted_wrongly(self, exc: psycopg.errors.RaiseException) -> bool:
+        """Whether `exc` is a failed check (switchboard_confirm). A principal whose token no longer names it is
+        refused, `unauthenticated`; a "none" no longer none is forgotten, and the body runs again, reading (True)."""
+        message = exc.diag.message_primary or ""
+        if not message.startswith(CONFIRM_FAILED):
+            return False
+        if PRINCIPAL_GONE in message:
+            raise ApiError("unauthenticated", "unknown or revoked token") from None
+        for key in self.relied:
+            self.nones.forget(key)
+        return True
+
 
     def reading(self) -> PgTxn:
         """A read-only body's view: a body shared with writers (a verb's checks run ahead of its write) takes no
@@ -129,18 +282,34 @@ class PgTxn(Txn):
     def lock_key(self, *parts: str) -> None:
         self.conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("\x1f".join(parts),))
 
-    def execute(self, sql: str, params: Iterable = ()) -> psycopg.Cursor:
-        return self.conn.execute(dialect_sql(sql), tuple(params))
+    def execute(self, sql: str, params: Iterable = ()) -> Sent:
+        # A savepoint's commands are not prepared: psycopg would forget every prepared statement when it reads a
+        # ROLLBACK TO's answer, after the pipeline already sent later statements by their prepared names
+        prepare = False if sql.startswith(SAVEPOINT_COMMANDS) else None
+        if (written := _WRITES.match(sql)) is not None:
+            self.written.add(written.group(1))
+        return Sent(self.pipeline, self.conn.execute(dialect_sql(sql), tuple(params), prepare=prepare))
 
     def executemany(self, sql: str, rows: Iterable[Iterable]) -> None:
+        if (written := _WRITES.match(sql)) is not None:
+            self.written.add(written.group(1))
         with self.conn.cursor() as cursor:
             cursor.executemany(dialect_sql(sql), [tuple(r) for r in rows])
 
     def one(self, sql: str, params: Iterable = ()) -> Row | None:
-        return self.conn.execute(dialect_sql(sql), tuple(params)).fetchone()
+        return self._read(sql, tuple(params)).fetchone()
 
     def all(self, sql: str, params: Iterable = ()) -> list[Row]:
-        return self.conn.execute(dialect_sql(sql), tuple(params)).fetchall()
+        return self._read(sql, tuple(params)).fetchall()
+
+    def _read(self, sql: str, params: tuple) -> psycopg.Cursor:
+        if self.ahead and (sent := self.ahead.pop((sql, params), None)) is not None:
+            return sent
+        return self.conn.execute(dialect_sql(sql), params)
+
+    def settle(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.sync()
 
     def has_table(self, name: str) -> bool:
         return self.conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()[0]
@@ -223,6 +392,7 @@ class Postgres:
 
     engine = "postgres"
     one_writer = False  # writers run side by side, meeting only on the rows they lock
+    caches_principals = True  # a token's lookup is a round trip: Flows keeps principals, each transaction re-checks
     # How long a waiting claim trusts the rings before it looks at the queue again: a ring from another process can
     # be lost on its way. A process that does not listen (tests driving the app by hand) hears only its own rings.
     poll_seconds: float | None = 2.0
@@ -243,6 +413,7 @@ class Postgres:
         self.loop: AbstractEventLoop | None = None
         self.counts: collections.Counter = collections.Counter()
         self.counts_lock = threading.Lock()
+        self.nones = KnownNones()
         self.failure: str | None = None
         self.process_id = new_id("pr")
         self.is_leader = not listen
@@ -269,28 +440,53 @@ class Postgres:
     def _on_connect(conn: psycopg.Connection) -> None:
         _configure(conn)
         conn.autocommit = True  # transactions are opened explicitly: a one-statement read needs none
+        if os.environ.get(PROTOCOL_TRACE):
+            _trace_protocol(conn, Path(os.environ[PROTOCOL_TRACE]))
 
     # -- writing ---------------------------------------------------------------------------------
     def _run(self, fn: Callable, args: tuple, *, read_only: bool = False) -> tuple[Any, list[dict]]:
         """The body as one transaction, run again (a new `now` and all) when it met another writer's transaction
-        in a way Postgres resolves by aborting one of them."""
+        in a way Postgres resolves by aborting one of them. The transaction runs in pipeline mode: BEGIN, every
+        statement whose result the body does not read, the rings' routing and the COMMIT go in as few flights as
+        the body's reads allow (Sent), and the answer is given only once the COMMIT's own answer came back."""
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
                 with self._pool.connection() as conn:
-                    with conn.transaction():
-                        if read_only:
-                            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                        txn = PgTxn(conn, self.clock.now_ms(), self.inline_rings and not read_only)
-                        txn.opener = self.opener
-                        if self.on_spans and not read_only:
-                            txn.spans = []
-                        if read_only:
-                            txn.reading()
-                        result = fn(txn, *args)
-                        local = self._route_rings(txn) if txn.rings else []
-                        if txn.outbox and not self.is_leader:
-                            conn.execute(f"NOTIFY {OUTBOX_CHANNEL}")
+                    try:
+                        with conn.pipeline() as pipeline:
+                            conn.execute(BEGIN_READING if read_only else BEGIN, prepare=False)
+                            # A principal the process remembered (Flows.principal) is re-checked by each
+                            # transaction acting for it: in the first flight, its answer read before COMMIT.
+                            recheck = PRINCIPAL_RECHECK.get()
+                            txn = PgTxn(conn, self.clock.now_ms(), self.inline_rings and not read_only, pipeline,
+                                        self.nones, [recheck] if recheck else [])
+                            txn.opener = self.opener
+                            if self.on_spans and not read_only:
+                                txn.spans = []
+                            if read_only:
+                                txn.reading()
+                            try:
+                                result = fn(txn, *args)
+                            except Exception as exc:
+                                if not isinstance(exc, psycopg.Error):
+                                    txn.confirm()  # an answer given on trust that no longer holds is no answer
+                                raise
+                            routed = self._route_rings(txn) if txn.rings else []
+                            if txn.outbox and not self.is_leader:
+                                conn.execute(f"NOTIFY {OUTBOX_CHANNEL}", prepare=False)
+                            conn.execute("COMMIT", prepare=False)
+                    except BaseException:
+                        # psycopg's own rollback: it also forgets statements prepared in what was rolled back
+                        if not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                            conn.rollback()
+                        raise
                 break
+            except psycopg.errors.RaiseException as exc:
+                if not txn.trusted_wrongly(exc):
+                    raise
+                if attempt == MAX_ATTEMPTS:
+                    raise ApiError("unavailable", f"the write found {MAX_ATTEMPTS} times that what this process"
+                                                  " remembered had changed") from None
             except RETRIED as exc:
                 if attempt == MAX_ATTEMPTS:
                     raise ApiError("unavailable", f"the write met others {MAX_ATTEMPTS} times: {exc}") from None
@@ -308,23 +504,20 @@ class Postgres:
             self.on_outbox()
         if txn.spans and self.on_spans:
             self.on_spans(txn.spans)
-        return result, local
+        return result, [ring for ring, chosen in routed if chosen.fetchone() is None]
 
-    def _route_rings(self, txn: PgTxn) -> list[dict]:
+    def _route_rings(self, txn: PgTxn) -> list[tuple[dict, psycopg.Cursor]]:
         """Choose, inside the committing transaction, the process each ring goes to: one whose sessions listen on the
-        todo's endpoint and queue, waiting claims before streams. Rings for this process come back (the doorbell
-        rings them after commit); a ring for another goes by NOTIFY, which Postgres delivers only if this commits.
-        A ring nobody listens for is not sent: the todo waits for the next claim, as in SQLite mode."""
-        local = []
-        for ring in txn.rings:
-            row = txn.conn.execute(
-                "SELECT process_id FROM ring_listeners WHERE endpoint_id = %s AND (queues IS NULL OR %s = ANY(queues))"
-                " ORDER BY waiting DESC, random() LIMIT 1", (ring["endpoint_id"], ring["queue"])).fetchone()
-            if row is None or row[0] == self.process_id:
-                local.append(ring)
-            else:
-                txn.conn.execute("SELECT pg_notify(%s, %s)", (RING_CHANNEL + row[0], json.dumps(ring)))
-        return local
+        todo's endpoint and queue, waiting claims before streams. A ring for another process goes by NOTIFY, which
+        Postgres delivers only if this commits; each ring's statement answers with a row only then, so the rings that
+        come back without one (read after the COMMIT, in the same flight) are this process's, for the doorbell. A
+        ring nobody listens for is not sent: the todo waits for the next claim, as in SQLite mode."""
+        return [(ring, txn.conn.execute(
+            "SELECT pg_notify(%s || chosen.process_id, %s) FROM (SELECT process_id FROM ring_listeners"
+            " WHERE endpoint_id = %s AND (queues IS NULL OR %s = ANY(queues)) ORDER BY waiting DESC, random() LIMIT 1)"
+            " chosen WHERE chosen.process_id <> %s",
+            (RING_CHANNEL, json.dumps(ring), ring["endpoint_id"], ring["queue"], self.process_id)))
+            for ring in txn.rings]
 
     def write_sync(self, fn: Callable, *args) -> Any:
         result, rings = self._run(fn, args)
@@ -356,6 +549,12 @@ class Postgres:
                 return fn(PgTxn(conn, self.clock.now_ms(), False).reading(), *args)
         except psycopg.OperationalError as exc:
             raise ApiError("unavailable", f"the database is unreachable: {exc}") from None
+
+    async def lookup(self, fn: Callable, *args) -> Any:
+        """read_statement from the event loop: on a thread, since it waits for a pooled connection and the network."""
+        import anyio.to_thread
+
+        return await anyio.to_thread.run_sync(self.read_statement, fn, *args)
 
     async def read(self, fn: Callable, *args) -> Any:
         import anyio.to_thread

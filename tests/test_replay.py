@@ -280,7 +280,8 @@ def store_deliveries(app, hook: dict, start: int, n: int, event: str) -> None:
         action = {"drop": True}
         trace = {"stage": "rule", "rule_index": 0, "rule_id": "drop-all", "rule_name": None, "action": action}
         deliveries.append(Delivery(
-            webhook_id=hook["id"], token_hash=token_hash(token), body=raw, envelope=envelope,
+            webhook_id=hook["id"], endpoint_id=hook["endpoint_id"], token_hash=token_hash(token), body=raw,
+            envelope=envelope,
             envelope_record=envelope_record(envelope), headers_json=json.dumps(envelope["headers"]),
             delivery_key=delivery_key("github", headers, payload, raw), body_hash=hashlib.sha256(raw).hexdigest(),
             action=action, trace=trace))

@@ -94,7 +94,6 @@ from switchboard.store.human_actions import push_todo
 from switchboard.store.outbox import list_channels, outputs_held, remove_channel
 from switchboard.store.principals import (
     Principal,
-    authenticate,
     friend_approve,
     friend_request,
     list_endpoints,
@@ -365,11 +364,13 @@ class Api:
         self.proxies = proxies or TrustedProxies()
         self.ingest_buffer = BodyBudget(INGEST_BUFFER_BYTES)
 
-    async def principal(self, request: Request) -> Principal:
+    async def principal(self, request: Request, *, remembered: bool = False) -> Principal:
+        """Who the bearer token names. `remembered`: the route runs a transaction for every answer it gives, which
+        re-checks a principal the process remembered (Flows.principal); any other route looks the token up."""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise ApiError("unauthenticated", "send Authorization: Bearer <token>")
-        principal = self.db.read_statement(authenticate, token.strip())  # on the loop, as open_webhook: one indexed row
+        principal = await self.flows.principal(token.strip(), remembered=remembered)
         if principal is None:
             raise ApiError("unauthenticated", "unknown or revoked token")
         return principal
@@ -394,7 +395,7 @@ class Api:
         return PlainTextResponse(f"ok {VERSION}")
 
     async def claim_next(self, request: Request) -> Response:
-        principal = await self.principal(request)
+        principal = await self.principal(request, remembered=True)
         principal.require_verb("claim_next")
         body = await self.body(request, ClaimNext)
         return JsonResponse(await self.flows.claim(principal, body, gone_future(request, body)))
@@ -486,7 +487,7 @@ class Api:
     async def run_store(self, request: Request, route: ApiRoute) -> Response:
         """A route that is one store function in one transaction, or one flow, called with the principal, the
         path's parameters in order, then the validated body or query."""
-        principal = await self.principal(request)
+        principal = await self.principal(request, remembered=route.store is not None)
         # The token's kind first: the wrong kind is 403 whatever the body holds (it is not read).
         if route.auth == "human":
             principal.require_human(f"{route.method} {documented_path(route.path)}")

@@ -26,7 +26,7 @@ from switchboard.store.principals import Principal
 from switchboard.store.subjects import note_delivery
 from switchboard.store.todos import stored_json
 from switchboard.store.transitions import claim_once, create_todo, record_event
-from switchboard.store.webhooks import commands_of, visible_webhook, webhook_targets
+from switchboard.store.webhooks import commands_of, read_targets_ahead, visible_webhook, webhook_targets
 from switchboard.tracing import parse_traceparent
 
 # -- events -----------------------------------------------------------------------------------------
@@ -85,6 +85,7 @@ def get_event(txn: Txn, principal: Principal, event_id: str) -> dict:
 class Delivery:
     """A verified delivery and its routing decision, ready to be recorded in one transaction."""
     webhook_id: str
+    endpoint_id: str  # its owner endpoint, for good: the targets are read ahead, in the transaction's first flight
     token_hash: str
     body: bytes
     envelope: dict
@@ -311,6 +312,7 @@ def steer(txn: Txn, webhook: sqlite3.Row, envelope: dict, plan: Plan, event_id: 
 def record_delivery(txn: Txn, delivery: Delivery) -> dict:
     """One transaction: dedup, the once claim, the event row, and one todo per chosen target (or a held
     one), all or nothing."""
+    read_targets_ahead(txn, delivery.endpoint_id, delivery.webhook_id)
     # The webhook as it is now, and in the same statement whether this delivery was seen before.
     webhook = txn.one(f"SELECT w.*, e.human_id, ({_FIRST_OUTCOME}) AS first_outcome, wc.connection_id,"
                       " wc.commands AS connection_commands, c.login AS connection_login FROM webhooks w"
@@ -335,6 +337,8 @@ def record_delivery(txn: Txn, delivery: Delivery) -> dict:
         plan.trace["payload_detail"] = parse_payload({"content-type": envelope["content_type"] or ""},
                                                      delivery.body)[2]
     event_id = new_id("ev")
+    if webhook["connection_id"] is None:  # read above: nothing this delivery makes is mirrored to a forge
+        txn.unmirrored.add(event_id)
     command = steer(txn, webhook, envelope, plan, event_id)
     if plan.disposition == "routed" and plan.once_key:
         claim_once(txn, webhook["id"], plan.once_key, event_id, delivery.action["queue"])

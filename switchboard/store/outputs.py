@@ -224,13 +224,16 @@ def mark_status(txn: Txn, todo_id: str, subject_key: str | None, event_id: str |
     """A todo about an issue changed: when its webhook mirrors through a connection that covers the issue, the
     issue's status comment is due again, at least STATUS_EDIT_MS after its last edit. Only verified deliveries'
     todos are mirrored (an unverified body could name any issue)."""
-    if subject_key is None or event_id is None:
+    if subject_key is None or event_id is None or event_id in txn.unmirrored:
         return
-    row = txn.one("SELECT c.id, c.kind, c.repos FROM events e JOIN webhook_connections wc ON wc.webhook_id ="
-                  " e.webhook_id JOIN forge_connections c ON c.id = wc.connection_id"
-                  " WHERE e.id = ? AND wc.mirror = 1 AND e.verified = 1", (event_id,))
-    if row is None:
+    if not txn.all_usually_none("SELECT 1 FROM webhook_connections WHERE mirror = 1 LIMIT 1"):
+        return  # nothing mirrors anywhere: no read about the event (Postgres: no round trip at all)
+    rows = txn.all_usually_none("SELECT c.id, c.kind, c.repos FROM events e JOIN webhook_connections wc"
+                                " ON wc.webhook_id = e.webhook_id JOIN forge_connections c ON c.id = wc.connection_id"
+                                " WHERE e.id = ? AND wc.mirror = 1 AND e.verified = 1", (event_id,))
+    if not rows:
         return
+    row = rows[0]
     provider, _, rest = subject_key.partition(":")
     repo, _, number = rest.rpartition("#")
     if provider != row["kind"] or not number.isdigit() or not _REPO.match(repo) or not covers(

@@ -26,6 +26,13 @@ class Principal:
     queues: tuple[str, ...] = ()
     verbs: frozenset[str] = frozenset()
     default_lease_seconds: int | None = None
+    def recheck(self, digest: str) -> tuple[str, tuple]:
+        """The statement (and its parameters) that finds a row only while the token whose hash is `digest` still
+        names this principal: an endpoint's token is its own for good, until it is revoked; a human's is replaced
+        by a new one. Run by each transaction acting for a principal a process remembered (Flows.principal)."""
+        if self.kind == "endpoint":
+            return "SELECT 1 FROM endpoints WHERE id = ? AND revoked_at IS NULL", (self.id,)
+        return "SELECT 1 FROM humans WHERE id = ? AND token_hash = ?", (self.id, digest)
 
     @property
     def actor(self) -> str:

@@ -111,6 +111,8 @@ def load_todo(txn: Txn, principal: Principal, todo_id: str, source: str = "todos
                   (todo_id, *params))
     if row is None:
         raise ApiError("not_found", f"no todo {todo_id}")
+    if for_update:
+        txn.held.add(todo_id)
     return row
 
 

@@ -174,8 +174,9 @@ def transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence:
                                            max(txn.now, columns.get("available_at") or txn.now)),
                    wait_reminders=None)
     assignments = ", ".join(f"{name} = ?" for name in columns)
-    if not txn.execute(f"UPDATE todos SET {assignments} WHERE id = ? AND state = ?",
-                       (*columns.values(), todo["id"], todo["state"])).rowcount:
+    moved = txn.execute(f"UPDATE todos SET {assignments} WHERE id = ? AND state = ?",
+                        (*columns.values(), todo["id"], todo["state"]))
+    if todo["id"] not in txn.held and not moved.rowcount:
         txn.logs.append(f"todo {todo['id']} left {todo['state']} before {actor} moved it to {to_state}: not moved")
         return None
     txn.execute("INSERT INTO todo_history (todo_id, at, actor, from_state, to_state, evidence) VALUES (?, ?, ?, ?, ?, ?)",
@@ -193,7 +194,7 @@ def transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence:
         notify_todo(txn, todo["id"], "held")
     if to_state == "pending":
         _became_pending(txn, todo["id"])
-    elif to_state == "done":
+    elif to_state == "done" and not _known_none(todo, "awaited"):
         for dependent in txn.all("SELECT todo_id FROM todo_deps WHERE depends_on_id = ?", (todo["id"],)):
             _became_pending(txn, dependent["todo_id"])
     elif to_state in ("failed", "cancelled"):
@@ -205,6 +206,11 @@ def transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence:
     if todo["state"] == "claimed":
         _slot_freed(txn, todo)
     return columns
+
+
+def _known_none(todo: sqlite3.Row | dict, flag: str) -> bool:
+    """Whether the todo's row was read with `flag` (FINISHING) and it says nothing is there."""
+    return flag in todo.keys() and not todo[flag]
 
 
 def _as_written(todo: sqlite3.Row, written: dict) -> dict:
@@ -331,7 +337,8 @@ def let_go_of_absorbed(txn: Txn, holder_id: str) -> None:
 def write_receipt(txn: Txn, holder: sqlite3.Row, actor: str) -> None:
     """On the holder's outright success: one receipt naming the still-pending todos the server handed to this
     attempt, each closed as done/absorbed. If writing fails, they are simply let go (fail open)."""
-    if not txn.one("SELECT 1 FROM absorptions WHERE holder_id = ? LIMIT 1", (holder["id"],)):
+    if _known_none(holder, "absorbing") or not txn.one("SELECT 1 FROM absorptions WHERE holder_id = ? LIMIT 1",
+                                                        (holder["id"],)):
         return
     seq = txn.one("SELECT MAX(seq) FROM attempts WHERE todo_id = ?", (holder["id"],))[0]
     # Locked as they are read: a human's cancel, reroute or defer of one of them commits first, or waits.
@@ -354,6 +361,7 @@ def write_receipt(txn: Txn, holder: sqlite3.Row, actor: str) -> None:
                         outcome="absorbed",
                         result=json.dumps({"absorbed_by": holder["id"], "receipt": receipt_id}))
         txn.execute("DELETE FROM absorptions WHERE holder_id = ?", (holder["id"],))
+        txn.settle()  # what the receipt's writes met is raised here, inside its savepoint
         txn.execute("RELEASE receipt")
     except database_errors() as exc:
         txn.execute("ROLLBACK TO receipt")
@@ -416,11 +424,6 @@ _PRIOR_ATTEMPTS = ("SELECT json_group_array(json_object('seq', seq, 'claimant', 
                    " 'lease_expires_at', lease_expires_at, 'heartbeats', heartbeats, 'ended_at', ended_at,"
                    " 'outcome', outcome, 'summary', summary, 'artifact', artifact)) FROM (SELECT * FROM attempts"
                    " WHERE todo_id = t.id ORDER BY seq DESC LIMIT 5) AS recent")
-
-
-# A todo that is still claimable, as todo_view reads it, with its last attempts (the `?`s: its id and now).
-_CLAIMABLE_ROW = (f"SELECT t.*, ({_PRIOR_ATTEMPTS}) AS prior_attempts FROM todo_rows t WHERE t.id ="
-                  f" (SELECT id FROM todos WHERE id = ? AND state = 'pending' AND {CLAIMABLE})")
 
 
 def _prior_attempts(text: str | None) -> list[dict]:
@@ -499,10 +502,15 @@ def _claim_one(txn: Txn, principal: Principal, body: ClaimNow, rung_for: str | N
     passed, passed_params, keyed = gate.passed_over(txn)
 
     def best(only: str = "") -> str:
-        return (f"SELECT id, (SELECT 1 FROM todos WHERE endpoint_id = ? AND state = 'claimed' AND lease_expires_at"
-                f" <= ? LIMIT 1) AS lapsed FROM todos WHERE endpoint_id = ? AND state = 'pending' AND queue IN"
-                f" ({marks}) AND available_at <= ? AND {CLAIMABLE}{' AND NOT ' + passed if passed else ''}{only}"
-                f" ORDER BY priority DESC, created_at, rowid LIMIT 1{txn.skip_locked}")
+        # One statement: the best todo, locked, with its columns as the lock found them; whether a lease of the
+        # endpoint has lapsed; and what the claim's answer shows (its event's body, its last attempts).
+        return (f"WITH picked AS (SELECT todos.*, todos.rowid AS todo_rowid, (SELECT 1 FROM todos WHERE endpoint_id"
+                f" = ? AND state = 'claimed' AND lease_expires_at <= ? LIMIT 1) AS lapsed FROM todos"
+                f" WHERE endpoint_id = ? AND state = 'pending' AND queue IN ({marks}) AND available_at <= ?"
+                f" AND {CLAIMABLE}{' AND NOT ' + passed if passed else ''}{only}"
+                f" ORDER BY priority DESC, created_at, rowid LIMIT 1{txn.skip_locked})"
+                f" SELECT t.*, r.event_body, r.event_content_type, ({_PRIOR_ATTEMPTS}) AS prior_attempts"
+                f" FROM picked t JOIN todo_rows r ON r.id = t.id")
 
     params = (principal.id, txn.now, principal.id, *gate.open, txn.now, txn.now, *passed_params)
     picked = txn.one(best(" AND id = ?"), (*params, rung_for)) if rung_for else None
@@ -513,16 +521,15 @@ def _claim_one(txn: Txn, principal: Principal, body: ClaimNow, rung_for: str | N
             passed, passed_params, keyed = gate.passed_over(txn)
             params = (principal.id, txn.now, principal.id, *gate.open, txn.now, txn.now, *passed_params)
         picked = txn.one(best(), params)
-    row = None
-    while picked is not None:
-        # The todo read again once it is locked, by a statement of its own: where writers run side by side, the
-        # pick saw the other tables as they were when it began, and a run about the same subject may have absorbed
-        # this todo (or its fields moved) before the lock was granted. Then the next best is picked.
-        row = txn.one(_CLAIMABLE_ROW, (picked["id"], txn.now))
-        if row is not None:
-            break
-        picked = txn.one(best(), params)
-    if row is None:
+    row = picked
+    if row is not None:
+        txn.held.add(row["id"])  # the pick locked it (skip_locked)
+        # Where writers run side by side, the pick judged the other tables as they were when it began: a run about
+        # the same subject may have absorbed this todo before the lock was granted. The claim commits only if the
+        # todo is still claimable now that it is held, else it runs again (and picks anew).
+        txn.confirm_exists(f"SELECT 1 FROM todos WHERE id = ? AND state = 'pending' AND {CLAIMABLE}",
+                           (row["id"], txn.now))
+    else:
         refused = gate.refused + [{"queue": queue, "reason": "max_in_flight_per_key", "until": None}
                                   for queue in keyed if _passed_over_in(txn, principal.id, queue, passed, passed_params)]
         return {"empty": True, **({"admission": refused} if refused else {})}
@@ -568,6 +575,12 @@ def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) ->
     return _claim_row(txn, principal, todo, prior, body.lease_seconds, body.claimant)
 
 
+# The todo as complete reads it (locked): todo_rows, and whether another todo awaits it (a dependency) and whether
+# its run absorbed any (a receipt to write), so that a completion with neither reads neither again.
+FINISHING = ("(SELECT t.*, EXISTS (SELECT 1 FROM todo_deps WHERE depends_on_id = t.id) AS awaited,"
+             " EXISTS (SELECT 1 FROM absorptions WHERE holder_id = t.id) AS absorbing FROM todo_rows t) AS todo_rows")
+
+
 def _fenced(txn: Txn, principal: Principal, verb: str, todo_id: str, lease_token: str,
             source: str = "todos") -> sqlite3.Row:
     """Fencing: the todo must be claimed under this exact, unexpired lease token. Read from `source`."""
@@ -610,7 +623,7 @@ def complete(txn: Txn, principal: Principal, todo_id: str, body: Complete) -> di
     if body.claim_next is not None:
         principal.require_verb("claim_next")
         claim_queues(principal, body.claim_next.queue_filter())
-    todo = _fenced(txn, principal, "complete", todo_id, body.lease_token, "todo_rows")
+    todo = _fenced(txn, principal, "complete", todo_id, body.lease_token, FINISHING)
     made = accept_outputs(txn, todo, body.outputs or [])
     result = dump_json(body.result, "result")
     if result is not None and len(result.encode()) > MAX_RESULT_BYTES:

@@ -278,10 +278,17 @@ def remove_route(txn: Txn, principal: Principal, webhook_id: str, endpoint_id: s
     return {"webhook_id": webhook_id, "endpoint_id": endpoint_id, "removed": True}
 
 
+_TARGETS = ("SELECT e.* FROM (SELECT ? AS endpoint_id, 0 AS tier, 0 AS granted_at UNION ALL"
+            " SELECT endpoint_id, 1, granted_at FROM webhook_routes WHERE webhook_id = ?) t"
+            " JOIN endpoints e ON e.id = t.endpoint_id WHERE e.revoked_at IS NULL"
+            " ORDER BY t.tier, t.granted_at, e.id")
+
+
 def webhook_targets(txn: Txn, webhook: sqlite3.Row) -> list[sqlite3.Row]:
     """The fixed target order: the owner endpoint, then routes by grant time and endpoint id; live ones only."""
-    return txn.all(
-        "SELECT e.* FROM (SELECT ? AS endpoint_id, 0 AS tier, 0 AS granted_at UNION ALL"
-        " SELECT endpoint_id, 1, granted_at FROM webhook_routes WHERE webhook_id = ?) t"
-        " JOIN endpoints e ON e.id = t.endpoint_id WHERE e.revoked_at IS NULL"
-        " ORDER BY t.tier, t.granted_at, e.id", (webhook["endpoint_id"], webhook["id"]))
+    return txn.all(_TARGETS, (webhook["endpoint_id"], webhook["id"]))
+
+
+def read_targets_ahead(txn: Txn, endpoint_id: str, webhook_id: str) -> None:
+    """webhook_targets, sent before the body knows it will route (a webhook's owner endpoint never changes)."""
+    txn.read_ahead(_TARGETS, (endpoint_id, webhook_id))

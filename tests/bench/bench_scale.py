@@ -188,7 +188,8 @@ class Builder:
                                   trusted_actors=json.loads(self.webhook["trusted_actors"]))
         action, trace = gate(envelope) or decide(None, [], None, {}, self.webhook["queue"], b"")
         record_delivery(txn, Delivery(
-            webhook_id=self.webhook["id"], token_hash=self.webhook["token_hash"], body=raw, envelope=envelope,
+            webhook_id=self.webhook["id"], endpoint_id=self.webhook["endpoint_id"],
+            token_hash=self.webhook["token_hash"], body=raw, envelope=envelope,
             envelope_record=envelope_record(envelope), headers_json=json.dumps(envelope["headers"]),
             delivery_key=delivery_key("github", headers, payload, raw),
             body_hash=f"{number:064x}", action=action, trace=trace))
