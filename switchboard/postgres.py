@@ -47,7 +47,7 @@ MAX_ATTEMPTS = 8
 _traced_connections = itertools.count(1)
 LEADER_LOCK = 0x5357_4c45_4144  # "SWLEAD": pg_try_advisory_lock's key for the leader
 MIGRATE_LOCK = 0x5357_4d49_4752  # "SWMIGR": one process migrates, the others wait for it
-HEARTBEAT_SECONDS = 2.0
+HEARTBEAT_SECONDS = 5.0  # also how often the leader drops the processes gone
 PROCESS_STALE_MS = 15_000  # a process not heard of for this long is gone: its ring listeners are dropped
 RING_CHANNEL = "switchboard_ring_"  # + the process id: NOTIFY payloads are the rings chosen for that process
 PROTOCOL_TRACE = "SWITCHBOARD_PG_TRACE"  # a directory: each pooled connection's libpq trace (_trace_protocol)
@@ -394,8 +394,11 @@ class Postgres:
     one_writer = False  # writers run side by side, meeting only on the rows they lock
     caches_principals = True  # a token's lookup is a round trip: Flows keeps principals, each transaction re-checks
     # How long a waiting claim trusts the rings before it looks at the queue again: a ring from another process can
-    # be lost on its way. A process that does not listen (tests driving the app by hand) hears only its own rings.
-    poll_seconds: float | None = 2.0
+    # be lost on its way. Alone on the database (no other process heard of), every ring is this process's own and
+    # cannot be lost, so the look is only a slow safeguard. A process that does not listen (tests driving the app
+    # by hand) hears only its own rings.
+    shared_poll_seconds = 2.0
+    alone_poll_seconds = 30.0
 
     def __init__(self, url: str, *, clock: Clock | None = None, inline_rings: bool = True, migrate: bool = True,
                  pool_size: int = 8, listen: bool = False, listen_url: str | None = None):
@@ -417,7 +420,9 @@ class Postgres:
         self.failure: str | None = None
         self.process_id = new_id("pr")
         self.is_leader = not listen
-        self.poll_seconds = Postgres.poll_seconds if listen else None
+        self.listens = listen
+        self.others = 1  # processes heard of besides this one, as of the last heartbeat (1 until the first)
+        self.beats = 0
         self.listeners: dict[tuple[str, tuple[str, ...] | None], int] = {}  # this process's sessions, by filter
         self._listeners_lock = threading.Lock()
         self._listeners_dirty = threading.Event()
@@ -623,8 +628,18 @@ class Postgres:
                 log.warning("ring listener lost its connection (%s); reconnecting", exc)
                 self._closing.wait(1.0)
 
+    @property
+    def poll_seconds(self) -> float | None:
+        if not self.listens:
+            return None
+        # Alone only from the second heartbeat on: processes started together have each beaten once by then
+        alone = not self.others and self.beats >= 2
+        return self.alone_poll_seconds if alone else self.shared_poll_seconds
+
     def _beat(self, conn: psycopg.Connection) -> None:
         now = self.clock.now_ms()
+        self.others = conn.execute("SELECT count(*) FROM processes WHERE id <> %s", (self.process_id,)).fetchone()[0]
+        self.beats += 1
         conn.execute("INSERT INTO processes (id, host, pid, started_at, seen_at, clock_ms, db_ms) VALUES (%s, %s, %s,"
                      " %s, %s, %s, (extract(epoch FROM clock_timestamp()) * 1000)::bigint) ON CONFLICT (id) DO UPDATE"
                      " SET seen_at = excluded.seen_at, clock_ms = excluded.clock_ms, db_ms = excluded.db_ms",
@@ -652,7 +667,7 @@ class Postgres:
     def _leader_loop(self) -> None:
         """Hold the leader's advisory lock on a connection of its own, or try for it every second. The lock is the
         connection's: if this process dies or its connection is lost, Postgres lets go of it, and another process
-        takes over. The leader also drops the listeners of processes no longer heard of."""
+        takes over. The leader also drops the listeners of processes no longer heard of, once a heartbeat."""
         while not self._closing.is_set():
             try:
                 with psycopg.connect(self.listen_url, autocommit=True) as conn:
@@ -667,7 +682,7 @@ class Postgres:
                             conn.execute("DELETE FROM ring_listeners WHERE process_id IN (SELECT id FROM processes"
                                          " WHERE seen_at < %s)", (stale,))
                             conn.execute("DELETE FROM processes WHERE seen_at < %s", (stale,))
-                        self._closing.wait(1.0)
+                        self._closing.wait(HEARTBEAT_SECONDS if self.is_leader else 1.0)
             except psycopg.OperationalError as exc:
                 if self.is_leader:
                     log.warning("the leader lost its database connection (%s): no longer the leader", exc)
