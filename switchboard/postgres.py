@@ -130,8 +130,9 @@ def dialect_sql(sql: str) -> str:
 def _trace_protocol(conn: psycopg.Connection, directory: Path) -> None:
     """libpq's trace of every message this connection sends and receives, in a file of its own in `directory`
     (`SWITCHBOARD_PG_TRACE`): what a statement costs on the wire, and the benchmark's and tests' count of round trips
-    (round_trips). The file stays open as long as the connection; it names no secret, but it does hold the
-    statements' parameters, so the directory is the operator's to guard and empty."""
+    (round_trips). The file stays open as long as the connection. It holds the statements' parameters (tokens'
+    hashes, sealed secrets, delivery bodies): a diagnostic for a test database, whose directory the operator guards
+    and empties."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{os.getpid()}-{next(_traced_connections)}.trace"
     stream = open(path, "w")  # noqa: SIM115 - closed with the connection, below
@@ -461,7 +462,7 @@ class Postgres:
                         with conn.pipeline() as pipeline:
                             conn.execute(BEGIN_READING if read_only else BEGIN, prepare=False)
                             # A principal the process remembered (Flows.principal) is re-checked by each
-                            # transaction acting for it: in the first flight, its answer read before COMMIT.
+                            # transaction acting for it, in its first flight (PgTxn: switchboard_confirm).
                             recheck = PRINCIPAL_RECHECK.get()
                             txn = PgTxn(conn, self.clock.now_ms(), self.inline_rings and not read_only, pipeline,
                                         self.nones, [recheck] if recheck else [])
