@@ -254,8 +254,8 @@ class PgTxn(Txn):
 
     def confirm(self) -> None:
         """Before a refusal goes out: what it was decided on still held (a failed check raises here)."""
-        if self.checks and self.pipeline is not None:
-            self.pipeline.sync()
+        if self.checks:
+            self.settle()
 
     def trusted_wrongly(self, exc: psycopg.errors.RaiseException) -> bool:
         """Whether `exc` is a failed check (switchboard_confirm). A principal whose token no longer names it is

@@ -5,7 +5,7 @@ limits, the queues' views) is store.queues."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from switchboard.configuration import iso
@@ -183,9 +183,10 @@ class Admission:
                     " WHERE endpoint_id = ? AND queue = ?", (start, claims, due, row["endpoint_id"], queue))
 
 
-def _rows(txn: Txn, endpoint_id: str, queues: Iterable[str]) -> dict[str, Row]:
+def _rows(read: Callable[[str, tuple], list[Row]], endpoint_id: str, queues: Iterable[str]) -> dict[str, Row]:
+    """The control rows of the endpoint's `queues`, read by `read` (Txn.all, or Txn.all_usually_none)."""
     queues = list(queues)
-    return {row["queue"]: row for row in txn.all(
+    return {row["queue"]: row for row in read(
         f"SELECT * FROM queue_controls WHERE endpoint_id = ? AND queue IN ({', '.join('?' * len(queues))})",
         (endpoint_id, *queues))}
 
@@ -194,14 +195,12 @@ def admit(txn: Txn, endpoint_id: str, queues: list[str]) -> Admission:
     """Which of `queues` admit a claim now. Each queue under control is locked (lock_key) before its row is read
     again, always in the same order, so two claims racing for a cap's last slot pass one after the other and the
     second sees the first counted (SQLite's one writer runs them one after the other anyway)."""
-    queues_sql = ", ".join("?" * len(queues))
-    rows = {row["queue"]: row for row in txn.all_usually_none(
-        f"SELECT * FROM queue_controls WHERE endpoint_id = ? AND queue IN ({queues_sql})", (endpoint_id, *queues))}
+    rows = _rows(txn.all_usually_none, endpoint_id, queues)
     if not rows:
         return Admission(list(queues))
     for queue in sorted(rows):
         txn.lock_key("queue", endpoint_id, queue)
-    rows = _rows(txn, endpoint_id, sorted(rows))
+    rows = _rows(txn.all, endpoint_id, sorted(rows))  # read for real: under the lock, what a claim goes by
     refused = [answer for queue in queues if queue in rows and (answer := refusal(txn, rows[queue]))]
     shut = {answer["queue"] for answer in refused}
     return Admission([queue for queue in queues if queue not in shut], refused, rows)
