@@ -1,5 +1,6 @@
-"""Traces cost nothing when nobody collects them (issue 47): ingest and claim + complete with this checkout against
-the same at an earlier commit, without the `otel` extra's endpoint.
+"""Traces cost nothing when nobody collects them (issue 47): ingest and claim + complete, now and at a commit before.
+
+This checkout and an earlier commit run the same operations, without the `otel` extra's endpoint.
 
     python tests/bench/bench_traces.py [--before REV] [--quick]
 
@@ -9,12 +10,24 @@ synchronous NORMAL in a fresh temp directory, `N` signed GitHub `issues.opened` 
 rule routes them to `build`, then `N` claim + complete cycles of those todos by their endpoint. Rates are per wall
 second of each phase; CPU per operation is the process's CPU time over the phase. The table gives medians over
 rounds and the ratio this checkout / the earlier one (goal: ≥ 0.97 on both, that is within 3%).
+
+    python tests/bench/bench_traces.py --instructions [--before REV] [--after REV]
+
+counts instead the instructions each side executes per delivery and per claim + complete cycle, under valgrind's
+cachegrind (`apt-get install valgrind`): on a machine whose rounds move by ±15% from one to the next, a wall-clock
+ratio cannot resolve 3%, while an instruction count repeats to a few in ten thousand (the way CodSpeed measures
+Python on shared CI machines). Each side runs three children, the same code as above with `PYTHONHASHSEED=0`:
+`N1` deliveries, `N2` deliveries, and `N2` deliveries then `N2` cycles; a delivery costs (Ir(N2) − Ir(N1)) / (N2 − N1)
+and a cycle (Ir(N2 + cycles) − Ir(N2)) / N2, so start-up and imports cancel out. The rules' jq child is not counted
+(valgrind follows no child); traces change nothing in it. `--after` measures an earlier commit in place of this
+checkout: `--before 0bd3b14 --after 8d14fd7` is the traces merge alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,6 +45,7 @@ from switchboard.app import create_app
 from switchboard.cli.parser import main
 
 n = int(sys.argv[1])
+cycles_too = sys.argv[2:] != ["ingest"]
 folder = tempfile.mkdtemp(prefix="sb-bench-traces-")
 db = os.path.join(folder, "bench.db")
 out = os.path.join(folder, "human.json")
@@ -62,6 +76,8 @@ with TestClient(app) as client:
     for raw, headers in bodies:
         assert client.post(path, content=raw, headers=headers).status_code == 202
     ingest = (time.perf_counter() - wall, time.process_time() - cpu)
+    if not cycles_too:
+        raise SystemExit(0)
     worker = {"Authorization": f"Bearer {endpoint['token']}"}
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(n):
@@ -83,16 +99,66 @@ def side(tree: Path, n: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def instructions(tree: Path, n: int, phases: str, folder: Path) -> int:
+    """Instructions the child executes in `tree` (n deliveries, then n cycles unless phases is "ingest")."""
+    out = folder / f"cachegrind.{tree.name}.{n}.{phases}"
+    done = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
+                           sys.executable, "-c", CHILD, str(n), phases], cwd=tree, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"the run in {tree} failed:\n{done.stderr[-2000:]}")
+    summary = next(line for line in out.read_text().splitlines() if line.startswith("summary:"))
+    return int(summary.split()[1])
+
+
+def count_instructions(args, before: Path, after: Path, folder: Path) -> int:
+    small, large = (20, 60) if args.quick else (50, 200)
+    figures = {}
+    for name, tree in (("before", before), ("now", after)):
+        # Compiled first: a child that writes the bytecode cache would count the compiler.
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "switchboard")], check=True)
+        ingest_small = instructions(tree, small, "ingest", folder)
+        ingest_large = instructions(tree, large, "ingest", folder)
+        both = instructions(tree, large, "both", folder)
+        figures[name] = {"delivery": (ingest_large - ingest_small) / (large - small),
+                         "cycle": (both - ingest_large) / large}
+    print(f"instructions per operation (cachegrind; {small} and {large} deliveries, {large} cycles); before "
+          f"`{args.before}`, now `{args.after or 'this checkout'}`\n")
+    print("| operation | before | now | now / before |\n|---|---:|---:|---:|")
+    for key, label in (("delivery", "ingest, per delivery"), ("cycle", "claim + complete, per cycle")):
+        b, a = figures["before"][key], figures["now"][key]
+        print(f"| {label} | {b:,.0f} | {a:,.0f} | {a / b:.4f} |")
+    met = all(figures["now"][key] <= 1.03 * figures["before"][key] for key in ("delivery", "cycle"))
+    print(f"\nwithin 3% (or fewer) on both: {'yes' if met else 'no'}")
+    return 0 if met else 1
+
+
+def worktree(rev: str, folder: Path) -> Path:
+    path = folder / rev
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(path), rev], check=True)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default="c747149", help="the earlier commit (default: the fourth release's last)")
+    parser.add_argument("--after", help="with --instructions: an earlier commit in place of this checkout")
+    parser.add_argument("--instructions", action="store_true", help="count instructions under valgrind instead")
     parser.add_argument("--quick", action="store_true", help="fewer operations and rounds (a quick look)")
     args = parser.parse_args(argv)
     n, rounds = (300, 2) if args.quick else (1500, 8)
     folder = Path(tempfile.mkdtemp(prefix="sb-bench-traces-tree-"))
-    before = folder / "before"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(before), args.before], check=True)
+    if args.instructions and shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind: apt-get install valgrind")
+    before = worktree(args.before, folder)
     try:
+        if args.instructions:
+            after = worktree(args.after, folder) if args.after else ROOT
+            try:
+                return count_instructions(args, before, after, folder)
+            finally:
+                if args.after:
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(after)], check=False)
         results: dict[str, list[dict]] = {"before": [], "now": []}
         for index in range(rounds):
             order = [("before", before), ("now", ROOT)]
