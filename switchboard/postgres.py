@@ -481,6 +481,9 @@ class Postgres:
                             if txn.outbox and not self.is_leader:
                                 conn.execute(f"NOTIFY {OUTBOX_CHANNEL}", prepare=False)
                             conn.execute("COMMIT", prepare=False)
+                        # The rings' answers are read while this thread still holds the connection: once it is
+                        # back in the pool another thread's transaction may be using it.
+                        mine = [ring for ring, chosen in routed if chosen.fetchone() is None]
                     except BaseException:
                         # psycopg's own rollback: it also forgets statements prepared in what was rolled back
                         if not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
@@ -510,7 +513,7 @@ class Postgres:
             self.on_outbox()
         if txn.spans and self.on_spans:
             self.on_spans(txn.spans)
-        return result, [ring for ring, chosen in routed if chosen.fetchone() is None]
+        return result, mine
 
     def _route_rings(self, txn: PgTxn) -> list[tuple[dict, psycopg.Cursor]]:
         """Choose, inside the committing transaction, the process each ring goes to: one whose sessions listen on the
