@@ -47,6 +47,8 @@ from switchboard.cli.parser import main
 n = int(sys.argv[1])
 cycles_too = sys.argv[2:] != ["ingest"]
 folder = tempfile.mkdtemp(prefix="sb-bench-traces-")
+import atexit, shutil
+atexit.register(shutil.rmtree, folder, True)
 db = os.path.join(folder, "bench.db")
 out = os.path.join(folder, "human.json")
 main(["init", "--db", db, "--json"])
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[name].append(side(tree, n))
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False)
+        shutil.rmtree(folder, ignore_errors=True)
     medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
                for name, runs in results.items()}
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
