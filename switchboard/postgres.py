@@ -306,6 +306,8 @@ class PgTxn(Txn):
     def _read(self, sql: str, params: tuple) -> psycopg.Cursor:
         if self.ahead and (sent := self.ahead.pop((sql, params), None)) is not None:
             return sent
+        if (written := _WRITES.match(sql)) is not None:  # a write read back (RETURNING)
+            self.written.add(written.group(1))
         return self.conn.execute(dialect_sql(sql), params)
 
     def settle(self) -> None:

@@ -38,8 +38,9 @@ def step_pacing(one_writer: bool) -> tuple[float | None, float]:
     there a step takes BULK_STEP_TODOS without a clock and the next follows at once."""
     return (BULK_STEP_MS, BULK_PAUSE_MS) if one_writer else (None, 0)
 
-ACTIONS: dict[str, Callable] = {"retry": retry, "cancel": cancel, "reroute": reroute, "defer": defer,
-                                "discard": discard, "approve": approve}
+# Each action alone, without the todo's view its single call answers with
+ACTIONS: dict[str, Callable] = {"retry": retry.act, "cancel": cancel.act, "reroute": reroute.act, "defer": defer.act,
+                                "discard": discard.act, "approve": approve.act}
 
 
 def item_body(body: BulkAction) -> HumanNote | Cancel | Defer | Reroute:
@@ -130,16 +131,14 @@ def bulk_step(txn: Txn, principal: Principal, body: BulkAction, ids: list[str], 
         if taken >= BULK_STEP_TODOS or (taken and deadline is not None and time.monotonic() >= deadline):
             break
         taken += 1
-        row = txn.one(f"SELECT state FROM todos WHERE id = ? AND {clause}", (todo_id, *scope))
-        if row is None:
-            skipped["not_found"] += 1
-            continue
         txn.execute("SAVEPOINT bulk_todo")
         try:
             run(txn, principal, todo_id, arguments)
         except ApiError:
+            # Refused (or not there for this human): the state it is in says which, read only for these
             txn.execute("ROLLBACK TO bulk_todo")
-            skipped[row["state"]] += 1
+            row = txn.one(f"SELECT state FROM todos WHERE id = ? AND {clause}", (todo_id, *scope))
+            skipped[row["state"] if row is not None else "not_found"] += 1
         else:
             acted += 1
         txn.execute("RELEASE bulk_todo")

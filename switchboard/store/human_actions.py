@@ -3,8 +3,11 @@ or a human pushes."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
+from collections.abc import Callable
+from typing import Any
 
 from switchboard.configuration import RESERVED_QUEUES, TERMINAL_STATES, ApiError, iso, to_ms
 from switchboard.crypto import new_id
@@ -24,6 +27,19 @@ from switchboard.store.webhooks import webhook_targets
 
 # -- human actions ----------------------------------------------------------------------------------
 
+def shown(act: Callable[..., None]) -> Callable[..., dict]:
+    """A human action that answers with the todo as it is after the action. `act` alone (the wrapper's `act`) is
+    what a bulk call runs: it answers with counts, and skips a read of every todo it acts on."""
+
+    @functools.wraps(act)
+    def action(txn: Txn, principal: Principal, todo_id: str, *args: Any, **kwargs: Any) -> dict:
+        act(txn, principal, todo_id, *args, **kwargs)
+        return todo_view(reload_todo(txn, todo_id))
+
+    action.act = act  # type: ignore[attr-defined]
+    return action
+
+
 # The states each action a bulk call may take starts from (the single actions check the same).
 ACTION_STATES: dict[str, tuple[str, ...]] = {
     "approve": ("review",), "retry": ("failed",), "defer": ("pending",), "discard": ("quarantined",),
@@ -40,59 +56,60 @@ def human_todo(txn: Txn, principal: Principal, action: str, todo_id: str, allowe
     return todo
 
 
-def approve(txn: Txn, principal: Principal, todo_id: str, body: HumanNote, via: dict | None = None) -> dict:
+@shown
+def approve(txn: Txn, principal: Principal, todo_id: str, body: HumanNote, via: dict | None = None) -> None:
     todo = human_todo(txn, principal, "approve", todo_id, ACTION_STATES["approve"])
     transition(txn, todo, "done", principal.actor, {"note": body.note, **(via or {})}, outcome="approved", state_reason=None)
     write_receipt(txn, todo, principal.actor)
-    return todo_view(reload_todo(txn, todo_id))
 
 
-def request_changes(txn: Txn, principal: Principal, todo_id: str, body: RequestChanges, via: dict | None = None) -> dict:
+@shown
+def request_changes(txn: Txn, principal: Principal, todo_id: str, body: RequestChanges, via: dict | None = None) -> None:
     todo = human_todo(txn, principal, "request changes on", todo_id, ("review",))
     transition(txn, todo, "pending", principal.actor, {"note": body.note, **(via or {})}, state_reason=body.note)
     let_go_of_absorbed(txn, todo_id)
-    return todo_view(reload_todo(txn, todo_id))
 
 
-def answer(txn: Txn, principal: Principal, todo_id: str, body: Answer, via: dict | None = None) -> dict:
+@shown
+def answer(txn: Txn, principal: Principal, todo_id: str, body: Answer, via: dict | None = None) -> None:
     todo = human_todo(txn, principal, "answer", todo_id, ("needs_input",))
     transition(txn, todo, "pending", principal.actor, {"question": todo["state_reason"], "answer": body.answer,
                                                        **(via or {})},
                 answer=body.answer)
-    return todo_view(reload_todo(txn, todo_id))
 
 
-def resume(txn: Txn, principal: Principal, todo_id: str, body: HumanNote, via: dict | None = None) -> dict:
+@shown
+def resume(txn: Txn, principal: Principal, todo_id: str, body: HumanNote, via: dict | None = None) -> None:
     todo = human_todo(txn, principal, "resume", todo_id, ("blocked",))
     transition(txn, todo, "pending", principal.actor, {"note": body.note, **(via or {})}, state_reason=None)
-    return todo_view(reload_todo(txn, todo_id))
 
 
-def retry(txn: Txn, principal: Principal, todo_id: str, body: HumanNote, via: dict | None = None) -> dict:
+@shown
+def retry(txn: Txn, principal: Principal, todo_id: str, body: HumanNote, via: dict | None = None) -> None:
     todo = human_todo(txn, principal, "retry", todo_id, ACTION_STATES["retry"])
-    if txn.one("SELECT 1 FROM endpoints WHERE id = ? AND revoked_at IS NOT NULL", (todo["endpoint_id"],)):
+    if txn.all_usually_none("SELECT 1 FROM endpoints WHERE id = ? AND revoked_at IS NOT NULL", (todo["endpoint_id"],)):
         raise ApiError("conflict", "the todo's endpoint is revoked; reroute it instead")
     transition(txn, todo, "pending", principal.actor, {"note": body.note, **(via or {})}, attempt=0,
                dead_letter=0)
-    return todo_view(reload_todo(txn, todo_id))
 
 
-def defer(txn: Txn, principal: Principal, todo_id: str, body: Defer, via: dict | None = None) -> dict:
+@shown
+def defer(txn: Txn, principal: Principal, todo_id: str, body: Defer, via: dict | None = None) -> None:
     todo = human_todo(txn, principal, "defer", todo_id, ACTION_STATES["defer"])
     until = to_ms(body.until) if body.until else None
     transition(txn, todo, "deferred", principal.actor, {"reason": body.reason, "until": iso(until), **(via or {})},
                 state_reason=body.reason, deferred_until=until)
-    return todo_view(reload_todo(txn, todo_id))
 
 
-def undefer(txn: Txn, principal: Principal, todo_id: str, body: HumanNote, via: dict | None = None) -> dict:
+@shown
+def undefer(txn: Txn, principal: Principal, todo_id: str, body: HumanNote, via: dict | None = None) -> None:
     todo = human_todo(txn, principal, "undefer", todo_id, ("deferred",))
     transition(txn, todo, "pending", principal.actor, {"note": body.note, **(via or {})}, state_reason=None,
                deferred_until=None)
-    return todo_view(reload_todo(txn, todo_id))
 
 
-def cancel(txn: Txn, principal: Principal, todo_id: str, body: Cancel, via: dict | None = None) -> dict:
+@shown
+def cancel(txn: Txn, principal: Principal, todo_id: str, body: Cancel, via: dict | None = None) -> None:
     """Cancel live work, or close a dead letter the human will not retry (it stops being a dead letter)."""
     todo = human_todo(txn, principal, "cancel", todo_id, ACTION_STATES["cancel"])
     if todo["state"] == "claimed":
@@ -101,13 +118,12 @@ def cancel(txn: Txn, principal: Principal, todo_id: str, body: Cancel, via: dict
                state_reason=body.reason,
                 dead_letter=0)
     let_go_of_absorbed(txn, todo_id)
-    return todo_view(reload_todo(txn, todo_id))
 
 
-def discard(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> dict:
+@shown
+def discard(txn: Txn, principal: Principal, todo_id: str, body: HumanNote) -> None:
     todo = human_todo(txn, principal, "discard", todo_id, ACTION_STATES["discard"])
     transition(txn, todo, "done", principal.actor, {"note": body.note}, outcome="discarded")
-    return todo_view(reload_todo(txn, todo_id))
 
 
 def reroute_target(txn: Txn, todo: sqlite3.Row, queue: str) -> str:
@@ -129,12 +145,12 @@ def reroute_target(txn: Txn, todo: sqlite3.Row, queue: str) -> str:
     raise ApiError("invalid_argument", f"queue: no live target endpoint is scoped to {queue}")
 
 
-def reroute(txn: Txn, principal: Principal, todo_id: str, body: Reroute) -> dict:
+@shown
+def reroute(txn: Txn, principal: Principal, todo_id: str, body: Reroute) -> None:
     if body.queue in RESERVED_QUEUES:
         raise ApiError("invalid_argument", f"queue: {body.queue} is reserved")
     todo = human_todo(txn, principal, "reroute", todo_id, ACTION_STATES["reroute"])
     move_to_queue(txn, todo, body.queue, principal.actor, {})
-    return todo_view(reload_todo(txn, todo_id))
 
 
 def move_to_queue(txn: Txn, todo: sqlite3.Row, queue: str, actor: str, evidence: dict) -> None:

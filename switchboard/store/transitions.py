@@ -197,7 +197,7 @@ def transition(txn: Txn, todo: sqlite3.Row, to_state: str, actor: str, evidence:
     elif to_state == "done" and not _known_none(todo, "awaited"):
         for dependent in txn.all("SELECT todo_id FROM todo_deps WHERE depends_on_id = ?", (todo["id"],)):
             _became_pending(txn, dependent["todo_id"])
-    elif to_state in ("failed", "cancelled"):
+    elif to_state in ("failed", "cancelled") and not _known_none(todo, "awaited"):
         for dependent in txn.all(
                 "SELECT t.* FROM todo_deps d JOIN todos t ON t.id = d.todo_id"
                 " WHERE d.depends_on_id = ? AND t.state IN ('pending', 'deferred')", (todo["id"],)):
@@ -223,10 +223,12 @@ def _became_pending(txn: Txn, todo_id: str) -> None:
     """Ring now for a todo that is claimable now; the scheduler rings the rest when they come due."""
     if not txn.inline_rings:
         return
-    row = txn.one(f"SELECT * FROM todos WHERE id = ? AND state = 'pending' AND available_at <= ? AND silent = 0"
-                  f" AND {CLAIMABLE}", (todo_id, txn.now, txn.now))
-    if row is not None:
-        mark_rung(txn, row)
+    # mark_rung's count and the read of the row in one statement: claimable, so counted, and read as counted
+    rung = txn.all(f"UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ? AND state = 'pending'"
+                   f" AND available_at <= ? AND silent = 0 AND {CLAIMABLE} RETURNING *",
+                   (txn.now, todo_id, txn.now, txn.now))
+    if rung and not withholds(txn, rung[0]["endpoint_id"], rung[0]["queue"], rung[0]["subject_key"]):
+        _queue_ring(txn, rung[0])
 
 
 def mark_rung(txn: Txn, row: sqlite3.Row) -> dict | None:
@@ -306,7 +308,7 @@ def end_attempt(txn: Txn, todo: sqlite3.Row, outcome: str, summary: str | None, 
         _process_span(txn, todo, outcome)
     txn.execute("UPDATE attempts SET ended_at = ?, outcome = ?, summary = ?, artifact = ?"
                 " WHERE todo_id = ? AND ended_at IS NULL", (txn.now, outcome, summary, artifact, todo["id"]))
-    if outcome != "completed":
+    if outcome != "completed" and not _known_none(todo, "absorbing"):
         let_go_of_absorbed(txn, todo["id"])
 
 
@@ -575,8 +577,9 @@ def claim_todo(txn: Txn, principal: Principal, todo_id: str, body: ClaimById) ->
     return _claim_row(txn, principal, todo, prior, body.lease_seconds, body.claimant)
 
 
-# The todo as complete reads it (locked): todo_rows, and whether another todo awaits it (a dependency) and whether
-# its run absorbed any (a receipt to write), so that a completion with neither reads neither again.
+# The todo as the verbs that end an attempt read it (locked): todo_rows, and whether another todo awaits it (a
+# dependency) and whether its run absorbed any (a receipt to write, or todos to let go), so that an attempt that
+# ends with neither reads neither again.
 FINISHING = ("(SELECT t.*, EXISTS (SELECT 1 FROM todo_deps WHERE depends_on_id = t.id) AS awaited,"
              " EXISTS (SELECT 1 FROM absorptions WHERE holder_id = t.id) AS absorbing FROM todo_rows t) AS todo_rows")
 
@@ -652,27 +655,30 @@ def backoff_ms(attempt: int) -> int:
 
 
 def fail(txn: Txn, principal: Principal, todo_id: str, body: Fail) -> dict:
-    todo = _fenced(txn, principal, "fail", todo_id, body.lease_token)
+    todo = _fenced(txn, principal, "fail", todo_id, body.lease_token, FINISHING)
     made = accept_outputs(txn, todo, body.outputs or [])
     end_attempt(txn, todo, "failed", _truncate_utf8(body.error, MAX_SUMMARY_BYTES))
     evidence = {"attempt": todo["attempt"], "error": body.error, "retry": body.retry}
     if body.retry and todo["attempt"] < todo["max_attempts"]:
         delay = body.retry_in_seconds * 1000 if body.retry_in_seconds is not None else backoff_ms(todo["attempt"])
         transition(txn, todo, "pending", principal.actor, evidence, last_error=body.error,
-                    available_at=txn.now + delay)
+                   available_at=txn.now + delay)
+        view = todo_view(reload_todo(txn, todo_id))  # a ring it got at once is counted on the row
     else:
-        transition(txn, todo, "failed", principal.actor, evidence, last_error=body.error, dead_letter=1)
-    return _with_outputs(todo_view(reload_todo(txn, todo_id)), made, body.outputs)
+        written = transition(txn, todo, "failed", principal.actor, evidence, last_error=body.error, dead_letter=1)
+        view = todo_view(_as_written(todo, written))
+    return _with_outputs(view, made, body.outputs)
 
 
 def release(txn: Txn, principal: Principal, todo_id: str, body: Release) -> dict:
     """Hand the todo back untouched: pending at once, and the attempt does not count."""
-    return _hand_back(txn, principal, _fenced(txn, principal, "release", todo_id, body.lease_token), body.note)
+    return _hand_back(txn, principal, _fenced(txn, principal, "release", todo_id, body.lease_token, FINISHING),
+                      body.note)
 
 
 def hand_back_unheard(txn: Txn, principal: Principal, todo_id: str, lease_token: str) -> dict:
     """A waiting claim whose asker left before hearing the answer: the claim is undone as a release."""
-    todo = _fenced(txn, principal, "claim_next", todo_id, lease_token)
+    todo = _fenced(txn, principal, "claim_next", todo_id, lease_token, FINISHING)
     return _hand_back(txn, principal, todo, "the waiting client went away before the answer")
 
 
@@ -684,7 +690,7 @@ def _hand_back(txn: Txn, principal: Principal, todo: sqlite3.Row, note: str | No
 
 
 def needs_input(txn: Txn, principal: Principal, todo_id: str, body: NeedsInput) -> dict:
-    todo = _fenced(txn, principal, "needs_input", todo_id, body.lease_token)
+    todo = _fenced(txn, principal, "needs_input", todo_id, body.lease_token, FINISHING)
     made = accept_outputs(txn, todo, body.outputs or [])
     end_attempt(txn, todo, "needs_input", body.question)
     transition(txn, todo, "needs_input", principal.actor, {"question": body.question},
