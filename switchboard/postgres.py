@@ -289,13 +289,15 @@ class PgTxn(Txn):
         # A savepoint's commands are not prepared: psycopg would forget every prepared statement when it reads a
         # ROLLBACK TO's answer, after the pipeline already sent later statements by their prepared names
         prepare = False if sql.startswith(SAVEPOINT_COMMANDS) else None
-        if (written := _WRITES.match(sql)) is not None:
-            self.written.add(written.group(1))
+        self._note_write(sql)
         return Sent(self.pipeline, self.conn.execute(dialect_sql(sql), tuple(params), prepare=prepare))
 
-    def executemany(self, sql: str, rows: Iterable[Iterable]) -> None:
+    def _note_write(self, sql: str) -> None:
         if (written := _WRITES.match(sql)) is not None:
             self.written.add(written.group(1))
+
+    def executemany(self, sql: str, rows: Iterable[Iterable]) -> None:
+        self._note_write(sql)
         with self.conn.cursor() as cursor:
             cursor.executemany(dialect_sql(sql), [tuple(r) for r in rows])
 
@@ -308,8 +310,7 @@ class PgTxn(Txn):
     def _read(self, sql: str, params: tuple) -> psycopg.Cursor:
         if self.ahead and (sent := self.ahead.pop((sql, params), None)) is not None:
             return sent
-        if (written := _WRITES.match(sql)) is not None:  # a write read back (RETURNING)
-            self.written.add(written.group(1))
+        self._note_write(sql)  # a write read back (RETURNING) is a write
         return self.conn.execute(dialect_sql(sql), params)
 
     def settle(self) -> None:

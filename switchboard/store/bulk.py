@@ -38,6 +38,7 @@ def step_pacing(one_writer: bool) -> tuple[float | None, float]:
     there a step takes BULK_STEP_TODOS without a clock and the next follows at once."""
     return (BULK_STEP_MS, BULK_PAUSE_MS) if one_writer else (None, 0)
 
+
 # Each action alone, without the todo's view its single call answers with
 ACTIONS: dict[str, Callable] = {"retry": retry.act, "cancel": cancel.act, "reroute": reroute.act, "defer": defer.act,
                                 "discard": discard.act, "approve": approve.act}

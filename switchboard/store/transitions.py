@@ -227,8 +227,8 @@ def _became_pending(txn: Txn, todo_id: str) -> None:
     rung = txn.all(f"UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ? AND state = 'pending'"
                    f" AND available_at <= ? AND silent = 0 AND {CLAIMABLE} RETURNING *",
                    (txn.now, todo_id, txn.now, txn.now))
-    if rung and not withholds(txn, rung[0]["endpoint_id"], rung[0]["queue"], rung[0]["subject_key"]):
-        _queue_ring(txn, rung[0])
+    if rung:
+        _ring_unless_withheld(txn, rung[0])
 
 
 def mark_rung(txn: Txn, row: sqlite3.Row) -> dict | None:
@@ -240,6 +240,11 @@ def mark_rung(txn: Txn, row: sqlite3.Row) -> dict | None:
     if not txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ? AND state = 'pending'",
                        (txn.now, row["id"])).rowcount:
         return None
+    return _ring_unless_withheld(txn, row)
+
+
+def _ring_unless_withheld(txn: Txn, row: sqlite3.Row) -> dict | None:
+    """The ring of a todo counted as rung, unless its queue withholds it (mark_rung)."""
     if withholds(txn, row["endpoint_id"], row["queue"], row["subject_key"]):
         return None
     return _queue_ring(txn, row)
