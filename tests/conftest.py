@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,12 @@ class PostgresDatabases:
         WORKDIRS[url] = directory
         return url
 
+    def drop(self, url: str) -> None:
+        """A test's database, once the test is over: the cluster lives in memory (pg_cluster.start), and a run
+        makes a thousand databases."""
+        WORKDIRS.pop(url, None)
+        self.cluster.drop_database(url.rsplit("/", 1)[1])
+
 
 @pytest.fixture(scope="session")
 def postgres_databases():
@@ -118,7 +125,7 @@ def postgres_databases():
     reason = pg_cluster.available()
     if reason is not None:
         pytest.fail(f"SWITCHBOARD_TEST_ENGINE=postgres {reason}")
-    cluster = pg_cluster.start()
+    cluster = pg_cluster.start(in_memory=True)
     try:
         yield PostgresDatabases(cluster)
     finally:
@@ -132,6 +139,13 @@ def fresh_database(directory: Path, databases: PostgresDatabases | None, templat
         return str(directory / "switchboard.db")
     os.environ["SWITCHBOARD_KEY_FILE"] = str(directory / "switchboard.key")
     return databases.fresh(directory, template or "switchboard_template")
+
+
+def dropped_after(database: str, databases: PostgresDatabases | None) -> Iterator[str]:
+    """Yield `database` to a test, then drop it (Postgres; a SQLite file goes with the test's directory)."""
+    yield database
+    if databases is not None:
+        databases.drop(database)
 
 # Where Python writes no bytecode cache (PYTHONDONTWRITEBYTECODE), each server and CLI process the tests start
 # would compile the package's 10,000 lines again: compile them once here instead.
@@ -270,12 +284,15 @@ def template_fixtures(build):
     own. At module level: `template, db_path, clock = template_fixtures(build)`."""
 
     @pytest.fixture(scope="module")
-    def template(tmp_path_factory, postgres_databases) -> Template:
-        return Template.build(tmp_path_factory.mktemp("template"), build, postgres_databases)
+    def template(tmp_path_factory, postgres_databases) -> Iterator[Template]:
+        made = Template.build(tmp_path_factory.mktemp("template"), build, postgres_databases)
+        yield made
+        if postgres_databases is not None:
+            postgres_databases.drop(made.database)
 
     @pytest.fixture
-    def db_path(template, tmp_path) -> str:
-        return template.copy_into(tmp_path)
+    def db_path(template, tmp_path) -> Iterator[str]:
+        yield from dropped_after(template.copy_into(tmp_path), template.databases)
 
     @pytest.fixture
     def clock(template) -> ManualClock:
@@ -285,8 +302,8 @@ def template_fixtures(build):
 
 
 @pytest.fixture
-def db_path(tmp_path, postgres_databases) -> str:
-    return fresh_database(tmp_path, postgres_databases)
+def db_path(tmp_path, postgres_databases) -> Iterator[str]:
+    yield from dropped_after(fresh_database(tmp_path, postgres_databases), postgres_databases)
 
 
 @pytest.fixture
