@@ -112,7 +112,7 @@ class PostgresDatabases:
         """A test's database, once the test is over: the cluster lives in memory (pg_cluster.start), and a run
         makes a thousand databases."""
         WORKDIRS.pop(url, None)
-        self.cluster.drop_database(url.rsplit("/", 1)[1])
+        self.cluster.drop_database_later(url.rsplit("/", 1)[1])
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import glob
 import os
+import queue
 import shutil
 import socket
 import subprocess
@@ -102,8 +103,10 @@ class Cluster:
         self.port = port
         self._pg_ctl = pg_ctl
         self._stopped = False
-        self._admin = None  # one connection for CREATE and DROP DATABASE: a connection is a new server process
+        self._admin = None  # one connection for CREATE DATABASE: each connection is a new server process
         self._admin_lock = threading.Lock()
+        self._to_drop: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._dropper: threading.Thread | None = None
 
     @property
     def data(self) -> Path:
@@ -126,11 +129,25 @@ class Cluster:
         self._admin_execute(statement, copy=template is not None)
         return self.url(name)
 
-    def drop_database(self, name: str) -> None:
-        """Drop a database, ending any connection still on it (a killed server's, say)."""
+    def drop_database_later(self, name: str) -> None:
+        """Drop a database soon, on a thread and connection of its own, ending any connection still on it (a
+        killed server's, say): the test that used it does not wait for the drop."""
+        with self._admin_lock:
+            if self._dropper is None:
+                self._dropper = threading.Thread(target=self._drop_queued, name="pg-cluster-dropper", daemon=True)
+                self._dropper.start()
+        self._to_drop.put(name)
+
+    def _drop_queued(self) -> None:
+        import psycopg
         from psycopg import sql
 
-        self._admin_execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+            while (name := self._to_drop.get()) is not None:
+                try:
+                    conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+                except psycopg.DatabaseError:
+                    pass  # a database left behind costs only room, until the cluster is thrown away
 
     def _admin_execute(self, statement, copy: bool = False) -> None:
         import psycopg
@@ -153,6 +170,9 @@ class Cluster:
             return
         self._stopped = True
         atexit.unregister(self.stop)
+        if self._dropper is not None:
+            self._to_drop.put(None)
+            self._dropper.join(TIMEOUT_S)
         if self._admin is not None:
             self._admin.close()
         _run(self._pg_ctl, "stop", "-D", str(self.data), "-m", "immediate", "-w", "-t", str(TIMEOUT_S))
