@@ -54,9 +54,9 @@ def pytest_configure(config) -> None:
 # Workers for `-n auto` (pyproject's addopts), sized for the 2-core machine the suite is measured on. The SQLite
 # run waits a good part of its time (leases lapsing, kill grace, servers starting), so a third worker fills those
 # waits: 6 min 39 s with two, 5 min 25 s with three, 5 min 6 s with four (same machine, same commit). The Postgres
-# run is bound by the CPU its own clusters share with the tests: a third worker saved nothing there (8 min 36 s,
-# 8 min 17 s) and made each test slower.
-AUTO_WORKERS = {"sqlite": 3, "postgres": 2}
+# run was bound by the kernel time of CREATE DATABASE on disk; with its clusters in memory (pg_cluster) it waits
+# too: 8 min 51 s with two workers, 7 min 10 s with three.
+AUTO_WORKERS = {"sqlite": 3, "postgres": 3}
 
 
 @pytest.hookimpl(tryfirst=True)
