@@ -454,19 +454,22 @@ def snapshot(db_path: str) -> dict:
 
 def _postgres_snapshot(url: str) -> dict:
     """snapshot() on Postgres: every table of the schema (the processes' heartbeats and ring listeners, which move
-    by themselves, left out), each ordered by its primary key, else its rowid."""
+    by themselves, left out), each ordered by its primary key, else its rowid. Two round trips: the tables with
+    their keys, then every table's rows in one pipeline (a bad-input test takes two snapshots)."""
     import psycopg
 
     with psycopg.connect(url) as conn:
         out: dict = {"user_version": conn.execute("SELECT version FROM switchboard_schema").fetchone()[0]}
-        tables = [r[0] for r in conn.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public' AND table_type ="
-            " 'BASE TABLE' AND table_name NOT IN ('processes', 'ring_listeners', 'switchboard_schema') ORDER BY table_name")]
-        for table in tables:
-            pk = [r[0] for r in conn.execute(
-                "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid"
-                " AND a.attnum = ANY(i.indkey) WHERE i.indrelid = %s::regclass AND i.indisprimary ORDER BY a.attnum",
-                (table,))]
-            order = ", ".join(f'"{c}"' for c in pk) if pk else "rowid"
-            out[table] = conn.execute(f'SELECT * FROM "{table}" ORDER BY {order}').fetchall()
+        tables = conn.execute(
+            "SELECT t.relname, ARRAY(SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid"
+            "  AND a.attnum = ANY(i.indkey) WHERE i.indrelid = t.oid AND i.indisprimary ORDER BY a.attnum)"
+            " FROM pg_class t JOIN pg_namespace n ON n.oid = t.relnamespace WHERE n.nspname = 'public'"
+            " AND t.relkind = 'r' AND t.relname NOT IN ('processes', 'ring_listeners', 'switchboard_schema')"
+            " ORDER BY t.relname").fetchall()
+        cursors = {}
+        with conn.pipeline():
+            for table, key in tables:
+                order = ", ".join(f'"{column}"' for column in key) or "rowid"
+                cursors[table] = conn.cursor().execute(f'SELECT * FROM "{table}" ORDER BY {order}')
+        out.update((table, cursor.fetchall()) for table, cursor in cursors.items())
         return out

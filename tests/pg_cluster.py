@@ -36,7 +36,7 @@ SETTINGS = {
     "max_wal_size": "'256MB'",  # WAL recycled early: a cluster in memory holds little besides its databases
 }
 IN_MEMORY = Path("/dev/shm")
-IN_MEMORY_ROOM = 2 << 30  # bytes free on it before a cluster goes there: two clusters' WAL and live databases
+IN_MEMORY_ROOM = 2 << 30  # bytes free on it before a cluster goes there: three clusters' WAL and live databases
 START_ATTEMPTS = 3  # a free port found by binding can be taken by someone else before the server binds it
 TIMEOUT_S = 60
 
