@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import make_webhook, post_delivery
+from helpers import TLS, make_webhook, post_delivery
 from starlette.testclient import TestClient
 
 from switchboard.app import create_app
@@ -363,7 +363,7 @@ class LiveServer:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/healthz", timeout=1, verify=TLS).status_code == 200:
                     return
             except httpx.HTTPError:
                 time.sleep(0.05)

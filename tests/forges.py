@@ -31,6 +31,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import httpx
 import producers
+from helpers import TLS
 
 REPO = "acme/site"
 # Rules for a webhook of one human's two lanes: an opened issue to triage, an issue labelled size/S to lane-s, each
@@ -291,7 +292,8 @@ class FakeForge(ThreadingHTTPServer):
         for raw, headers in waiting:
             if post is None:
                 url, secret = self.hook
-                answer = httpx.post(url, content=raw, headers=self.signed(raw, headers, secret), timeout=10)
+                answer = httpx.post(url, content=raw, headers=self.signed(raw, headers, secret), timeout=10,
+                                    verify=TLS)
                 self.sent.append(answer.json())
             else:
                 answers.append(post(raw, headers))

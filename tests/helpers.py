@@ -12,7 +12,13 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
+
+# The tests' own HTTP clients share one TLS context: httpx builds one for each client it makes (the module-level
+# httpx.get and friends make a client per call), loading the CA bundle at about 15 ms of CPU, and a polling loop
+# makes hundreds. Our servers answer plain HTTP on loopback, so the context is only ever built, never used.
+TLS = httpx.create_ssl_context()
 
 
 def system_tool(name: str, package: str) -> str:

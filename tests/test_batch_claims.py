@@ -13,7 +13,7 @@ import httpx
 import producers
 import pytest
 from conftest import cli_inproc, snapshot
-from helpers import count, hook_path, query
+from helpers import TLS, count, hook_path, query
 from test_worker import SHELL_COMPLETE, lane, site, workers  # noqa: F401 - the worker tests' fixtures
 
 from switchboard.models import ClaimAnswer
@@ -192,7 +192,7 @@ def test_racing_batch_claims_hold_max_in_flight_and_the_per_key_limit(live_serve
 
     def racer() -> None:
         with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {endpoint['token']}"},
-                          timeout=30) as c:
+                          timeout=30, verify=TLS) as c:
             start.wait()
             answer = c.post("/api/v1/todos/claim", json={"max_todos": 4}).json()
         with lock:

@@ -13,7 +13,7 @@ import httpx
 import producers
 import pytest
 from conftest import cli, cli_inproc
-from helpers import count, hook_path
+from helpers import TLS, count, hook_path
 
 from switchboard.models import ClaimAnswer, QueueAnswer
 
@@ -146,7 +146,7 @@ def test_16_racing_claims_over_3_subjects_with_max_1_hold_3(live_server, db_path
         start, got, lock = threading.Barrier(16), [], threading.Lock()
 
         def racer() -> None:
-            with httpx.Client(base_url=server.url, headers=auth, timeout=30) as c:
+            with httpx.Client(base_url=server.url, headers=auth, timeout=30, verify=TLS) as c:
                 start.wait()
                 answer = c.post("/api/v1/todos/claim", json={"queue": QUEUE}).json()
             with lock:

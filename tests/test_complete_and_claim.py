@@ -11,7 +11,7 @@ import anyio
 import httpx
 import pytest
 from conftest import cli_inproc, snapshot
-from helpers import connect_db
+from helpers import TLS, connect_db
 from test_mcp import connect
 
 from switchboard.models import CompleteAnswer
@@ -139,7 +139,7 @@ def test_racing_completions_with_claim_next_claim_every_todo_once(live_server, d
 
     def work() -> None:
         with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {endpoint['token']}"},
-                          timeout=30) as c:
+                          timeout=30, verify=TLS) as c:
             answer = c.post("/api/v1/todos/claim", json={"queue": "build"}).json()
             while "todo" in answer:
                 with lock:

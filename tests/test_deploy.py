@@ -43,7 +43,7 @@ import httpx
 import pytest
 import yaml
 from conftest import ROOT, LiveServer, cli_inproc, free_port
-from helpers import system_tool
+from helpers import TLS, system_tool
 
 DEPLOY = ROOT / "deploy"
 SERVICE = DEPLOY / "switchboard.service"
@@ -226,7 +226,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 2
             pytest.fail(f"server listens on {bound.group(1)}, not {url}: it ignored its host/port settings\n"
                         f"{log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/healthz", timeout=1, verify=TLS).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -29,7 +29,7 @@ import producers
 import pytest
 import uvicorn
 from conftest import ROOT, LiveServer, cli, free_port, snapshot
-from helpers import connect_db
+from helpers import TLS, connect_db
 from starlette.testclient import TestClient
 
 import switchboard.evaluator as evaluator_module
@@ -1070,7 +1070,7 @@ def test_mcp_origins(live_server, db_path, monkeypatch):
                "Authorization": f"Bearer {made['endpoint']['token']}"}
 
     def initialize(**extra) -> httpx.Response:
-        return httpx.post(server.url + "/mcp", json=INIT, headers={**headers, **extra}, timeout=10)
+        return httpx.post(server.url + "/mcp", json=INIT, headers={**headers, **extra}, timeout=10, verify=TLS)
 
     # DNS rebinding: the page's own host name resolves to 127.0.0.1, so Host and Origin agree.
     for origin, host in (("http://evil.example", "evil.example"), (f"http://evil.example:{server.port}",

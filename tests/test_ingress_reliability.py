@@ -17,7 +17,17 @@ from pathlib import Path
 
 import httpx
 from conftest import cli, cli_inproc, workdir
-from helpers import add_route, assert_storage_intact, count, hook_path, hook_token, make_webhook, post_delivery, query
+from helpers import (
+    TLS,
+    add_route,
+    assert_storage_intact,
+    count,
+    hook_path,
+    hook_token,
+    make_webhook,
+    post_delivery,
+    query,
+)
 from producers import deep_merge, github_headers, hex_hmac, stripe_headers
 
 FIXTURES = Path(os.environ.get("SWITCHBOARD_FIXTURES") or Path(__file__).resolve().parent / "fixtures")
@@ -85,7 +95,7 @@ def test_32_concurrent_redeliveries_of_one_delivery_mint_exactly_one_todo(db_pat
     def send(i: int) -> None:
         try:
             barrier.wait(timeout=20)
-            with httpx.Client(timeout=30) as c:
+            with httpx.Client(timeout=30, verify=TLS) as c:
                 r = c.post(webhook["url"], content=body, headers=headers)
             answers[i] = (r.status_code, r.json())
         except Exception as exc:  # noqa: BLE001 - reported by the assertion below
@@ -378,7 +388,7 @@ class CrashRun:
 
         def sender(n: int) -> None:
             deadline = time.monotonic() + 15
-            with httpx.Client(timeout=5) as c:
+            with httpx.Client(timeout=5, verify=TLS) as c:
                 for i in range(5000):
                     if self.stop.is_set() or time.monotonic() > deadline:
                         return

@@ -22,7 +22,7 @@ import httpx
 import producers
 import pytest
 from conftest import ROOT, LiveServer, cli, cli_inproc
-from helpers import count
+from helpers import TLS, count
 
 from switchboard.configuration import FD_RESERVE
 from switchboard.server import connection_limits
@@ -130,7 +130,7 @@ def test_healthz_answers_throughout_a_flood_of_half_sent_requests_past_the_file_
             deadline = time.monotonic() + 30
             while (flood.opened < FLOOD or len(checks) < 10) and time.monotonic() < deadline:
                 try:
-                    checks.append(httpx.get(server.url + "/healthz", timeout=5).status_code)
+                    checks.append(httpx.get(server.url + "/healthz", timeout=5, verify=TLS).status_code)
                 except httpx.HTTPError as exc:
                     checks.append(type(exc).__name__)
                 most_fds = max(most_fds, open_fds(pid))

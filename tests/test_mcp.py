@@ -16,6 +16,7 @@ import mcp_types as types
 import producers
 import pytest
 from conftest import cli_inproc
+from helpers import TLS
 from mcp import Client
 from mcp.client import ClientExtension, ClientSession, NotificationBinding
 from mcp.client.streamable_http import streamable_http_client
@@ -69,7 +70,7 @@ def setup(live_server, db_path):
     _, bobs = cli_inproc(db_path, "endpoint", "vend", "--human", "bob", "--name", "worker", "--queues", "build")
 
     def push(endpoint_id: str, title: str, queue: str = "build", owner: dict = human) -> dict:
-        r = httpx.post(f"{server.url}/api/v1/endpoints/{endpoint_id}/todos",
+        r = httpx.post(f"{server.url}/api/v1/endpoints/{endpoint_id}/todos", verify=TLS,
                        headers={"Authorization": f"Bearer {owner['token']}"}, json={"title": title, "queue": queue})
         assert r.status_code == 201, r.text
         return r.json()

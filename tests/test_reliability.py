@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from conftest import cli_inproc, workdir
-from helpers import assert_storage_intact, connect_db
+from helpers import TLS, assert_storage_intact, connect_db
 
 TODOS = 400
 WORKERS = 4
@@ -52,7 +52,7 @@ def push_all(url: str, human: dict, endpoint_id: str, count: int) -> list[str]:
     lock = threading.Lock()
 
     def pusher(offset: int) -> None:
-        with httpx.Client(base_url=url, headers=bearer(human), timeout=30) as http:
+        with httpx.Client(base_url=url, headers=bearer(human), timeout=30, verify=TLS) as http:
             for n in range(offset, count, 4):
                 r = http.post(f"/api/v1/endpoints/{endpoint_id}/todos", json={"title": f"job {n}", "queue": "build"})
                 assert r.status_code == 201, r.text

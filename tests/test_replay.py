@@ -14,7 +14,7 @@ import httpx
 import producers
 import pytest
 from conftest import cli, cli_inproc, snapshot
-from helpers import add_route, count, hook_token, make_webhook, post_delivery, query
+from helpers import TLS, add_route, count, hook_token, make_webhook, post_delivery, query
 
 from switchboard.app import create_app
 from switchboard.configuration import iso
@@ -211,7 +211,7 @@ def test_racing_replays_and_redeliveries_mint_exactly_once(db_path, live_server)
     answers: list = [None] * 6
 
     def replay_second(i: int):
-        with httpx.Client(base_url=server.url, timeout=30) as c:
+        with httpx.Client(base_url=server.url, timeout=30, verify=TLS) as c:
             barrier.wait(10)
             answers[i] = replay(c, Alice, second["event_id"])
 

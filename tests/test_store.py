@@ -7,7 +7,7 @@ from collections import Counter
 
 import httpx
 import pytest
-from helpers import connect_db
+from helpers import TLS, connect_db
 
 from switchboard.configuration import SCHEMA_VERSION, iso
 from switchboard.store.transitions import backoff_ms
@@ -366,7 +366,7 @@ def test_racing_claims_claim_every_todo_exactly_once(live_server, db_path):
     errors: list[str] = []
 
     def work():
-        with httpx.Client(base_url=server.url, headers=auth, timeout=30) as c:
+        with httpx.Client(base_url=server.url, headers=auth, timeout=30, verify=TLS) as c:
             while True:
                 r = c.post("/api/v1/todos/claim", json={"queue": "build"})
                 if r.status_code != 200:

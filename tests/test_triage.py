@@ -36,7 +36,7 @@ import httpx
 import producers
 import pytest
 from conftest import ROOT, LiveServer, cli_inproc
-from helpers import hook_path
+from helpers import TLS, hook_path
 
 from switchboard.worker.job import Complete, ConfigError, Fail, Job
 from switchboard.worker.triage import DEFAULT_GITHUB_API, add_triage_arguments, chat_request, make_triage_runner
@@ -233,7 +233,7 @@ class FakeForge(ApiServer):
         else:  # Gitea names the label change label_updated and does not say which label changed
             raw, headers = producers.gitea("issues.opened" if action == "opened" else "issues.label_updated", secret,
                                            {**patch, "number": number}, delivery=str(uuid.uuid4()))
-        answer = httpx.post(url, content=raw, headers=headers, timeout=10)
+        answer = httpx.post(url, content=raw, headers=headers, timeout=10, verify=TLS)
         assert answer.status_code == 202, answer.text
         self.deliveries.append({"number": number, "action": action, **answer.json()})
         return answer.json()
@@ -264,7 +264,7 @@ class Site:
         return self.dir / "llm.key"
 
     def call(self, method: str, path: str, **body) -> dict:
-        r = httpx.request(method, f"{self.server.url}/api/v1{path}", json=body or None, timeout=10,
+        r = httpx.request(method, f"{self.server.url}/api/v1{path}", json=body or None, timeout=10, verify=TLS,
                           headers={"Authorization": f"Bearer {self.human_token}"})
         assert r.status_code in (200, 201), r.text
         return r.json()

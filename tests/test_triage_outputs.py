@@ -25,7 +25,7 @@ import producers
 import pytest
 from conftest import ROOT, LiveServer, cli_inproc
 from forges import REPO, FakeForge
-from helpers import hook_path
+from helpers import TLS, hook_path
 from test_triage import MODEL, FakeModel, eventually, secret_file, sized, triage_worker_command
 
 TOKEN = "ghp_" + "C0nnect10nT0ken" * 3
@@ -48,7 +48,7 @@ class Site:
     model: FakeModel
 
     def call(self, method: str, path: str, token: str | None = None, **body) -> dict:
-        r = httpx.request(method, f"{self.server.url}/api/v1{path}", json=body or None, timeout=10,
+        r = httpx.request(method, f"{self.server.url}/api/v1{path}", json=body or None, timeout=10, verify=TLS,
                           headers={"Authorization": f"Bearer {token or self.human_token}"})
         assert r.status_code in (200, 201), r.text
         return r.json()

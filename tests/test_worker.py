@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ROOT, LiveServer, cli_inproc
-from helpers import query
+from helpers import TLS, query
 
 from switchboard.worker.park import (
     FIRST_PARK_SECONDS,
@@ -109,7 +109,7 @@ class Lane:
     def as_human(self) -> httpx.Client:
         """A client of the REST API with the human's token."""
         return httpx.Client(base_url=self.server.url, headers={"Authorization": f"Bearer {self.human_token}"},
-                            timeout=10)
+                            timeout=10, verify=TLS)
 
     def push(self, payload: object = None, title: str = "work") -> str:
         with self.as_human() as http:
@@ -201,7 +201,7 @@ def site(tmp_path_factory):
 def make_lane(server: LiveServer, human_token: str, directory: Path) -> Lane:
     name = f"lane-{os.urandom(4).hex()}"
     r = httpx.post(f"{server.url}/api/v1/endpoints", headers={"Authorization": f"Bearer {human_token}"},
-                   json={"name": name, "queues": [name]}, timeout=10)
+                   json={"name": name, "queues": [name]}, timeout=10, verify=TLS)
     assert r.status_code == 201, r.text
     made = r.json()
     lane = Lane(server, human_token, made["id"], made["token"], name, directory)
