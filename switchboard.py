@@ -4,7 +4,7 @@ module of the same name on import), and `pip install .` gives the same CLI as th
 
 import sys
 
-from switchboard.cli.parser import main
+from switchboard.cli.entry import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,5 +34,6 @@ checks it from the import graph).
   server             uvicorn, logging, the process's lifetime
   worker.*           `switchboard worker`, the client side: job, tracing (its own spans), park, api, exec_runner,
                      triage, loop, main
-  cli.*              output, commands, forge_commands (connections, subjects), parser and main()
+  cli.*              output, commands, forge_commands (connections, subjects), parser, and entry (main(): the
+                     worker before the rest is imported)
 """

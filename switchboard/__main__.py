@@ -2,6 +2,6 @@
 
 import sys
 
-from switchboard.cli.parser import main
+from switchboard.cli.entry import main
 
 sys.exit(main())

@@ -66,7 +66,7 @@ def test_the_wheel_carries_the_data_files_and_the_console_script(installed):
     (dist_info,) = installed.glob("switchboard_hooks-*.dist-info")
     entry_points = configparser.ConfigParser()
     entry_points.read(dist_info / "entry_points.txt")
-    assert entry_points["console_scripts"]["switchboard"] == "switchboard.cli.parser:main"
+    assert entry_points["console_scripts"]["switchboard"] == "switchboard.cli.entry:main"
 
 
 def test_schema_and_packs_live_once_at_the_top_of_the_repository():
@@ -114,7 +114,7 @@ def test_no_install_line_names_the_unrelated_switchboard_on_pypi():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["name"] == "switchboard-hooks"
     assert "switchboard-hooks[postgres]" in project["optional-dependencies"]["test"]
-    assert project["scripts"] == {"switchboard": "switchboard.cli.parser:main"}, "the command keeps its name"
+    assert project["scripts"] == {"switchboard": "switchboard.cli.entry:main"}, "the command keeps its name"
     places = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "deploy").iterdir(),
               *(ROOT / "switchboard").rglob("*.py"), *(ROOT / "tests" / "bench").glob("*.py")]
     wrong = []

@@ -560,14 +560,7 @@ def _fail(args: argparse.Namespace, body: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     # Every file this process creates (database, WAL, backups, credentials) is the owner's alone.
     os.umask(0o077)
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["worker"]:
-        # A process of its own that talks to a server over REST: it opens no database and takes none of the
-        # operator's options, so it has its own parser (and imports none of the server's modules).
-        from switchboard.worker.main import main as worker_main
-
-        return worker_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     args.db = getattr(args, "db", None) or default_db_path()
     args.json = getattr(args, "json", False)
     args.key_file = getattr(args, "key_file", None) or os.environ.get("SWITCHBOARD_KEY_FILE") or None
