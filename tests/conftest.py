@@ -54,8 +54,9 @@ def pytest_configure(config) -> None:
 # Workers for `-n auto` (pyproject's addopts), sized for the 2-core machine the suite is measured on. The SQLite
 # run waits a good part of its time (leases lapsing, kill grace, servers starting), so a third worker fills those
 # waits: 6 min 39 s with two, 5 min 25 s with three, 5 min 6 s with four (same machine, same commit). The Postgres
-# run was bound by the kernel time of CREATE DATABASE on disk; with its clusters in memory (pg_cluster) it waits
-# too: 8 min 51 s with two workers, 7 min 10 s with three.
+# run was bound by the kernel time of CREATE DATABASE on disk (9 min 34 s with two workers); with its clusters in
+# memory (pg_cluster) it waits too, and a third worker fills those waits: 8 min 51 s with two, 7 min 10 s with
+# three.
 AUTO_WORKERS = {"sqlite": 3, "postgres": 3}
 
 
@@ -146,6 +147,7 @@ def dropped_after(database: str, databases: PostgresDatabases | None) -> Iterato
     yield database
     if databases is not None:
         databases.drop(database)
+
 
 # Where Python writes no bytecode cache (PYTHONDONTWRITEBYTECODE), each server and CLI process the tests start
 # would compile the package's 10,000 lines again: compile them once here instead.
