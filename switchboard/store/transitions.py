@@ -219,13 +219,16 @@ def _as_written(todo: sqlite3.Row, written: dict) -> dict:
     return {**dict(todo), **written}
 
 
+# A ring counted on a todo, only while it is pending: one read without a lock may have been claimed (or moved) since
+COUNT_RING = "UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ? AND state = 'pending'"
+
+
 def _became_pending(txn: Txn, todo_id: str) -> None:
     """Ring now for a todo that is claimable now; the scheduler rings the rest when they come due."""
     if not txn.inline_rings:
         return
     # mark_rung's count and the read of the row in one statement: claimable, so counted, and read as counted
-    rung = txn.all(f"UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ? AND state = 'pending'"
-                   f" AND available_at <= ? AND silent = 0 AND {CLAIMABLE} RETURNING *",
+    rung = txn.all(f"{COUNT_RING} AND available_at <= ? AND silent = 0 AND {CLAIMABLE} RETURNING *",
                    (txn.now, todo_id, txn.now, txn.now))
     if rung:
         _ring_unless_withheld(txn, rung[0])
@@ -236,9 +239,7 @@ def mark_rung(txn: Txn, row: sqlite3.Row) -> dict | None:
     claims (or no more of the todo's subject key or repository), withholds it: counted on the todo (its re-ring
     sweep goes on) and sent to no one; the queue rings for what waits when it opens again (ring_claimable).
     None: withheld, or the todo is no longer pending."""
-    # Only while it is pending: a todo read without a lock may have been claimed (or moved) since, and needs no ring.
-    if not txn.execute("UPDATE todos SET ring_count = ring_count + 1, last_ring_at = ? WHERE id = ? AND state = 'pending'",
-                       (txn.now, row["id"])).rowcount:
+    if not txn.execute(COUNT_RING, (txn.now, row["id"])).rowcount:
         return None
     return _ring_unless_withheld(txn, row)
 
