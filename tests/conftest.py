@@ -57,12 +57,12 @@ def pytest_configure(config) -> None:
 # run was bound by the kernel time of CREATE DATABASE on disk (9 min 34 s with two workers); with its clusters in
 # memory (pg_cluster) it waits too, and a third worker fills those waits: 8 min 51 s with two, 7 min 10 s with
 # three.
-AUTO_WORKERS = {"sqlite": 3, "postgres": 3}
+AUTO_WORKERS = 3
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_auto_num_workers(config) -> int:
-    return AUTO_WORKERS.get(ENGINE, 2)
+    return AUTO_WORKERS
 
 
 # The files that take longest, longest first: by the larger of a file's share of the SQLite run and of the Postgres
