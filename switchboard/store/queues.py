@@ -182,6 +182,5 @@ def ring_due_queues(txn: Txn) -> int:
     return len(due)
 
 
-def next_queue_moment(txn: Txn) -> int | None:
-    """When the scheduler next has a queue to open (for next_due)."""
-    return txn.one("SELECT min(ring_due_at) FROM queue_controls")[0]
+# When the scheduler next has a queue to open (a scalar subquery of next_due's one statement)
+NEXT_QUEUE_MOMENT = "(SELECT min(ring_due_at) FROM queue_controls)"

@@ -283,6 +283,5 @@ def _make_todo(txn: Txn, schedule: sqlite3.Row, endpoint: sqlite3.Row, due_at: i
     return todo_id
 
 
-def next_schedule_moment(txn: Txn) -> int | None:
-    """When the next schedule is due (the scheduler's next moment), from schedules_due alone."""
-    return txn.one("SELECT min(next_run_at) FROM schedules WHERE enabled = 1")[0]
+# When the next schedule is due, from schedules_due alone (a scalar subquery of next_due's one statement)
+NEXT_SCHEDULE_MOMENT = "(SELECT min(next_run_at) FROM schedules WHERE enabled = 1)"

@@ -47,8 +47,8 @@ from switchboard.store.human_actions import (
     retry,
     undefer,
 )
-from switchboard.store.queues import next_queue_moment, ring_due_queues
-from switchboard.store.schedules import next_schedule_moment, run_due_schedules
+from switchboard.store.queues import NEXT_QUEUE_MOMENT, ring_due_queues
+from switchboard.store.schedules import NEXT_SCHEDULE_MOMENT, run_due_schedules
 from switchboard.store.transitions import (
     CLAIMABLE,
     absorb,
@@ -64,7 +64,7 @@ from switchboard.store.transitions import (
     release,
     transition,
 )
-from switchboard.store.wait_sweep import next_wait_moment, sweep_waits
+from switchboard.store.wait_sweep import NEXT_WAIT_MOMENT, sweep_waits
 
 # -- background work --------------------------------------------------------------------------------
 
@@ -109,24 +109,26 @@ def scheduler_tick(txn: Txn, limit: int = 500) -> dict:
             "next_due": next_due(txn)}
 
 
+# The moments next_due weighs, each from a partial index (or the few queue controls), as one statement: the
+# scheduler's idle look is this one read. `ring_count > 0` repeats the partial index's own condition, so SQLite
+# uses it (todos_rerung).
+_MOMENTS = ("SELECT (SELECT min(lease_expires_at) FROM todos WHERE state = 'claimed'),"
+            " (SELECT min(deferred_until) FROM todos WHERE state = 'deferred'),"
+            " (SELECT min(available_at) FROM todos WHERE state = 'pending' AND ring_count = 0 AND available_at > ?),"
+            f" {NEXT_QUEUE_MOMENT}, {NEXT_SCHEDULE_MOMENT}, {NEXT_WAIT_MOMENT},"
+            " (SELECT min(created_at) FROM todos WHERE state = 'quarantined'), "
+            + ", ".join(f"(SELECT min(last_ring_at) FROM todos WHERE state = 'pending' AND ring_count > 0"
+                        f" AND ring_count = {count})" for count in range(1, len(RERING_AFTER_MS) + 1)))
+
+
 def next_due(txn: Txn) -> int | None:
     """When the scheduler next has something to do (a lease lapses, a deferral ends, a held item expires, a
     retry comes due, a re-ring is owed, a queue's pause ends or its full window turns, a schedule or a wait comes
-    due), from the partial indexes (and the few queue controls) alone; None when nothing waits."""
-    moments = [txn.one("SELECT min(lease_expires_at) FROM todos WHERE state = 'claimed'")[0],
-               txn.one("SELECT min(deferred_until) FROM todos WHERE state = 'deferred'")[0],
-               txn.one("SELECT min(available_at) FROM todos WHERE state = 'pending' AND ring_count = 0"
-                       " AND available_at > ?", (txn.now,))[0]]
-    moments.append(next_queue_moment(txn))
-    moments.append(next_schedule_moment(txn))
-    moments.append(next_wait_moment(txn))
-    held = txn.one("SELECT min(created_at) FROM todos WHERE state = 'quarantined'")[0]
-    moments.append(held + QUARANTINE_DAYS * 86_400_000 if held is not None else None)
-    for count, wait_ms in enumerate(RERING_AFTER_MS, start=1):
-        # `ring_count > 0` repeats the partial index's own condition, so SQLite uses it (todos_rerung).
-        rung = txn.one(f"SELECT min(last_ring_at) FROM todos WHERE state = 'pending' AND ring_count > 0"
-                       f" AND ring_count = {count}")[0]
-        moments.append(rung + wait_ms if rung is not None else None)
+    due); None when nothing waits."""
+    lease, deferral, retry, queue, schedule, wait, held, *rung = txn.one(_MOMENTS, (txn.now,))
+    moments = [lease, deferral, retry, queue, schedule, wait,
+               held + QUARANTINE_DAYS * 86_400_000 if held is not None else None]
+    moments += [last + wait_ms if last is not None else None for last, wait_ms in zip(rung, RERING_AFTER_MS, strict=True)]
     return min((m for m in moments if m is not None), default=None)
 
 

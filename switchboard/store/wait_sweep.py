@@ -33,9 +33,8 @@ def sweep_waits(txn: Txn, limit: int = 500) -> int:
     return len(due)
 
 
-def next_wait_moment(txn: Txn) -> int | None:
-    """When the sweep next has a wait to act on (for next_due)."""
-    return txn.one("SELECT min(wait_due_at) FROM todos WHERE wait_due_at IS NOT NULL")[0]
+# When the sweep next has a wait to act on (a scalar subquery of next_due's one statement)
+NEXT_WAIT_MOMENT = "(SELECT min(wait_due_at) FROM todos WHERE wait_due_at IS NOT NULL)"
 
 
 def _fire(txn: Txn, todo: sqlite3.Row) -> None:
