@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import logging.handlers
@@ -47,6 +48,54 @@ PARSE_PROBLEMS_SHOWN = 5  # a body wrong in many places names the first few; the
 BACKOFF_BASE_SECONDS = 30
 BACKOFF_CAP_SECONDS = 15 * 60
 SCHEDULER_TICK_SECONDS = 1.0
+
+
+def in_step(now: float, period: float = SCHEDULER_TICK_SECONDS) -> float:
+    """Seconds from `now` (the event loop's clock) to its next multiple of `period`. The server's once-a-second
+    loops (uvicorn's, the scheduler's) sleep this long, so they wake in the same turn of the event loop: each
+    wake-up of an idle process costs about 0.2 ms of CPU here, and two loops out of step cost twice one."""
+    return period - now % period
+
+
+class Nap:
+    """A loop's pause until its next step (in_step) that any thread, or a signal handler, can end at once
+    (`wake`). A wake-up that comes while the loop is not napping ends its next nap at once, so none is lost."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._napping: asyncio.Future | None = None
+        self._woken = False
+
+    async def until_next_step(self, period: float = SCHEDULER_TICK_SECONDS) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        if self._woken:
+            self._woken = False
+            return
+        self._napping = napping = loop.create_future()
+        timer = loop.call_later(in_step(loop.time(), period), self._end, napping)
+        try:
+            await napping
+        finally:
+            timer.cancel()
+            self._napping = None
+
+    def wake(self) -> None:
+        loop = self._loop
+        if loop is None:
+            self._woken = True
+        else:
+            loop.call_soon_threadsafe(self._rouse)
+
+    def _rouse(self) -> None:
+        if self._napping is None:
+            self._woken = True
+        else:
+            self._end(self._napping)
+
+    @staticmethod
+    def _end(napping: asyncio.Future) -> None:
+        if not napping.done():
+            napping.set_result(None)
 # With nothing committed and nothing due, the scheduler still runs a full tick this often.
 SCHEDULER_IDLE_SECONDS = 10.0
 CHECKPOINTS_PER_SECOND = 10
