@@ -124,6 +124,12 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     flows = Flows(db, doorbell, evaluator, box, RateLimiter(ingest_rate, ingest_burst), metrics, vitals, notifier,
                   forge, RateLimiter(verified_rate if ingest_rate > 0 else 0, verified_burst))
     flows.tracing = tracing.emit if tracing is not None else None
+    if db.engine == "postgres":
+        # The ring thread reads the change marker: it tells the scheduler's loop when it moved, and looks once a
+        # second while a live view is open (see Postgres.look_soon)
+        db.on_change = flows.looks.wake
+        db.watched = flows.changes.watched
+        flows.changes.on_watch = db.look_soon
     origins = allowed_origins if allowed_origins is not None else os.environ.get("SWITCHBOARD_ALLOWED_ORIGINS", "")
     api = Api(flows, base_url, frozenset(o.strip().rstrip("/") for o in origins.split(",") if o.strip()), proxies)
 

@@ -447,6 +447,10 @@ class Database:
 
         return await anyio.to_thread.run_sync(self.read_sync, fn, *args)
 
+    @property
+    def change_marker_at_hand(self) -> bool:
+        return True  # the pragma is answered from memory: the event loop reads it inline
+
     def change_marker(self) -> int:
         """PRAGMA data_version on a connection of its own: it moves on any commit by another connection (this
         server's writer, the CLI, another process). For the background loop only (one thread)."""

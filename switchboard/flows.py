@@ -23,8 +23,8 @@ from switchboard.configuration import (
     KEEPALIVE_SECONDS,
     PRUNE_EVERY_SECONDS,
     SCHEDULER_IDLE_SECONDS,
-    SCHEDULER_TICK_SECONDS,
     ApiError,
+    Nap,
     Vitals,
     log,
 )
@@ -80,7 +80,7 @@ from switchboard.store.routing import decide_for_webhook, dry_run_rules, gate, s
 from switchboard.store.rules import rules_view
 from switchboard.store.todos import stored_json
 from switchboard.store.transitions import claim_next, claim_queues, hand_back_unheard, pending_among, span_record
-from switchboard.store.upkeep import prune, rings_for_new_session, scheduler_tick
+from switchboard.store.upkeep import next_due, prune, rings_for_new_session, scheduler_tick
 from switchboard.store.webhooks import commands_of
 from switchboard.tracing import new_span_id, new_trace_id, parse_traceparent
 
@@ -220,9 +220,15 @@ class Changes:
 
     def __init__(self) -> None:
         self._listeners: dict[Callable[[], None], None] = {}
+        self.on_watch: Callable[[], None] | None = None  # a live view opened (Postgres: look at the marker soon)
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         self._listeners[listener] = None
+        if self.on_watch is not None:
+            self.on_watch()
+
+    def watched(self) -> bool:
+        return bool(self._listeners)
 
     def unsubscribe(self, listener: Callable[[], None]) -> None:
         self._listeners.pop(listener, None)
@@ -327,6 +333,7 @@ class Flows:
         self.closing = False
         self.shed: dict[str, Shedding] = {}  # by webhook id: what the Board's webhook page shows
         self.changes = Changes()  # told by the background loop's probe; the Board's live view listens
+        self.looks = Nap()  # the background loop's pause between looks, ended early when a change is told
         self.passing: set[asyncio.Task] = set()  # rings being passed on (a task needs a holder)
         self.tracing: Callable[[list[dict]], None] | None = None  # the span exporter's emit (app), if any
         self.principals: dict[str, tuple[Principal, float]] = {}  # by token hash: (principal, monotonic expiry)
@@ -728,29 +735,35 @@ class Flows:
     # -- the background loop -------------------------------------------------------------------------
     async def background(self) -> None:
         """Every second, look; run a tick (leases, deferrals, rings) only when another connection committed
-        (PRAGMA data_version moved: a request, the CLI), when what the last tick saw falls due, or at least every
-        SCHEDULER_IDLE_SECONDS. Idle, that costs one pragma a second, not a scan. A move is also told to
-        `changes` (the Board's open streams then read their counts again; idle, they read nothing). One bad round
-        is logged and the loop goes on. (Checkpoints are the checkpointer thread's and the writer's:
-        the WAL file keeps its size, because a commit that grows the file costs about twice one that reuses it.)"""
-        last_tick = -math.inf
+        (PRAGMA data_version moved: a request, the CLI; on Postgres the counters' change total), or when what the
+        last tick saw falls due. At least every SCHEDULER_IDLE_SECONDS it reads when the next thing falls due again
+        (one statement, next_due), for a due moment that came without a move it sees (a schedule or a pause
+        another process wrote). Idle, that costs one look a second, not a scan. A move is also told to `changes`
+        (the Board's open streams then read their counts again; idle, they read nothing). One bad round is logged
+        and the loop goes on. (Checkpoints are the checkpointer thread's and the writer's: the WAL file keeps its
+        size, because a commit that grows the file costs about twice one that reuses it.)"""
+        last_look = -math.inf
         seen, due_ms = None, None
         while True:
             try:
                 now = time.monotonic()
-                # SQLite's pragma is answered from memory; Postgres's is a round trip, kept off the loop.
-                version = (self.db.change_marker() if self.db.engine == "sqlite"
+                # SQLite's pragma is answered from memory, as is a listening Postgres's marker (its ring thread
+                # reads it); otherwise the look is a round trip, kept off the loop.
+                version = (self.db.change_marker() if self.db.change_marker_at_hand
                            else await asyncio.to_thread(self.db.change_marker))
                 if seen is not None and version != seen:
                     self.changes.moved()
-                if self.db.is_leader and (version != seen or now - last_tick >= SCHEDULER_IDLE_SECONDS
-                                          or (due_ms is not None and self.db.clock.now_ms() >= due_ms)):
-                    seen, last_tick = version, now
-                    due_ms = (await self.db.write(scheduler_tick))["next_due"]
+                if self.db.is_leader:
+                    if version == seen and now - last_look >= SCHEDULER_IDLE_SECONDS:
+                        last_look = now
+                        due_ms = await self.db.read(next_due)
+                    if version != seen or (due_ms is not None and self.db.clock.now_ms() >= due_ms):
+                        seen, last_look = version, now
+                        due_ms = (await self.db.write(scheduler_tick))["next_due"]
                 seen = version
             except Exception:  # noqa: BLE001 - the loop must outlive one bad round; the cause is logged
                 log.exception("scheduler tick failed")
-            await asyncio.sleep(SCHEDULER_TICK_SECONDS)
+            await self.looks.until_next_step()
 
     async def retention(self) -> None:
         """At start and hourly, retention (`prune`), in a loop of its own: a big box's first pass past the row cap

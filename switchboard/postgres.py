@@ -18,6 +18,7 @@ import json
 import os
 import random
 import re
+import select
 import socket
 import threading
 import time
@@ -32,7 +33,7 @@ import psycopg.errors
 import psycopg_pool
 from psycopg.pq import Format
 
-from switchboard.configuration import SCHEMA_VERSION, ApiError, Clock, log, shipped_path
+from switchboard.configuration import SCHEDULER_TICK_SECONDS, SCHEMA_VERSION, ApiError, Clock, log, shipped_path
 from switchboard.crypto import new_id
 from switchboard.database import PRINCIPAL_RECHECK, Txn
 from switchboard.migrations import CREATED, MIGRATIONS, POSTGRES_FIRST_VERSION, RECORD_STEP, Migration
@@ -47,6 +48,10 @@ MAX_ATTEMPTS = 8
 _traced_connections = itertools.count(1)
 LEADER_LOCK = 0x5357_4c45_4144  # "SWLEAD": pg_try_advisory_lock's key for the leader
 MIGRATE_LOCK = 0x5357_4d49_4752  # "SWMIGR": one process migrates, the others wait for it
+# What change_marker reads (see there)
+CHANGE_MARKER = ("SELECT (SELECT coalesce(sum(changes), 0) FROM todo_counts), (SELECT count(*) FROM board_sessions),"
+                 " (SELECT coalesce(max(rowid), 0) FROM board_sessions),"
+                 " (SELECT max(updated_at) FROM todos WHERE state = 'claimed')")
 HEARTBEAT_SECONDS = 5.0  # also how often the leader drops the processes gone
 PROCESS_STALE_MS = 15_000  # a process not heard of for this long is gone: its ring listeners are dropped
 RING_CHANNEL = "switchboard_ring_"  # + the process id: NOTIFY payloads are the rings chosen for that process
@@ -405,6 +410,11 @@ class Postgres:
     # by hand) hears only its own rings.
     shared_poll_seconds = 2.0
     alone_poll_seconds = 30.0
+    # The ring thread looks at the change marker every SCHEDULER_TICK_SECONDS; once it saw no move for
+    # quiet_after_seconds while no live view is open, every quiet_look_seconds (each look is a wake-up of this
+    # process and of a Postgres backend). A live view that opens brings the next look within a second (look_soon).
+    quiet_after_seconds = 10.0
+    quiet_look_seconds = 4.0
 
     def __init__(self, url: str, *, clock: Clock | None = None, inline_rings: bool = True, migrate: bool = True,
                  pool_size: int = 8, listen: bool = False, listen_url: str | None = None):
@@ -417,6 +427,12 @@ class Postgres:
         self.on_rings: Callable[[list[dict]], None] | None = None
         self.on_spans: Callable[[list[dict]], None] | None = None  # the exporter's, after commit (see Txn.spans)
         self.on_outbox: Callable[[], None] | None = None
+        self.on_change: Callable[[], None] | None = None  # the change marker moved (told from the ring thread)
+        self.watched: Callable[[], bool] = lambda: False  # whether a live view is open (the app's)
+        self._marker: tuple | None = None  # as the ring thread last read it
+        self._moved_at = time.monotonic()  # when a look last saw the marker move, or was asked for
+        self._look_asked = False  # a live view opened since the last look
+        self._looks_quiet = False  # the ring thread sleeps until a quiet look
         self.opener: Callable[[bytes, str], bytes] | None = None  # the app's SecretBox.open, for write transactions
         self.on_fatal: Callable[[str], None] | None = None
         self.loop: AbstractEventLoop | None = None
@@ -433,6 +449,10 @@ class Postgres:
         self._listeners_lock = threading.Lock()
         self._listeners_dirty = threading.Event()
         self._closing = threading.Event()
+        # The ring thread sleeps on its connection's socket and this pipe, written when a listener changes or the
+        # process closes: idle, it wakes only for a notification or its heartbeat
+        self._wake_pipe: tuple[int, int] | None = None
+        self._wake_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         with psycopg.connect(url, autocommit=True) as conn:
             _configure(conn)
@@ -442,6 +462,9 @@ class Postgres:
         self._pool = psycopg_pool.ConnectionPool(url, min_size=1, max_size=pool_size, configure=self._on_connect,
                                                  open=True, timeout=30, name="switchboard")
         if listen:
+            self._wake_pipe = os.pipe()
+            for fd in self._wake_pipe:
+                os.set_blocking(fd, False)
             for target, name in ((self._listen_loop, "switchboard-rings"), (self._leader_loop, "switchboard-leader")):
                 thread = threading.Thread(target=self._guarded, args=(target, name), name=name, daemon=True)
                 thread.start()
@@ -580,16 +603,21 @@ class Postgres:
 
         return await anyio.to_thread.run_sync(self.read_sync, fn, *args)
 
+    @property
+    def change_marker_at_hand(self) -> bool:
+        return self._marker is not None
+
     def change_marker(self) -> Any:
         """What moves whenever anything a live view shows changed, in any process (SQLite's data_version moves on
         every commit; Postgres has no such counter for one database): the counters' change total (a todo entered
         or left a group), the Board sessions (one opened: the newest rowid; one ended: the count) and the running
-        work's latest heartbeat."""
+        work's latest heartbeat. A listening process's ring thread reads it once a second on its own connection
+        and tells `on_change` when it moved: then this answers that reading, with no round trip."""
+        marker = self._marker
+        if marker is not None:
+            return marker
         with self._pool.connection() as conn:
-            return tuple(conn.execute(
-                "SELECT (SELECT coalesce(sum(changes), 0) FROM todo_counts),"
-                " (SELECT count(*) FROM board_sessions), (SELECT coalesce(max(rowid), 0) FROM board_sessions),"
-                " (SELECT max(updated_at) FROM todos WHERE state = 'claimed')").fetchone())
+            return tuple(conn.execute(CHANGE_MARKER).fetchone())
 
     # -- what several processes share ------------------------------------------------------------------
     def listening(self, endpoint_id: str, queues: frozenset[str] | None, waiting: bool, delta: int) -> None:
@@ -601,6 +629,12 @@ class Postgres:
             if self.listeners[key] <= 0:
                 del self.listeners[key]
         self._listeners_dirty.set()
+        self._wake_ring_thread()
+
+    def _wake_ring_thread(self) -> None:
+        with self._wake_lock, contextlib.suppress(BlockingIOError):  # a full pipe already holds a wake-up
+            if self._wake_pipe is not None:
+                os.write(self._wake_pipe[1], b"\0")
 
     def _guarded(self, target: Callable[[], None], name: str) -> None:
         try:
@@ -614,8 +648,17 @@ class Postgres:
 
     def _listen_loop(self) -> None:
         """LISTEN for this process's rings and for outbox writes by other processes (which wake the leader's
-        senders), publish its listeners and its heartbeat. A lost connection is
-        reconnected; rings sent meanwhile are lost, and the waiting claims' poll finds their todos."""
+        senders), publish its listeners and its heartbeat, and read the change marker once a second. Between these
+        it sleeps until the connection has something to read, the wake-up pipe is written or the next look is due:
+        no other polling while idle (psycopg's own `notifies(timeout=…)` wakes ten times a second, and each wake-up
+        of an idle process costs about 0.2 ms of CPU here). A lost connection is reconnected; rings sent meanwhile
+        are lost, and the waiting claims' poll finds their todos."""
+        try:
+            self._listen()
+        finally:
+            self._marker = None  # change_marker asks the database itself from now on
+
+    def _listen(self) -> None:
         published: dict | None = None
         while not self._closing.is_set():
             try:
@@ -623,22 +666,37 @@ class Postgres:
                     _configure(conn)
                     conn.execute(f"LISTEN {RING_CHANNEL}{self.process_id}")
                     conn.execute(f"LISTEN {OUTBOX_CHANNEL}")
+                    waiting = select.poll()
+                    waiting.register(conn.fileno(), select.POLLIN)
+                    wake_read = self._wake_pipe[0]
+                    waiting.register(wake_read, select.POLLIN)
                     published = None
-                    next_beat = 0.0
+                    next_beat = last_look = 0.0
                     while not self._closing.is_set():
                         if time.monotonic() >= next_beat:
                             self._beat(conn)
                             next_beat = time.monotonic() + HEARTBEAT_SECONDS
+                        if time.monotonic() >= last_look + self._look_interval():
+                            self._look(conn)
+                            last_look = time.monotonic()
+                        next_look = last_look + self._look_interval()
                         if self._listeners_dirty.is_set() or published is None:
                             self._listeners_dirty.clear()
                             published = self._publish(conn, published)
-                        for notice in conn.notifies(timeout=0.2, stop_after=64):
+                        # What arrived while the statements above ran (psycopg keeps it), then what the socket
+                        # holds: a timeout of 0 reads without waiting
+                        for notice in conn.notifies(timeout=0):
                             if notice.channel == OUTBOX_CHANNEL:
                                 if self.on_outbox and self.is_leader:
                                     self.on_outbox()
                             else:
                                 self._deliver(json.loads(notice.payload))
+                        woken = waiting.poll(max(0.0, min(next_beat, next_look) - time.monotonic()) * 1000)
+                        if any(fd == wake_read for fd, _ in woken):
+                            with contextlib.suppress(BlockingIOError):
+                                os.read(wake_read, 4096)
             except psycopg.OperationalError as exc:
+                self._marker = None  # change_marker asks the database itself until the thread reads it again
                 log.warning("ring listener lost its connection (%s); reconnecting", exc)
                 self._closing.wait(1.0)
 
@@ -652,12 +710,41 @@ class Postgres:
 
     def _beat(self, conn: psycopg.Connection) -> None:
         now = self.clock.now_ms()
-        self.others = conn.execute("SELECT count(*) FROM processes WHERE id <> %s", (self.process_id,)).fetchone()[0]
+        # One statement, one round trip: the heartbeat, and the others counted (the count's snapshot is from before
+        # the heartbeat, which it leaves out anyway)
+        self.others = conn.execute(
+            "WITH beat AS (INSERT INTO processes (id, host, pid, started_at, seen_at, clock_ms, db_ms) VALUES (%s, %s,"
+            " %s, %s, %s, %s, (extract(epoch FROM clock_timestamp()) * 1000)::bigint) ON CONFLICT (id) DO UPDATE"
+            " SET seen_at = excluded.seen_at, clock_ms = excluded.clock_ms, db_ms = excluded.db_ms)"
+            " SELECT count(*) FROM processes WHERE id <> %s",
+            (self.process_id, socket.gethostname(), os.getpid(), now, now, now, self.process_id)).fetchone()[0]
         self.beats += 1
-        conn.execute("INSERT INTO processes (id, host, pid, started_at, seen_at, clock_ms, db_ms) VALUES (%s, %s, %s,"
-                     " %s, %s, %s, (extract(epoch FROM clock_timestamp()) * 1000)::bigint) ON CONFLICT (id) DO UPDATE"
-                     " SET seen_at = excluded.seen_at, clock_ms = excluded.clock_ms, db_ms = excluded.db_ms",
-                     (self.process_id, socket.gethostname(), os.getpid(), now, now, now))
+
+    def look_soon(self) -> None:
+        """A live view opened: the ring thread's next look at the change marker comes within
+        SCHEDULER_TICK_SECONDS, however quiet it was, and the looks stay that often while a view is open."""
+        self._look_asked = True
+        if self._looks_quiet:  # read after the flag is set: a thread deciding to sleep long sees one or the other
+            self._looks_quiet = False
+            self._wake_ring_thread()
+
+    def _look_interval(self) -> float:
+        """How long after the last look the ring thread looks again: quiet_look_seconds once all is quiet."""
+        self._looks_quiet = True
+        quiet = (not self._look_asked and not self.watched()
+                 and time.monotonic() - self._moved_at >= self.quiet_after_seconds)
+        self._looks_quiet = quiet
+        return self.quiet_look_seconds if quiet else SCHEDULER_TICK_SECONDS
+
+    def _look(self, conn: psycopg.Connection) -> None:
+        asked, self._look_asked = self._look_asked, False
+        marker = tuple(conn.execute(CHANGE_MARKER).fetchone())
+        moved = self._marker is not None and marker != self._marker
+        self._marker = marker
+        if moved or asked:
+            self._moved_at = time.monotonic()
+        if moved and self.on_change is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.on_change)
 
     def _publish(self, conn: psycopg.Connection, published: dict | None) -> dict:
         wanted: dict = {}
@@ -692,10 +779,9 @@ class Postgres:
                             if self.is_leader:
                                 log.info("this process (%s) is the leader", self.process_id)
                         if self.is_leader:
-                            stale = self.clock.now_ms() - PROCESS_STALE_MS
-                            conn.execute("DELETE FROM ring_listeners WHERE process_id IN (SELECT id FROM processes"
-                                         " WHERE seen_at < %s)", (stale,))
-                            conn.execute("DELETE FROM processes WHERE seen_at < %s", (stale,))
+                            conn.execute("WITH gone AS (DELETE FROM processes WHERE seen_at < %s RETURNING id)"
+                                         " DELETE FROM ring_listeners WHERE process_id IN (SELECT id FROM gone)",
+                                         (self.clock.now_ms() - PROCESS_STALE_MS,))
                         self._closing.wait(HEARTBEAT_SECONDS if self.is_leader else 1.0)
             except psycopg.OperationalError as exc:
                 if self.is_leader:
@@ -709,8 +795,15 @@ class Postgres:
 
     def close(self) -> None:
         self._closing.set()
+        self._wake_ring_thread()
         for thread in self._threads:
             thread.join(timeout=5)
+        # The pipe outlives a thread that did not stop (it may still poll it); a later wake-up writes nothing
+        with self._wake_lock:
+            if self._wake_pipe is not None and not any(thread.is_alive() for thread in self._threads):
+                for fd in self._wake_pipe:
+                    os.close(fd)
+                self._wake_pipe = None
         with contextlib.suppress(psycopg.Error):
             with psycopg.connect(self.url, autocommit=True) as conn:
                 conn.execute("DELETE FROM ring_listeners WHERE process_id = %s", (self.process_id,))

@@ -25,6 +25,7 @@ from starlette.testclient import TestClient
 from test_notify import Receiver
 
 from switchboard.app import create_app
+from switchboard.board.queries import board_sign_in
 from switchboard.configuration import SCHEMA_VERSION
 from switchboard.postgres import Postgres
 from switchboard.store.principals import add_human
@@ -273,6 +274,61 @@ def test_the_leader_dies_and_another_reaps_a_lapsed_lease_and_sends_each_notific
         assert query(db_path, "SELECT count(*) FROM notify_outbox WHERE sent_at IS NULL")[0][0] == 0
     finally:
         rx.close()
+
+
+def test_the_ring_thread_reads_the_change_marker_and_looks_less_often_when_all_is_quiet(db_path):
+    """A listening process reads the change marker on its ring thread (the scheduler's look is then no round trip)
+    and tells the loop when it moved: another process's commit reaches the Board's streams within about a second.
+    Quiet (no move for quiet_after_seconds, no live view open), it looks only every quiet_look_seconds; a live view
+    that opens brings the next look within a second, and the looks stay at one a second while it is open."""
+    other = Postgres(db_path)
+    human = other.write_sync(add_human, "looker")
+    app = create_app(db_path, background=True)
+    told: list[float] = []
+
+    def sign_in_elsewhere() -> None:
+        other.write_sync(board_sign_in, human["token"])
+
+    def told_after(n: int, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while len(told) <= n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return len(told) > n
+
+    try:
+        with TestClient(app):
+            db, flows = app.state.db, app.state.flows
+            wake_scheduler = db.on_change
+            db.on_change = lambda: (told.append(time.monotonic()), wake_scheduler())
+            deadline = time.monotonic() + 10
+            while not db.change_marker_at_hand:
+                assert time.monotonic() < deadline, "the ring thread never read the change marker"
+                time.sleep(0.05)
+            n = len(told)
+            sign_in_elsewhere()
+            assert told_after(n, 10), "another process's commit is told within about a second"
+            assert db.change_marker() == other.change_marker()
+
+            db.quiet_after_seconds, db.quiet_look_seconds = 0.5, 3600.0
+            time.sleep(2.0)  # a look past quiet_after_seconds saw no move: the next is an hour away
+            n = len(told)
+            sign_in_elsewhere()
+            assert not told_after(n, 2.5), f"quiet, yet a look came {told[-1] - told[n - 1]:.1f} s after the last"
+            assert db.change_marker() != other.change_marker(), "the marker at hand is the last look's"
+
+            streamed: list[float] = []
+            flows.changes.subscribe(lambda: streamed.append(time.monotonic()))  # a Board stream opens
+            assert told_after(n, 10), "a live view that opens brings the next look within a second"
+            deadline = time.monotonic() + 10
+            while not streamed:
+                assert time.monotonic() < deadline, "the stream was never told of the move"
+                time.sleep(0.02)
+            time.sleep(2.0)
+            n = len(told)
+            sign_in_elsewhere()
+            assert told_after(n, 10), "while a live view is open the looks stay at one a second"
+    finally:
+        other.close()
 
 
 def test_db_listen_takes_listen_and_the_leaders_lock_on_a_connection_of_its_own(db_path):
