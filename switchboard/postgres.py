@@ -15,6 +15,7 @@ import contextlib
 import functools
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -53,6 +54,9 @@ CHANGE_MARKER = ("SELECT (SELECT coalesce(sum(changes), 0) FROM todo_counts), (S
                  " (SELECT coalesce(max(rowid), 0) FROM board_sessions),"
                  " (SELECT max(updated_at) FROM todos WHERE state = 'claimed')")
 HEARTBEAT_SECONDS = 5.0  # also how often the leader drops the processes gone
+# This process's listeners are published at most this often: a busy worker's waiting claims come and go many
+# times a second, and each publication is a transaction
+PUBLISH_GAP_SECONDS = 0.1
 PROCESS_STALE_MS = 15_000  # a process not heard of for this long is gone: its ring listeners are dropped
 RING_CHANNEL = "switchboard_ring_"  # + the process id: NOTIFY payloads are the rings chosen for that process
 PROTOCOL_TRACE = "SWITCHBOARD_PG_TRACE"  # a directory: each pooled connection's libpq trace (_trace_protocol)
@@ -611,8 +615,9 @@ class Postgres:
         """What moves whenever anything a live view shows changed, in any process (SQLite's data_version moves on
         every commit; Postgres has no such counter for one database): the counters' change total (a todo entered
         or left a group), the Board sessions (one opened: the newest rowid; one ended: the count) and the running
-        work's latest heartbeat. A listening process's ring thread reads it once a second on its own connection
-        and tells `on_change` when it moved: then this answers that reading, with no round trip."""
+        work's latest heartbeat. A listening process's ring thread reads it on its own connection (once a second,
+        every quiet_look_seconds when all is quiet) and tells `on_change` when it moved: then this answers that
+        reading, with no round trip."""
         marker = self._marker
         if marker is not None:
             return marker
@@ -671,7 +676,7 @@ class Postgres:
                     wake_read = self._wake_pipe[0]
                     waiting.register(wake_read, select.POLLIN)
                     published = None
-                    next_beat = last_look = 0.0
+                    next_beat = last_look = published_at = 0.0
                     while not self._closing.is_set():
                         if time.monotonic() >= next_beat:
                             self._beat(conn)
@@ -680,9 +685,13 @@ class Postgres:
                             self._look(conn)
                             last_look = time.monotonic()
                         next_look = last_look + self._look_interval()
+                        next_publish = math.inf
                         if self._listeners_dirty.is_set() or published is None:
-                            self._listeners_dirty.clear()
-                            published = self._publish(conn, published)
+                            next_publish = published_at + PUBLISH_GAP_SECONDS
+                            if time.monotonic() >= next_publish:
+                                self._listeners_dirty.clear()
+                                published = self._publish(conn, published)
+                                published_at, next_publish = time.monotonic(), math.inf
                         # What arrived while the statements above ran (psycopg keeps it), then what the socket
                         # holds: a timeout of 0 reads without waiting
                         for notice in conn.notifies(timeout=0):
@@ -691,7 +700,7 @@ class Postgres:
                                     self.on_outbox()
                             else:
                                 self._deliver(json.loads(notice.payload))
-                        woken = waiting.poll(max(0.0, min(next_beat, next_look) - time.monotonic()) * 1000)
+                        woken = waiting.poll(max(0.0, min(next_beat, next_look, next_publish) - time.monotonic()) * 1000)
                         if any(fd == wake_read for fd, _ in woken):
                             with contextlib.suppress(BlockingIOError):
                                 os.read(wake_read, 4096)
