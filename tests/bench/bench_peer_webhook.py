@@ -47,7 +47,7 @@ Each round runs each tool once (which goes first alternates), and each tool's se
    process tree (server, worker, the jobs they reaped) per delivery.
 2. Latency at a homelab rate: deliveries sent at 20 per second on a schedule (open loop), send -> the job's start
    line, p50/p99.
-3. Idle: after a settle pause, the CPU of the server (and the worker) over a window, summed over their threads'
+3. Idle: after a settle pause (12 s: Postgres mode looks less often once quiet for 10 s), the CPU of the server (and the worker) over a window, summed over their threads'
    /proc/PID/task/*/schedstat (nanoseconds), and their RSS (VmRSS).
 4. Crash: a burst of 300 deliveries from 16 senders; at the 150th answer the load generator sends SIGKILL to the
    tool's server (webhook's only process; Switchboard's `serve`, the worker stays up), which is started again 2 s
@@ -121,7 +121,9 @@ PACED_RATE = 20.0
 CRASH_BURST = 300
 CRASH_AT = 150  # the answer after which the server is killed
 RESTART_AFTER_S = 2.0
-SETTLE_S = 2.0  # before the idle window
+# Before the idle window: past a Postgres process's quiet_after_seconds (10 s), after which its ring thread
+# looks at the change marker every quiet_look_seconds rather than every second; idle is what a box does then
+SETTLE_S = 12.0
 BUSY_CORES = 0.25  # a part during which other processes used more is marked busy
 
 SIZES_FULL = {"rounds": 3, "throughput": 1500, "paced": 200, "idle_s": 10.0, "gate_max_s": 15.0}
@@ -425,7 +427,7 @@ class SwitchboardPostgresSingle(SwitchboardPostgres):
 
 # This release's worker as it claimed before batch claims: each slot asks for its own todo.
 SINGLE_CLAIM_WORKER = ("import sys; from switchboard.worker.loop import Worker; Worker.batching = False; "
-                       "from switchboard.cli.parser import main; sys.exit(main())")
+                       "from switchboard.cli.entry import main; sys.exit(main())")
 
 TOOLS = {"webhook": None, "switchboard": Switchboard, "switchboard-single": SwitchboardSingle,
          "switchboard-postgres": SwitchboardPostgres, "switchboard-postgres-single": SwitchboardPostgresSingle}
