@@ -96,7 +96,10 @@ class Nap:
     def _end(napping: asyncio.Future) -> None:
         if not napping.done():
             napping.set_result(None)
-# With nothing committed and nothing due, the scheduler still runs a full tick this often.
+
+
+# With nothing committed and nothing due, the scheduler reads when the next thing falls due this often (next_due:
+# a due moment a change it cannot see brought, such as a schedule another process wrote).
 SCHEDULER_IDLE_SECONDS = 10.0
 CHECKPOINTS_PER_SECOND = 10
 # Log lines wait this long in memory, so that one write carries every line that came meanwhile.
