@@ -86,6 +86,10 @@ class _PostgresConnection:
     def execute(self, sql: str, params: tuple = ()):
         from switchboard.postgres import dialect_sql
 
+        if sql.strip().upper() == "BEGIN":
+            # A test's BEGIN … COMMIT reads one snapshot, as it does on SQLite; READ COMMITTED, Postgres's default,
+            # would let a running server's commit land between two of its reads.
+            sql = "BEGIN ISOLATION LEVEL REPEATABLE READ"
         return self._conn.execute(dialect_sql(sql), tuple(params))
 
     def commit(self) -> None:
