@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import logging.handlers
@@ -67,6 +66,8 @@ class Nap:
         self._woken = False
 
     async def until_next_step(self, period: float = SCHEDULER_TICK_SECONDS) -> None:
+        import asyncio  # here, not at the top: the CLI, which imports this module, runs no event loop
+
         self._loop = loop = asyncio.get_running_loop()
         if self._woken:
             self._woken = False

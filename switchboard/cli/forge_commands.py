@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import stat
 from pathlib import Path
@@ -30,7 +29,8 @@ if TYPE_CHECKING:
 
 
 def _sender(args: argparse.Namespace, db: Database) -> ForgeSender:
-    """The forge module's sender, for one question to a forge from here (it loads with the command that asks)."""
+    """The forge module's sender, for one question to a forge from here (it and asyncio load with the command that
+    asks: every other command starts without them)."""
     from switchboard.forge import ForgeSender
     from switchboard.notifier import Addresses
 
@@ -54,6 +54,8 @@ def read_token_file(path: str) -> str:
 def cli_connection_add(args: argparse.Namespace, db: Database) -> dict:
     """Ask the forge who the token is (from here, under this command's own allowance of internal addresses:
     SWITCHBOARD_NOTIFY_ALLOW_PRIVATE, SWITCHBOARD_NOTIFY_ALLOW), then store the connection with its sealed token."""
+    import asyncio
+
     from switchboard.forge import REFUSED_FORGE, token_login
     from switchboard.notifier import COMMAND_ALLOWANCE
 
@@ -92,6 +94,8 @@ def cli_connection_list(args: argparse.Namespace, db: Database) -> dict:
 
 
 def cli_connection_test(args: argparse.Namespace, db: Database) -> dict:
+    import asyncio
+
     from switchboard.forge import test_connection
 
     answer = asyncio.run(test_connection(_sender(args, db), OPERATOR, args.id))
