@@ -31,6 +31,7 @@ from switchboard.http.mcp import Mcp, api_error, http_error, unexpected_error
 from switchboard.http.rest import MCP_ROUTES, Api
 from switchboard.limits import RateLimiter, TrustedProxies
 from switchboard.metrics import Metrics
+from switchboard.models import build_validators
 from switchboard.notifier import Addresses, Notifier
 from switchboard.tracing import Tracing
 
@@ -88,6 +89,7 @@ def create_app(db_path: str, *, synchronous: str = "FULL", clock: Clock | None =
     postgresql:// URL (then `key_file` names the secrets' key, `db_pool_size` its connections, and `db_listen` a
     direct URL for LISTEN and the leader's lock when `db_path` goes through a transaction pooler). `tracing`: the
     span exporter (switchboard.tracing.start_tracing), shut down with the app; None exports nothing."""
+    build_validators()
     proxies = trust_proxy if isinstance(trust_proxy, TrustedProxies) else TrustedProxies.parse(trust_proxy)
     auth_header = auth_header_name(auth_header, proxies)
     addresses = Addresses.configured(notify_allow_private, notify_allow)

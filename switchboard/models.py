@@ -1169,6 +1169,15 @@ class ConnectionTestAnswer(AnswerModel):
     error: str | None
 
 
+def build_validators() -> None:
+    """Build every model's validator now, before a server's threads use them: pydantic's build on first use is not
+    thread-safe (two threads may meet one half-built). A one-shot command keeps the lazy start."""
+    for value in list(globals().values()):
+        if isinstance(value, type) and issubclass(value, BaseModel) and value.__module__ == __name__ \
+                and not value.__pydantic_complete__:
+            value.model_rebuild()
+
+
 def parse_model(model: type[BaseModel], raw: bytes | str | dict) -> Any:
     """Validate a body against its model; any failure is one-line 400 invalid_argument naming every wrong field,
     unknown fields first (they are the likelier typo), whichever order pydantic reports them in."""
