@@ -12,7 +12,7 @@ import time
 import httpx
 import producers
 import pytest
-from conftest import cli_inproc, snapshot
+from conftest import cli, snapshot
 from helpers import TLS, count, hook_path, query
 from test_worker import SHELL_COMPLETE, lane, site, workers  # noqa: F401 - the worker tests' fixtures
 
@@ -176,7 +176,7 @@ def test_racing_batch_claims_hold_max_in_flight_and_the_per_key_limit(live_serve
     """A real server, 8 threads released together, each asking for 4 todos: 5 in flight at most across them all,
     one per subject, whatever the engine runs side by side."""
     server = live_server("--synchronous", "normal")
-    _, human = cli_inproc(db_path, "human", "add", "racer")
+    _, human = cli(db_path, "human", "add", "racer")
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {human['token']}"}, timeout=30) as http:
         endpoint = http.post("/api/v1/endpoints", json={"name": "pool", "queues": [QUEUE]}).json()
         hook = http.post("/api/v1/webhooks", json={"provider": "github", "queue": QUEUE, "endpoint_id": endpoint["id"],

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import producers
 import pytest
-from conftest import ROOT, LiveServer, cli_inproc
+from conftest import ROOT, LiveServer, cli
 from helpers import add_route, make_webhook, post_delivery
 
 from switchboard.board.forge_pages import subject_path
@@ -66,7 +66,7 @@ class Site:
     """The live server, an HTTP client for it, and the principals the tests share."""
 
     def __init__(self, db_path: str):
-        assert cli_inproc(db_path, "init")[0] == 0
+        assert cli(db_path, "init")[0] == 0
         # (--notify-allow-private: the screenshots' forge connection is to tests/forges.py's server, on loopback.)
         self.server = LiveServer(db_path, "--ingest-rate", "0", "--notify-allow-private")
         self.url = self.server.url
@@ -76,7 +76,7 @@ class Site:
         self.lane = self.endpoint(self.alice, "lane-s-worker", ["lane-s"])
 
     def human(self, name: str) -> Principal:
-        code, made = cli_inproc(self.server.db_path, "human", "add", name)
+        code, made = cli(self.server.db_path, "human", "add", name)
         assert code == 0, made
         return Principal(made["token"], made["id"])
 

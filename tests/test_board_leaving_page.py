@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 
-from conftest import LiveServer, cli_inproc
+from conftest import LiveServer, cli
 from test_proxy_sign_in import HEADER, IdentityProxy, chromium  # noqa: F401 - chromium is a fixture
 
 
@@ -37,9 +37,9 @@ class HoldingProxy(IdentityProxy):
 
 
 def test_a_page_signed_out_by_the_navigation_leaving_it_lets_that_navigation_finish(chromium, db_path):  # noqa: F811
-    assert cli_inproc(db_path, "init")[0] == 0
-    cli_inproc(db_path, "human", "add", "alice", "--login", "alice@example.com")
-    cli_inproc(db_path, "human", "add", "bob", "--login", "bob@example.com")
+    assert cli(db_path, "init")[0] == 0
+    cli(db_path, "human", "add", "alice", "--login", "alice@example.com")
+    cli(db_path, "human", "add", "bob", "--login", "bob@example.com")
     server = LiveServer(db_path, "--trust-proxy", "127.0.0.2", "--auth-header", HEADER)
     proxy = HoldingProxy(server.url, "/board/queues")
     try:

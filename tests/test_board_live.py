@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import producers
-from conftest import LiveServer, cli_inproc
+from conftest import LiveServer, cli
 
 from switchboard.board.queries import BOARD_COOKIE
 
@@ -94,9 +94,9 @@ def sign_in(server: LiveServer, token: str) -> httpx.Client:
 
 
 def test_open_streams_cost_nothing_while_idle_and_hear_every_change_at_once(db_path):
-    cli_inproc(db_path, "init")
-    _, alice = cli_inproc(db_path, "human", "add", "alice")
-    _, lane = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "lane", "--queues", "lane")
+    cli(db_path, "init")
+    _, alice = cli(db_path, "human", "add", "alice")
+    _, lane = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "lane", "--queues", "lane")
     server = LiveServer(db_path)
     first, second = sign_in(server, alice["token"]), sign_in(server, alice["token"])
     try:
@@ -124,7 +124,7 @@ def test_open_streams_cost_nothing_while_idle_and_hear_every_change_at_once(db_p
                 assert took < PROMPT_SECONDS, f"the change took {took:.1f} s to reach every stream"
 
                 # … and so does one another process commits to the file (the CLI writes it directly).
-                code, _ = await asyncio.to_thread(cli_inproc, db_path, "todo", "push", lane["id"], "--queue", "lane",
+                code, _ = await asyncio.to_thread(cli, db_path, "todo", "push", lane["id"], "--queue", "lane",
                                                   "--title", "from the CLI")
                 assert code == 0
                 took = await all_until(everyone, lambda s: s.events("counts") == 3, 30)

@@ -12,7 +12,7 @@ import time
 import httpx
 import producers
 import pytest
-from conftest import cli, cli_inproc
+from conftest import cli
 from helpers import TLS, count, hook_path
 
 from switchboard.models import ClaimAnswer, QueueAnswer
@@ -127,7 +127,7 @@ def test_16_racing_claims_over_3_subjects_with_max_1_hold_3(live_server, db_path
     """A real server, 16 threads released together each sending one claim, three rounds: each round exactly one
     todo of each of the 3 subjects is claimed, whatever the engine runs side by side."""
     server = live_server("--synchronous", "normal")
-    _, human = cli_inproc(db_path, "human", "add", "racer")
+    _, human = cli(db_path, "human", "add", "racer")
     human_auth = {"Authorization": f"Bearer {human['token']}"}
     with httpx.Client(base_url=server.url, headers=human_auth, timeout=30) as http:
         endpoint = http.post("/api/v1/endpoints", json={"name": "pool", "queues": [QUEUE]}).json()
@@ -179,5 +179,5 @@ def test_the_cli_sets_and_clears_the_per_key_limit(world, pool, db_path):
     assert code == 0 and capped["limits"]["max_in_flight_per_key"] == {"key": "subject", "max": 2}, capped
     code, cleared = cli(db_path, "queue", "limits", pool.id, QUEUE, "--clear")
     assert code == 0 and cleared["limits"]["max_in_flight_per_key"] is None, cleared
-    code, refused = cli_inproc(db_path, "queue", "limits", pool.id, QUEUE, "--max-per-subject", "0")
+    code, refused = cli(db_path, "queue", "limits", pool.id, QUEUE, "--max-per-subject", "0")
     assert code == 1 and "max_in_flight_per_key" in refused["message"], refused

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, cli, cli_inproc
+from conftest import ROOT, cli
 from forges import FakeForge
 
 TOKEN = "ghp_" + "C0mmandL1ne" * 4
@@ -27,10 +27,10 @@ def setup(db_path, tmp_path, monkeypatch):
     """A human with an endpoint and a GitHub webhook; the CLI may reach loopback forges (as `serve
     --notify-allow-private` would let the server)."""
     monkeypatch.setenv("SWITCHBOARD_NOTIFY_ALLOW_PRIVATE", "1")
-    assert cli_inproc(db_path, "human", "add", "alice")[0] == 0
-    endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "lanes", "--queues", "triage")[1]
-    hook = cli_inproc(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github",
-                      "--queue", "triage", "--allow-all")[1]
+    assert cli(db_path, "human", "add", "alice")[0] == 0
+    endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "lanes", "--queues", "triage")[1]
+    hook = cli(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github",
+               "--queue", "triage", "--allow-all")[1]
     token_file = tmp_path / "forge.token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
@@ -93,8 +93,8 @@ def test_a_token_file_others_may_read_a_refused_token_and_a_bad_policy_change_no
     bad.write_text(json.dumps({"comment": {"max": 0, "max_bytes": 10}, "close_issue": True}))
     code, refused = cli(db_path, "webhook", "connect", setup["hook"]["id"], made["id"], "--policy", str(bad))
     assert code == 1 and refused["error"] == "invalid_argument" and "close_issue" in refused["message"]
-    gitea_hook = cli_inproc(db_path, "webhook", "create", "--endpoint", setup["endpoint"], "--provider", "gitea",
-                            "--queue", "triage", "--allow-all")[1]
+    gitea_hook = cli(db_path, "webhook", "create", "--endpoint", setup["endpoint"], "--provider", "gitea",
+                     "--queue", "triage", "--allow-all")[1]
     code, refused = cli(db_path, "webhook", "connect", gitea_hook["id"], made["id"])
     assert code == 1 and refused["message"] == ("connection_id: a gitea webhook cannot write through a github"
                                                 " connection")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, cli
+from conftest import ROOT, cli_program
 
 from switchboard.notifier import COMMAND_ALLOWANCE
 
@@ -21,7 +21,7 @@ def run(db_path: str, *args: str, env: dict | None = None) -> subprocess.Complet
 
 
 def test_an_error_with_json_goes_to_stderr_as_one_object_and_stdout_stays_empty(db_path, tmp_path):
-    assert cli(db_path, "human", "add", "alice")[0] == 0
+    assert cli_program(db_path, "human", "add", "alice")[0] == 0
     out = tmp_path / "lane.json"
     done = run(db_path, "endpoint", "vend", "--human", "nobody", "--name", "lane", "--queues", "lane-s", "--json",
                "--out", str(out))
@@ -55,7 +55,7 @@ def test_a_script_that_saves_an_answer_saves_nothing_when_the_command_fails(db_p
      "TOKEN", "--repos", "acme/"),
 ], ids=["notify add", "connection add"])
 def test_a_commands_refusal_names_its_environment_not_serves_flags(db_path, tmp_path, command):
-    assert cli(db_path, "human", "add", "alice")[0] == 0
+    assert cli_program(db_path, "human", "add", "alice")[0] == 0
     token = tmp_path / "forge.token"
     token.write_text("ghp_" + "x" * 36)
     token.chmod(0o600)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import ROOT, cli, cli_inproc
+from conftest import ROOT, cli
 
 
 def people(db_path: str, *args: str) -> str:
@@ -19,9 +19,9 @@ def people(db_path: str, *args: str) -> str:
 
 
 def test_webhooks_are_named_when_made_renamed_and_listed_by_name(db_path):
-    cli_inproc(db_path, "human", "add", "alice")
-    _, router = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "hold",
-                           "--verbs", "webhooks")
+    cli(db_path, "human", "add", "alice")
+    _, router = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "hold",
+                    "--verbs", "webhooks")
     make = ("webhook", "create", "--endpoint", router["id"], "--provider", "github", "--queue", "hold", "--allow-all")
     code, lab = cli(db_path, *make, "--name", "home lab")
     assert code == 0 and set(lab) == {"id", "url", "secret", "provider", "queue"}, lab  # the shape SPEC 9 names

@@ -10,7 +10,7 @@ from collections import Counter
 import anyio
 import httpx
 import pytest
-from conftest import cli_inproc, snapshot
+from conftest import cli, snapshot
 from helpers import TLS, connect_db
 from test_mcp import connect
 
@@ -128,8 +128,8 @@ def test_racing_completions_with_claim_next_claim_every_todo_once(live_server, d
     """Eight threads, each claiming once and then only ever completing with claim_next, drain 160 todos: every
     todo is claimed by exactly one of them, once, and completed under that claim's lease."""
     server = live_server()
-    _, human = cli_inproc(db_path, "human", "add", "racer")
-    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "racer", "--name", "pool", "--queues", "build")
+    _, human = cli(db_path, "human", "add", "racer")
+    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "racer", "--name", "pool", "--queues", "build")
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {human['token']}"}) as c:
         pushed = {c.post(f"/api/v1/endpoints/{endpoint['id']}/todos", json={"title": f"t{i}", "queue": "build"}
                          ).json()["id"] for i in range(160)}
@@ -166,8 +166,8 @@ def test_racing_completions_with_claim_next_claim_every_todo_once(live_server, d
 
 def test_over_mcp_the_session_remembers_the_next_lease(live_server, db_path):
     server = live_server()
-    _, human = cli_inproc(db_path, "human", "add", "alice")
-    _, worker = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "worker", "--queues", "build")
+    _, human = cli(db_path, "human", "add", "alice")
+    _, worker = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "worker", "--queues", "build")
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {human['token']}"}) as c:
         ids = [c.post(f"/api/v1/endpoints/{worker['id']}/todos", json={"title": f"t{i}", "queue": "build"}
                       ).json()["id"] for i in range(3)]

@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import yaml
-from conftest import ROOT, LiveServer, cli_inproc, free_port
+from conftest import ROOT, LiveServer, cli, free_port
 from helpers import TLS, system_tool
 
 DEPLOY = ROOT / "deploy"
@@ -801,7 +801,7 @@ def test_the_worker_runs_a_job_as_another_user_inside_the_worker_units_seccomp_s
     if os.geteuid() != 0:
         pytest.skip("--exec-user needs root")
     db = str(tmp_path / "switchboard.db")
-    code, human = cli_inproc(db, "human", "add", "alice")
+    code, human = cli(db, "human", "add", "alice")
     assert code == 0, human
     server = LiveServer(db)
     jobs = Path(tempfile.mkdtemp(prefix="sb-unit-jobs-", dir="/tmp"))

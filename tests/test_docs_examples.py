@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 import producers
-from conftest import ROOT, LiveServer, cli_inproc
+from conftest import ROOT, LiveServer, cli
 from helpers import hook_path, system_tool
 
 DOCS = ("README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md"))))
@@ -287,7 +287,7 @@ class Scene:
 
     def __init__(self, server: LiveServer, db: str):
         self.server, self.db = server, db
-        _, alice = cli_inproc(db, "human", "add", "alice")
+        _, alice = cli(db, "human", "add", "alice")
         self.human = alice["token"]
         self.http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {self.human}"}, timeout=30)
         agent = self.call("POST", "/api/v1/endpoints", json={
@@ -774,22 +774,22 @@ def test_lost_key_block_gives_the_webhooks_new_secrets(tmp_path):
     """operations.md's last resort, with the server stopped, on ./switchboard.db: the key file is gone."""
     shell = Shell(tmp_path)
     db = str(shell.checkout / "switchboard.db")
-    cli_inproc(db, "human", "add", "alice")
-    _, ep = cli_inproc(db, "endpoint", "vend", "--human", "alice", "--name", "owner", "--queues", "build")
-    _, hook = cli_inproc(db, "webhook", "create", "--endpoint", ep["id"], "--provider", "github", "--queue", "build",
-                         "--allow-all")
-    _, stripe = cli_inproc(db, "webhook", "create", "--endpoint", ep["id"], "--provider", "stripe", "--queue",
-                           "build", "--secret", STRIPE_SECRET)
+    cli(db, "human", "add", "alice")
+    _, ep = cli(db, "endpoint", "vend", "--human", "alice", "--name", "owner", "--queues", "build")
+    _, hook = cli(db, "webhook", "create", "--endpoint", ep["id"], "--provider", "github", "--queue", "build",
+                  "--allow-all")
+    _, stripe = cli(db, "webhook", "create", "--endpoint", ep["id"], "--provider", "stripe", "--queue",
+                    "build", "--secret", STRIPE_SECRET)
     (shell.checkout / "switchboard.key").unlink()
-    assert cli_inproc(db, "check")[0] == 1
+    assert cli(db, "check")[0] == 1
     shell.run([block(*LOST_KEY)], {"HOOK": hook["id"], "STRIPE_HOOK": stripe["id"], "STRIPE_SECRET": STRIPE_SECRET},
               allowed={"switchboard.key", "switchboard.db-wal", "switchboard.db-shm"})
     assert (shell.checkout / "switchboard.key").exists()
-    code, checked = cli_inproc(db, "check")
+    code, checked = cli(db, "check")
     assert code == 0, checked
 
 
 def test_a_backup_into_a_missing_directory_says_so(tmp_path):
     """The docs' backup blocks, run on a box without /srv/backups, found SQLite's "unable to open database file"."""
-    code, answer = cli_inproc(str(tmp_path / "switchboard.db"), "backup", str(tmp_path / "nowhere" / "b.db"))
+    code, answer = cli(str(tmp_path / "switchboard.db"), "backup", str(tmp_path / "nowhere" / "b.db"))
     assert code == 1 and answer["error"] == "not_found" and "no directory" in answer["message"], answer

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import producers
-from conftest import LiveServer, cli_inproc, workdir
+from conftest import LiveServer, cli, workdir
 
 from switchboard.evaluator import EVAL_BATCH, Evaluator
 
@@ -132,11 +132,11 @@ def test_a_flood_from_one_owner_is_evaluated_in_frames_by_one_child_each_deliver
     """64 deliveries at once from one owner, each labeled for one of three queues by its number, and one whose
     label makes its rule loop: every other delivery lands in the queue its own label names (no verdict goes to a
     neighbour in its frame), the looping one is held as a timeout, and the owner never had more than one child."""
-    cli_inproc(db_path, "init")
-    cli_inproc(db_path, "human", "add", "alice")
-    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "q0,q1,q2",
+    cli(db_path, "init")
+    cli(db_path, "human", "add", "alice")
+    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "q0,q1,q2",
                    "--verbs", "webhooks")
-    _, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github", "--queue", "q0",
+    _, hook = cli(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github", "--queue", "q0",
                "--trust", "Codertocat", "--base-url", "http://placeholder")
     rules = {"rules": [
         {"id": "loops", "expr": '(.issue.labels | index("loop")) != null and (last(range(1e15)) > 0)',
@@ -145,7 +145,7 @@ def test_a_flood_from_one_owner_is_evaluated_in_frames_by_one_child_each_deliver
     rules_path = str(workdir(db_path) / "rules.json")
     with open(rules_path, "w") as f:
         json.dump(rules, f)
-    assert cli_inproc(db_path, "rules", "set", hook["id"], "--file", rules_path)[0] == 0
+    assert cli(db_path, "rules", "set", hook["id"], "--file", rules_path)[0] == 0
     server = LiveServer(db_path, "--ingest-rate", "0")
     try:
         path = "/hooks/" + hook["url"].rsplit("/hooks/", 1)[1]

@@ -16,7 +16,7 @@ import uuid
 import httpx
 import producers
 import pytest
-from conftest import ENGINE, LiveServer, cli_inproc
+from conftest import ENGINE, LiveServer, cli
 from forges import REPO, RULES, FakeForge
 from helpers import make_webhook, post_delivery, query
 from test_postgres import leader_of
@@ -59,7 +59,7 @@ def comments_in_flight(db_path: str, server: LiveServer, forge: FakeForge, issue
                                                                                                     list[str]]:
     """A webhook writing through a connection to `forge`, one triage todo per issue completed with a comment; the
     forge stores each comment and holds its answer. The todos' ids, once every comment is stored."""
-    code, made = cli_inproc(db_path, "human", "add", f"h{uuid.uuid4().hex[:6]}")
+    code, made = cli(db_path, "human", "add", f"h{uuid.uuid4().hex[:6]}")
     assert code == 0, made
     human = Principal(made["token"])
     stall = StoreThenStall(forge)

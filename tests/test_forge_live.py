@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, LiveServer, cli_inproc
+from conftest import ROOT, LiveServer, cli
 from forges import FakeForge
 from helpers import hook_path
 from test_board_browser import LAUNCH_ARGS, _no_browser
@@ -47,7 +47,7 @@ class Site:
         self.dir = directory
         self.answers: list[str] = []
         db_path = str(directory / "switchboard.db")
-        code, human = cli_inproc(db_path, "human", "add", "alice")
+        code, human = cli(db_path, "human", "add", "alice")
         assert code == 0, human
         self.human_token = human["token"]
         self.server = LiveServer(db_path, "--notify-allow", "127.0.0.1", "--ingest-rate", "0")

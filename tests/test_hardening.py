@@ -7,7 +7,7 @@ import sqlite3
 
 import producers
 import pytest
-from conftest import cli, cli_inproc
+from conftest import cli
 
 import switchboard.evaluator as evaluator_module
 from switchboard.configuration import ApiError
@@ -87,7 +87,7 @@ def test_defer_until_the_last_representable_moment(world, alice, router):
 def test_reroute_never_crosses_humans(world, alice, router, db_path):
     bob = world.human("bob")
     bobs = world.endpoint(bob, ["review"], name="bobs")
-    cli_inproc(db_path, "friend", "link", "alice", "bob")
+    cli(db_path, "friend", "link", "alice", "bob")
     hook = world.webhook(alice, router, "generic", queue="triage")
     world.client.post(f"/api/v1/webhooks/{hook['id']}/routes", headers=alice.auth, json={"endpoint_id": bobs.id})
     world.client.put(f"/api/v1/webhooks/{hook['id']}/rules", headers=alice.auth,

@@ -19,7 +19,7 @@ import stat
 
 import producers
 import pytest
-from conftest import ROOT, cli, cli_inproc, snapshot
+from conftest import ROOT, cli, snapshot
 from helpers import connect_db, integrity_errors, post_delivery
 from starlette.testclient import TestClient
 
@@ -73,8 +73,8 @@ def other_session(client, token: str) -> str:
 # -- the operator reissues -----------------------------------------------------------------------------------------
 
 def test_the_operator_reissues_a_lost_token_and_the_old_one_and_its_sessions_end(db_path, tmp_path, app, client):
-    _, alice = cli_inproc(db_path, "human", "add", "alice")
-    _, bob = cli_inproc(db_path, "human", "add", "bob")
+    _, alice = cli(db_path, "human", "add", "alice")
+    _, bob = cli(db_path, "human", "add", "bob")
     phone, laptop = other_session(client, alice["token"]), other_session(client, alice["token"])
     bobs = other_session(client, bob["token"])
     out = tmp_path / "alice-new.json"
@@ -91,7 +91,7 @@ def test_the_operator_reissues_a_lost_token_and_the_old_one_and_its_sessions_end
     assert signed_in(client, bobs) and client.get("/api/v1/me", headers=bearer(bob["token"])).status_code == 200
     raw = b"".join(p.read_bytes() for p in tmp_path.glob("switchboard.db*"))
     assert made["token"].encode() not in raw, "only its hash is stored"
-    code, unknown = cli_inproc(db_path, "human", "token", "carol")
+    code, unknown = cli(db_path, "human", "token", "carol")
     assert code == 1 and unknown["error"] == "not_found"
 
 
@@ -99,7 +99,7 @@ def test_a_reissued_token_keeps_the_humans_endpoints_and_work(db_path, world):
     alice = world.human("alice")
     worker = world.endpoint(alice, ["build"], name="w")
     todo = world.push(alice, worker, "build", "keep me")
-    _, made = cli_inproc(db_path, "human", "token", alice.id)
+    _, made = cli(db_path, "human", "token", alice.id)
     assert world.client.get("/api/v1/me", headers=worker.auth).status_code == 200, "endpoint tokens are untouched"
     shown = world.client.get(f"/api/v1/todos/{todo['id']}", headers=bearer(made["token"]))
     assert shown.status_code == 200 and shown.json()["title"] == "keep me"
@@ -191,7 +191,7 @@ def test_the_board_rotation_refuses_a_form_from_elsewhere_or_unconfirmed(app, cl
 def test_logins_are_set_at_creation_or_later_unique_whatever_their_case(db_path):
     code, alice = cli(db_path, "human", "add", "alice", "--login", "Alice@Example.com")
     assert code == 0 and alice["login"] == "alice@example.com", alice
-    code, bob = cli_inproc(db_path, "human", "add", "bob")
+    code, bob = cli(db_path, "human", "add", "bob")
     assert code == 0 and set(bob) == {"id", "name", "token"}, "without a login: the shape SPEC 9 names"
     before = snapshot(db_path)
     for args, error in ((("human", "set-login", "bob", "ALICE@example.com"), "conflict"),
@@ -201,14 +201,14 @@ def test_logins_are_set_at_creation_or_later_unique_whatever_their_case(db_path)
                         (("human", "set-login", "bob", "x" * 255), "invalid_argument"),
                         (("human", "set-login", "bob", ""), "invalid_argument"),
                         (("human", "set-login", "nobody", "n"), "not_found")):
-        code, answer = cli_inproc(db_path, *args)
+        code, answer = cli(db_path, *args)
         assert code == 1 and answer["error"] == error, (args, answer)
     assert snapshot(db_path) == before
-    code, changed = cli_inproc(db_path, "human", "set-login", "bob", "bob@github")
+    code, changed = cli(db_path, "human", "set-login", "bob", "bob@github")
     assert code == 0 and changed["login"] == "bob@github" and changed["name"] == "bob" and "token" not in changed
-    code, moved = cli_inproc(db_path, "human", "set-login", "alice", "Alice")
+    code, moved = cli(db_path, "human", "set-login", "alice", "Alice")
     assert code == 0 and moved["login"] == "alice"
-    listed = {h["name"]: h["login"] for h in cli_inproc(db_path, "human", "list")[1]["humans"]}
+    listed = {h["name"]: h["login"] for h in cli(db_path, "human", "list")[1]["humans"]}
     assert listed == {"alice": "alice", "bob": "bob@github"}
     conn = connect_db(db_path)
     with pytest.raises(integrity_errors()):  # the database holds the rule too
@@ -255,16 +255,16 @@ def test_the_migration_adds_logins_and_keeps_every_human_and_token(tmp_path, mon
 # -- webhook trust --add -----------------------------------------------------------------------------------------
 
 def test_webhook_trust_add_keeps_the_list_and_adds_to_it(db_path, app, client):
-    _, alice = cli_inproc(db_path, "human", "add", "alice")
-    _, router = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "hold",
-                           "--verbs", "webhooks")
-    _, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "github", "--queue",
-                         "hold", "--trust", "alice,alice-agent", "--match", "both")
+    _, alice = cli(db_path, "human", "add", "alice")
+    _, router = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "hold",
+                    "--verbs", "webhooks")
+    _, hook = cli(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "github", "--queue",
+                  "hold", "--trust", "alice,alice-agent", "--match", "both")
     code, added = cli(db_path, "webhook", "trust", hook["id"], "--add", "alice-triage,ALICE, alice-triage")
     assert code == 0, added
     assert added["trusted_actors"] == {"logins": ["alice", "alice-agent", "alice-triage"], "match": "both"}, \
         "kept, added once; ALICE is alice (the gate compares logins ASCII case-insensitively)"
-    code, matched = cli_inproc(db_path, "webhook", "trust", hook["id"], "--add", "renovate-fork", "--match", "sender")
+    code, matched = cli(db_path, "webhook", "trust", hook["id"], "--add", "renovate-fork", "--match", "sender")
     assert code == 0 and matched["trusted_actors"]["match"] == "sender"
     assert matched["trusted_actors"]["logins"][-1] == "renovate-fork"
     # The gate now lets the added login through: a delivery it sends reaches the rules.
@@ -277,24 +277,24 @@ def test_webhook_trust_add_keeps_the_list_and_adds_to_it(db_path, app, client):
                 "invalid_argument"), (("--add", " , "), 1, "invalid_argument"), (("--add", "x" * 129), 1,
                 "invalid_argument"), (("--add", "two\nlines"), 1, "invalid_argument")]
     for args, exit_code, error in refusals:
-        code, answer = cli_inproc(db_path, "webhook", "trust", hook["id"], *args)
+        code, answer = cli(db_path, "webhook", "trust", hook["id"], *args)
         assert code == exit_code and answer["error"] == error, (args, answer)
-    assert cli_inproc(db_path, "webhook", "trust", "wh_0123456789abcdef01", "--add", "x")[1]["error"] == "not_found"
+    assert cli(db_path, "webhook", "trust", "wh_0123456789abcdef01", "--add", "x")[1]["error"] == "not_found"
     assert snapshot(db_path) == before
 
     # A webhook made without a list (it holds everything) gets one; allow_all is not narrowed by an --add.
-    _, holding = cli_inproc(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "cairn",
-                            "--queue", "hold")
-    assert cli_inproc(db_path, "webhook", "trust", holding["id"], "--add", "agent-1")[1]["trusted_actors"] == {
+    _, holding = cli(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "cairn",
+                     "--queue", "hold")
+    assert cli(db_path, "webhook", "trust", holding["id"], "--add", "agent-1")[1]["trusted_actors"] == {
         "actor_ids": ["agent-1"]}
-    assert cli_inproc(db_path, "webhook", "trust", holding["id"], "--add", "Agent-1")[1]["trusted_actors"] == {
+    assert cli(db_path, "webhook", "trust", holding["id"], "--add", "Agent-1")[1]["trusted_actors"] == {
         "actor_ids": ["agent-1", "Agent-1"]}, "cairn actor ids compare exactly"
-    assert cli_inproc(db_path, "webhook", "trust", holding["id"], "--add", "a", "--match", "author")[1]["error"] == \
+    assert cli(db_path, "webhook", "trust", holding["id"], "--add", "a", "--match", "author")[1]["error"] == \
         "invalid_argument"
     everyone = client.post("/api/v1/webhooks", headers=bearer(alice["token"]), json={
         "provider": "github", "queue": "hold", "endpoint_id": router["id"], "trusted_actors": {"allow_all": True}}).json()
-    code, refused = cli_inproc(db_path, "webhook", "trust", everyone["id"], "--add", "alice")
+    code, refused = cli(db_path, "webhook", "trust", everyone["id"], "--add", "alice")
     assert code == 1 and refused["error"] == "conflict" and "allow_all" in refused["message"]
-    _, generic = cli_inproc(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "generic",
-                            "--queue", "hold")
-    assert cli_inproc(db_path, "webhook", "trust", generic["id"], "--add", "x")[1]["error"] == "invalid_argument"
+    _, generic = cli(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "generic",
+                     "--queue", "hold")
+    assert cli(db_path, "webhook", "trust", generic["id"], "--add", "x")[1]["error"] == "invalid_argument"

@@ -16,7 +16,7 @@ import ipaddress
 import httpx
 import producers
 import pytest
-from conftest import LiveServer, cli_inproc
+from conftest import LiveServer, cli
 from helpers import connect_db, count, hook_path, make_webhook
 from starlette.testclient import TestClient
 
@@ -196,11 +196,11 @@ def test_every_429_carries_retry_after(scene):
 def test_300_verified_deliveries_at_once_from_one_address_are_all_accepted(db_path):
     """As GitHub's burst reaches a box behind a reverse proxy or a tunnel: every delivery from one address, all at
     once. Before, 174-194 of them were answered 429, and GitHub never redelivers them by itself."""
-    assert cli_inproc(db_path, "init")[0] == 0
-    token = cli_inproc(db_path, "human", "add", "alice")[1]["token"]
-    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "triage")
-    _, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github",
-                         "--queue", "triage", "--allow-all")
+    assert cli(db_path, "init")[0] == 0
+    token = cli(db_path, "human", "add", "alice")[1]["token"]
+    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "triage")
+    _, hook = cli(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github",
+                  "--queue", "triage", "--allow-all")
     deliveries = [producers.github("issues.opened", hook["secret"], {"issue": {"number": n + 1}}) for n in range(300)]
     server = LiveServer(db_path)  # the default flags: 50/s per address, bursts of 100
     try:
@@ -227,11 +227,11 @@ def test_a_real_server_believes_forwarded_addresses_only_from_the_proxies_it_was
     """A local process is not a proxy by being local (uvicorn alone would believe X-Forwarded-For from 127.0.0.1):
     under the default flags every delivery from 127.0.0.1 is 127.0.0.1's; with `--trust-proxy 127.0.0.1` each
     forwarded client has its own share."""
-    assert cli_inproc(db_path, "init")[0] == 0
-    cli_inproc(db_path, "human", "add", "alice")
-    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "inbox", "--queues", "inbox")
-    _, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "generic",
-                         "--queue", "inbox")
+    assert cli(db_path, "init")[0] == 0
+    cli(db_path, "human", "add", "alice")
+    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "inbox", "--queues", "inbox")
+    _, hook = cli(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "generic",
+                  "--queue", "inbox")
     for flags, second in (((), 429), (("--trust-proxy", "127.0.0.1"), 202)):
         server = LiveServer(db_path, "--ingest-rate", "1", "--ingest-burst", "1", *flags)
         try:

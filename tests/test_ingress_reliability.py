@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import httpx
-from conftest import cli, cli_inproc, workdir
+from conftest import cli, workdir
 from helpers import (
     TLS,
     add_route,
@@ -65,7 +65,7 @@ class Auth:
 def live_principals(db_path: str, http: httpx.Client, name: str = "alice", endpoints: int = 1) -> tuple[Auth, list[Auth]]:
     """A human made by the operator CLI (run in-process), and endpoints that human vends over REST, all scoped
     to QUEUE."""
-    code, human = cli_inproc(db_path, "human", "add", name)
+    code, human = cli(db_path, "human", "add", name)
     assert code == 0, human
     owner = Auth(human["token"], human["id"])
     made = []
@@ -80,7 +80,7 @@ def live_principals(db_path: str, http: httpx.Client, name: str = "alice", endpo
 # -- 1. concurrent redelivery -----------------------------------------------------------------------
 
 def test_32_concurrent_redeliveries_of_one_delivery_mint_exactly_one_todo(db_path, live_server):
-    assert cli_inproc(db_path, "init")[0] == 0
+    assert cli(db_path, "init")[0] == 0
     server = live_server("--ingest-rate", "0")
     with httpx.Client(base_url=server.url, timeout=30) as http:
         human, (owner,) = live_principals(db_path, http)
@@ -321,11 +321,11 @@ def test_cross_human_route_needs_an_approved_friend_edge(world, client, db_path)
 
 def test_cross_human_route_through_the_cli(db_path):
     for name in ("alice", "bob"):
-        assert cli_inproc(db_path, "human", "add", name)[0] == 0
-    code, alice_ep = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "a", "--queues", QUEUE,
+        assert cli(db_path, "human", "add", name)[0] == 0
+    code, alice_ep = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "a", "--queues", QUEUE,
                          "--verbs", "all")
     assert code == 0, alice_ep
-    code, bob_ep = cli_inproc(db_path, "endpoint", "vend", "--human", "bob", "--name", "b", "--queues", QUEUE,
+    code, bob_ep = cli(db_path, "endpoint", "vend", "--human", "bob", "--name", "b", "--queues", QUEUE,
                        "--verbs", "all")
     assert code == 0, bob_ep
     code, hook = cli(db_path, "webhook", "create", "--endpoint", alice_ep["id"], "--provider", "github",
@@ -360,7 +360,7 @@ class CrashRun:
     """Four senders post distinct signed deliveries while the server is SIGKILLed; the server is restarted."""
 
     def __init__(self, db_path: str, live_server, kill_after: float = 1.5):
-        assert cli_inproc(db_path, "init")[0] == 0
+        assert cli(db_path, "init")[0] == 0
         self.db_path = db_path
         self.first = live_server("--ingest-rate", "0")
         with httpx.Client(base_url=self.first.url, timeout=10) as http:
@@ -515,8 +515,8 @@ def test_rotate_and_delete_over_rest(world, client, db_path):
 
 
 def test_rotate_list_and_delete_through_the_cli(client, db_path):
-    assert cli_inproc(db_path, "human", "add", "alice")[0] == 0
-    code, ep = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "a", "--queues", QUEUE, "--verbs", "all")
+    assert cli(db_path, "human", "add", "alice")[0] == 0
+    code, ep = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "a", "--queues", QUEUE, "--verbs", "all")
     assert code == 0, ep
     code, hook = cli(db_path, "webhook", "create", "--endpoint", ep["id"], "--provider", "github", "--queue", QUEUE,
                      "--base-url", "https://hooks.example.net", "--allow-all")

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import producers
 import pytest
-from conftest import ROOT, LiveServer, cli, cli_inproc
+from conftest import ROOT, LiveServer, cli
 from helpers import TLS, count
 
 from switchboard.configuration import FD_RESERVE
@@ -33,11 +33,11 @@ from switchboard.server import connection_limits
 def test_backup_refuses_to_keep_fewer_than_one(db_path, tmp_path):
     """`--keep 0` used to delete the backup it had just made and exit 0 naming it."""
     dated = tmp_path / "dated"
-    for keep, run in (("0", cli), ("-1", cli_inproc)):
+    for keep, run in (("0", cli), ("-1", cli)):
         code, answer = run(db_path, "backup", "--dir", str(dated), "--keep", keep)
         assert code == 1 and answer["error"] == "invalid_argument" and "--keep" in answer["message"], answer
         assert not dated.exists(), "nothing written: not the directory, not a backup"
-    code, answer = cli_inproc(db_path, "backup", "--dir", str(dated), "--keep", "1")
+    code, answer = cli(db_path, "backup", "--dir", str(dated), "--keep", "1")
     assert code == 0 and Path(answer["backup"]).is_file() and answer["removed"] == [], answer
 
 
@@ -154,8 +154,8 @@ WAIT_SECONDS = 2.0  # the evaluation wait in this test's server (EVAL_WAIT_SECON
 
 
 def test_a_looping_owners_flood_is_shed_in_bounded_time_and_redelivered_once(db_path):
-    assert cli_inproc(db_path, "init")[0] == 0
-    token = cli_inproc(db_path, "human", "add", "alice")[1]["token"]
+    assert cli(db_path, "init")[0] == 0
+    token = cli(db_path, "human", "add", "alice")[1]["token"]
     auth = {"Authorization": f"Bearer {token}"}
     # The wait at 2 s and a child that overruns killed after 0.5 s instead of 2 s: the same flood in less time.
     code = (f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom switchboard.cli.parser import main\n"

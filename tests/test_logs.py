@@ -12,7 +12,7 @@ import threading
 import time
 
 import httpx
-from conftest import cli_inproc
+from conftest import cli
 
 from switchboard.server import LogWriter
 
@@ -86,8 +86,8 @@ def test_a_refused_write_or_a_bad_record_loses_only_its_own_lines(capsys):
 
 
 def test_serve_logs_one_json_line_per_state_change_and_none_holds_a_token(db_path, live_server):
-    _, human = cli_inproc(db_path, "human", "add", "alice")
-    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "worker", "--queues", "inbox")
+    _, human = cli(db_path, "human", "add", "alice")
+    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "worker", "--queues", "inbox")
     server = live_server("--log-format", "json")
     with httpx.Client(base_url=server.url, timeout=10) as http:
         pushed = http.post(f"/api/v1/endpoints/{endpoint['id']}/todos", json={"title": "t", "queue": "inbox"},

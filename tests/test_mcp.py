@@ -15,7 +15,7 @@ import httpx2
 import mcp_types as types
 import producers
 import pytest
-from conftest import cli_inproc
+from conftest import cli
 from helpers import TLS
 from mcp import Client
 from mcp.client import ClientExtension, ClientSession, NotificationBinding
@@ -61,13 +61,13 @@ def connect(server, token: str, mode: str, inbox: Inbox | None = None) -> Client
 @pytest.fixture
 def setup(live_server, db_path):
     server = live_server("--ingest-rate", "0")
-    _, human = cli_inproc(db_path, "human", "add", "alice")
-    _, worker = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "worker", "--queues",
-                           "build,docs")
-    _, reader = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "reader", "--queues", "build",
-                           "--verbs", "list_todos,get_todo")
-    _, bob = cli_inproc(db_path, "human", "add", "bob")
-    _, bobs = cli_inproc(db_path, "endpoint", "vend", "--human", "bob", "--name", "worker", "--queues", "build")
+    _, human = cli(db_path, "human", "add", "alice")
+    _, worker = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "worker", "--queues",
+                    "build,docs")
+    _, reader = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "reader", "--queues", "build",
+                    "--verbs", "list_todos,get_todo")
+    _, bob = cli(db_path, "human", "add", "bob")
+    _, bobs = cli(db_path, "endpoint", "vend", "--human", "bob", "--name", "worker", "--queues", "build")
 
     def push(endpoint_id: str, title: str, queue: str = "build", owner: dict = human) -> dict:
         r = httpx.post(f"{server.url}/api/v1/endpoints/{endpoint_id}/todos", verify=TLS,
@@ -174,8 +174,8 @@ def test_a_ring_reaches_exactly_one_of_three_sessions_and_rotates(setup, db_path
     server, worker, bobs = setup["server"], setup["worker"], setup["bobs"]
     inboxes = [Inbox() for _ in range(3)]
     bobs_inbox = Inbox()
-    _, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", worker["id"], "--provider", "github",
-                         "--queue", "build", "--base-url", server.url, "--allow-all")
+    _, hook = cli(db_path, "webhook", "create", "--endpoint", worker["id"], "--provider", "github",
+                  "--queue", "build", "--base-url", server.url, "--allow-all")
     # Bob's endpoint uses the same queue name; it is not a target of this webhook and must never be rung.
 
     def deliver(n: int) -> dict:
@@ -219,8 +219,8 @@ def test_a_session_that_connects_is_rung_for_its_oldest_pending_work(setup):
 
 def test_sse_worker_is_woken_by_a_signed_delivery(setup, db_path):
     server, worker = setup["server"], setup["worker"]
-    code, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", worker["id"], "--provider", "github",
-                            "--queue", "build", "--base-url", server.url, "--allow-all")
+    code, hook = cli(db_path, "webhook", "create", "--endpoint", worker["id"], "--provider", "github",
+                     "--queue", "build", "--base-url", server.url, "--allow-all")
     events: list[tuple[str, dict]] = []
     ready = threading.Event()
 
@@ -250,11 +250,11 @@ def test_sse_worker_is_woken_by_a_signed_delivery(setup, db_path):
 
 def test_quarantined_work_never_rings(setup, db_path, tmp_path):
     server, worker = setup["server"], setup["worker"]
-    _, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", worker["id"], "--provider", "github",
-                         "--queue", "build", "--base-url", server.url, "--allow-all")
+    _, hook = cli(db_path, "webhook", "create", "--endpoint", worker["id"], "--provider", "github",
+                  "--queue", "build", "--base-url", server.url, "--allow-all")
     pack = tmp_path / "hold.json"
     pack.write_text(json.dumps({"rules": [{"id": "hold", "expr": "true", "action": {"quarantine": True}}]}))
-    assert cli_inproc(db_path, "rules", "set", hook["id"], "--file", str(pack))[0] == 0
+    assert cli(db_path, "rules", "set", hook["id"], "--file", str(pack))[0] == 0
     inbox = Inbox()
 
     async def run():
@@ -316,7 +316,7 @@ def test_bad_tokens_origins_and_sessions(setup, db_path):
                       headers={**auth, "Mcp-Session-Id": "forged"}).status_code == 404
     assert httpx.delete(url, headers=session).status_code == 204
     assert httpx.post(url, json={"jsonrpc": "2.0", "id": 5, "method": "tools/list"}, headers=session).status_code == 404
-    cli_inproc(db_path, "endpoint", "revoke", worker["id"])
+    cli(db_path, "endpoint", "revoke", worker["id"])
     assert httpx.post(url, json=init, headers=auth).status_code == 401, "a revoked token stops at once"
 
 
@@ -364,8 +364,8 @@ def test_two_waiting_claims_and_two_todos_both_get_one(setup):
 
 def test_mcp_create_webhook_answers_the_url_producers_can_reach(setup, db_path):
     server = setup["server"]
-    _, owner = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "build",
-                          "--verbs", "all")
+    _, owner = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "build",
+                   "--verbs", "all")
 
     async def run():
         async with connect(server, owner["token"], "legacy") as client:

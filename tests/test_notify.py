@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import httpx
 import producers
 import pytest
-from conftest import ManualClock, cli, cli_inproc, free_port
+from conftest import ManualClock, cli, free_port
 from helpers import count, make_webhook, post_delivery, query
 from starlette.testclient import TestClient
 
@@ -538,10 +538,10 @@ def test_five_bad_signatures_send_one_message_naming_the_webhook(world, alice, c
 
 def test_a_message_queued_before_a_crash_is_sent_after_restart_with_the_same_id(db_path, live_server, receivers):
     rx = receivers(["hang"], then=200)  # the first attempt never gets an answer: the server dies first
-    assert cli_inproc(db_path, "init")[0] == 0
-    _, human = cli_inproc(db_path, "human", "add", "alice")
-    code, channel = cli_inproc(db_path, "notify", "add", "--human", "alice", "--kind", "ntfy",
-                               "--url", rx.url("/crash-topic"), "--events", "held")
+    assert cli(db_path, "init")[0] == 0
+    _, human = cli(db_path, "human", "add", "alice")
+    code, channel = cli(db_path, "notify", "add", "--human", "alice", "--kind", "ntfy",
+                        "--url", rx.url("/crash-topic"), "--events", "held")
     assert code == 0, channel
     auth = {"Authorization": f"Bearer {human['token']}"}
     server = live_server("--ingest-rate", "0", "--base-url", BASE)
@@ -814,7 +814,7 @@ def test_channels_belong_to_their_human(world, alice, client, db_path, receivers
 
 def test_notify_through_the_cli(db_path, receivers):
     rx = receivers()
-    assert cli_inproc(db_path, "human", "add", "alice")[0] == 0
+    assert cli(db_path, "human", "add", "alice")[0] == 0
     code, made = cli(db_path, "notify", "add", "--human", "alice", "--kind", "ntfy", "--url", rx.url("/cli-topic"),
                      "--events", "held", "--token", "tk_cli_token")
     assert code == 0 and made["id"].startswith("nc_") and made["events"] == ["held"], made

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import producers
 import pytest
-from conftest import ROOT, LiveServer, World, cli_inproc, free_port
+from conftest import ROOT, LiveServer, World, cli, free_port
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -261,8 +261,8 @@ def test_a_human_has_at_most_twenty_channels(client, world, alice, db_path):
     assert set(refused.json()) == {"error", "message"}
     assert query(db_path, "SELECT count(*) FROM notify_channels")[0][0] == NOTIFY_MAX_CHANNELS
     # The operator's CLI is held to the same number; another human is not affected.
-    code, answer = cli_inproc(db_path, "notify", "add", "--human", "alice", "--kind", "ntfy", "--url",
-                              "https://ntfy.example/from-the-cli", "--events", "held")
+    code, answer = cli(db_path, "notify", "add", "--human", "alice", "--kind", "ntfy", "--url",
+                       "https://ntfy.example/from-the-cli", "--events", "held")
     assert code == 1 and answer["error"] == "conflict", answer
     assert add_channel(client, world.human("bob"), "ntfy", "https://ntfy.example/bobs").status_code == 201
     # Removing one makes room for one.
@@ -298,8 +298,8 @@ def test_thousands_of_hanging_channels_stall_no_other_tenant(tmp_path, recorder)
     made 8 here, and the send deadline 1 s), at most 4 per human, and another tenant's ingest, /healthz and own
     notification go through."""
     db_path = str(tmp_path / "switchboard.db")
-    assert cli_inproc(db_path, "init")[0] == 0
-    tokens = {name: cli_inproc(db_path, "human", "add", name)[1]["token"] for name in ("alice", "carol", "dave",
+    assert cli(db_path, "init")[0] == 0
+    tokens = {name: cli(db_path, "human", "add", name)[1]["token"] for name in ("alice", "carol", "dave",
                                                                                      "erin", "bob")}
     hole, server = BlackHole(), None
     try:
@@ -351,8 +351,8 @@ def test_a_trickling_receiver_is_cut_off_at_the_deadline_and_shutdown_does_not_w
     not: the test answers with a timeout, the channel keeps it as its last error, and SIGTERM with such tests in
     flight ends the server within a few seconds (the unit gives it 45)."""
     db_path = str(tmp_path / "switchboard.db")
-    assert cli_inproc(db_path, "init")[0] == 0
-    alice = types.SimpleNamespace(auth={"Authorization": f"Bearer {cli_inproc(db_path, 'human', 'add', 'alice')[1]['token']}"})
+    assert cli(db_path, "init")[0] == 0
+    alice = types.SimpleNamespace(auth={"Authorization": f"Bearer {cli(db_path, 'human', 'add', 'alice')[1]['token']}"})
     slow = Trickler(every=0.25)
     server = PatchedServer(db_path, "import switchboard.notifier as n\nn.NOTIFY_TIMEOUT_SECONDS = 1.0\n",
                            env={"SWITCHBOARD_NOTIFY_ALLOW_PRIVATE": "yes"})
@@ -488,10 +488,10 @@ def test_a_channel_to_an_internal_address_is_refused_from_the_board_and_the_cli_
             "http://192.0.2.10/…", "http://ntfy.invalid/…"]
     add = ("notify", "add", "--human", "alice", "--kind", "ntfy", "--url", "http://[::1]:9/topic", "--events", "held")
     # A command's allowance is its environment's, not serve's flags: its refusal names the variables.
-    assert cli_inproc(db_path, *add) == (1, {"error": "invalid_argument",
+    assert cli(db_path, *add) == (1, {"error": "invalid_argument",
                                              "message": f"url: {REFUSED_ADDRESS} ({COMMAND_ALLOWANCE})"})
     monkeypatch.setenv("SWITCHBOARD_NOTIFY_ALLOW_PRIVATE", "1")  # the operator allows it, as serve's flag does
-    code, made = cli_inproc(db_path, *add)
+    code, made = cli(db_path, *add)
     assert code == 0 and made["url"] == "http://[::1]:9/…"
 
 

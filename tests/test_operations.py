@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import producers
 import pytest
-from conftest import ROOT, LiveServer, cli, cli_inproc, workdir
+from conftest import ROOT, LiveServer, cli, workdir
 from helpers import connect_db
 from starlette.testclient import TestClient
 
@@ -258,10 +258,10 @@ def test_check_reports_integrity_key_sandbox_and_schema(db_path):
     code, report = cli(db_path, "check")
     assert code == 0 and report["integrity"] == "ok" and report["sandbox"] == "ok"
     assert report["schema_version"] == SCHEMA_VERSION and report["key"] == "missing"
-    cli_inproc(db_path, "human", "add", "alice")
-    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "q",
-                             "--verbs", "all")
-    cli_inproc(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github", "--queue", "q")
+    cli(db_path, "human", "add", "alice")
+    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "q",
+                      "--verbs", "all")
+    cli(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github", "--queue", "q")
     code, report = cli(db_path, "check")
     assert code == 0 and report["key"] == "file"
     (workdir(db_path) / "switchboard.key").unlink()
@@ -300,7 +300,7 @@ def test_an_idle_scheduler_looks_every_second_but_only_works_when_something_chan
         time.sleep(3.5)
         assert len(ticks) <= 2, f"{len(ticks)} ticks in 3.5 idle seconds"
         before = len(ticks)
-        code, human = cli_inproc(db_path, "human", "add", "idle-alice")
+        code, human = cli(db_path, "human", "add", "idle-alice")
         assert code == 0, human
         deadline = time.monotonic() + 5
         while len(ticks) == before and time.monotonic() < deadline:

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from conftest import LiveServer, ManualClock, World, cli, cli_inproc
+from conftest import LiveServer, ManualClock, World, cli
 from forges import FakeForge, Scene
 from starlette.testclient import TestClient
 from test_notify import Receiver, add_channel
@@ -40,7 +40,7 @@ def receiver():
 
 
 def test_held_outputs_send_nothing_until_resumed_then_everything_that_waited(db_path, github, receiver):
-    assert cli_inproc(db_path, "outputs", "hold", "--reason", "restore drill")[0] == 0
+    assert cli(db_path, "outputs", "hold", "--reason", "restore drill")[0] == 0
     app = create_app(db_path, clock=ManualClock(time.time_ns() // 1_000_000), background=True,
                      notify_allow_private=True)
     with TestClient(app) as client:
@@ -52,7 +52,7 @@ def test_held_outputs_send_nothing_until_resumed_then_everything_that_waited(db_
         asked = scene.act(todo_id, "needs-input", lease_token=scene.claim(todo_id), question="S or M?",
                           outputs=[{"type": "add_labels", "labels": ["size/S"]}])
         assert asked.status_code == 200, asked.text
-        code, status = cli_inproc(db_path, "outputs", "status")
+        code, status = cli(db_path, "outputs", "status")
         assert code == 0 and status["held"] and status["reason"] == "restore drill", status
         assert status["waiting"]["forge_outputs"] == 1 and status["waiting"]["notifications"] == 1, status
         assert status["waiting"]["status_comments"] == 1, status
@@ -68,7 +68,7 @@ def test_held_outputs_send_nothing_until_resumed_then_everything_that_waited(db_
         health = client.get("/healthz")
         assert health.status_code == 200 and "outputs held since" in health.text, health.text
 
-        code, resumed = cli_inproc(db_path, "outputs", "resume")
+        code, resumed = cli(db_path, "outputs", "resume")
         assert code == 0 and not resumed["held"], resumed
         # The label, the status comment and the notification that waited go out now.
         github.wait_for(lambda: github.labels("acme/site", 41) == ["size/S"], what="the held label")
@@ -80,11 +80,11 @@ def test_held_outputs_send_nothing_until_resumed_then_everything_that_waited(db_
 
 
 def test_hold_is_idempotent_and_keeps_its_first_time_and_reason(db_path):
-    first = cli_inproc(db_path, "outputs", "hold", "--reason", "drill of 7 December")[1]
-    again = cli_inproc(db_path, "outputs", "hold")[1]
+    first = cli(db_path, "outputs", "hold", "--reason", "drill of 7 December")[1]
+    again = cli(db_path, "outputs", "hold")[1]
     assert again["held"] and again["since"] == first["since"] and again["reason"] == "drill of 7 December"
-    assert cli_inproc(db_path, "outputs", "resume")[1]["held"] is False
-    assert cli_inproc(db_path, "outputs", "resume")[1]["held"] is False  # resuming twice is no error
+    assert cli(db_path, "outputs", "resume")[1]["held"] is False
+    assert cli(db_path, "outputs", "resume")[1]["held"] is False  # resuming twice is no error
 
 
 @pytest.mark.sqlite_only("backup copies a SQLite file (Postgres: pg_dump, then `outputs hold`)")

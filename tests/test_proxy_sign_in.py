@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LiveServer, cli, cli_inproc, snapshot
+from conftest import LiveServer, cli, snapshot
 from starlette.testclient import TestClient
 from test_board_browser import CHROMIUM, LAUNCH_ARGS, _no_browser
 
@@ -266,9 +266,9 @@ def chromium():
 
 
 def test_chromium_signs_in_through_the_proxy_is_ignored_around_it_and_refused_for_a_stranger(chromium, db_path):
-    assert cli_inproc(db_path, "init")[0] == 0
-    _, alice = cli_inproc(db_path, "human", "add", "alice", "--login", "alice@example.com")
-    cli_inproc(db_path, "human", "add", "bob", "--login", "bob@example.com")
+    assert cli(db_path, "init")[0] == 0
+    _, alice = cli(db_path, "human", "add", "alice", "--login", "alice@example.com")
+    cli(db_path, "human", "add", "bob", "--login", "bob@example.com")
     server = LiveServer(db_path, "--trust-proxy", "127.0.0.2", "--auth-header", HEADER)
     proxy = IdentityProxy(server.url)
     try:

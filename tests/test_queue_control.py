@@ -15,7 +15,7 @@ from collections import Counter
 import httpx
 import producers
 import pytest
-from conftest import ROOT, cli, cli_inproc, snapshot
+from conftest import ROOT, cli, snapshot
 from helpers import count
 from starlette.testclient import TestClient
 
@@ -243,8 +243,8 @@ def test_max_in_flight_2_with_8_racing_claimers_never_has_more_than_2_claimed(li
     """A real server and eight workers in threads, each claiming (half of them waiting for a ring when the queue
     is full, half asking again at once), counting the queue's claimed todos in the database file right after each
     claim, holding the todo a moment, and completing it."""
-    _, human = cli_inproc(db_path, "human", "add", "racer")
-    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "racer", "--name", "pool", "--queues", QUEUE)
+    _, human = cli(db_path, "human", "add", "racer")
+    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "racer", "--name", "pool", "--queues", QUEUE)
     total = 500
     db = open_database(db_path)  # the work, written through the store before the server starts (set-up only)
     db.write_sync(lambda txn: [push_todo(txn, OPERATOR, endpoint["id"], TodoPush(title=f"t{n}", queue=QUEUE))
@@ -332,7 +332,7 @@ def test_the_cli_pauses_and_resumes_and_the_server_rings_for_what_waited(world, 
     code, paused = cli(db_path, "queue", "pause", worker.id, QUEUE, "--until", until, "--reason", "quota")
     assert code == 0 and paused["paused"] == {"until": until, "reason": "quota", "by": "system",
                                               "at": paused["paused"]["at"]}
-    code, paused = cli_inproc(db_path, "queue", "pause", worker.id, "docs", "--for", "90m")
+    code, paused = cli(db_path, "queue", "pause", worker.id, "docs", "--for", "90m")
     assert code == 0 and paused["paused"]["until"] is not None
     todo = world.push(alice, worker, QUEUE, "waits for the cli")
     result: dict = {}
@@ -354,11 +354,11 @@ def test_the_cli_pauses_and_resumes_and_the_server_rings_for_what_waited(world, 
     code, cleared = cli(db_path, "queue", "limits", worker.id, QUEUE, "--clear")
     assert code == 0 and cleared["limits"] == {"max_in_flight": None, "max_claims_per_window": None,
                                                "max_in_flight_per_key": None, **NO_WAIT_LIMITS}
-    code, refused = cli_inproc(db_path, "queue", "limits", worker.id, QUEUE, "--max-claims", "10")
+    code, refused = cli(db_path, "queue", "limits", worker.id, QUEUE, "--max-claims", "10")
     assert code == 1 and refused["message"] == "--max-claims and --window go together"
-    code, refused = cli_inproc(db_path, "queue", "limits", worker.id, QUEUE)
+    code, refused = cli(db_path, "queue", "limits", worker.id, QUEUE)
     assert code == 1 and "--clear" in refused["message"]
-    assert cli_inproc(db_path, "queue", "pause", worker.id, QUEUE, "--for", "2h", "--until", until)[0] == 2
+    assert cli(db_path, "queue", "pause", worker.id, QUEUE, "--for", "2h", "--until", until)[0] == 2
 
 
 @pytest.mark.parametrize("release", ["release1", "release2", "release3"])

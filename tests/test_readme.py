@@ -43,9 +43,9 @@ def test_readme_worker_loop_completes_pushed_work(live_server, db_path, tmp_path
     server = live_server()
     section = (ROOT / "docs" / "workers.md").read_text().split("**A minimal worker loop**", 1)[1]
     (tmp_path / "worker.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
-    from conftest import cli_inproc
-    _, human = cli_inproc(db_path, "human", "add", "alice")
-    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "build")
+    from conftest import cli
+    _, human = cli(db_path, "human", "add", "alice")
+    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "build")
     env = {**os.environ, "SWITCHBOARD_URL": server.url, "SWITCHBOARD_TOKEN": endpoint["token"]}
     worker = subprocess.Popen([sys.executable, str(tmp_path / "worker.py")], env=env)
     try:
@@ -144,11 +144,11 @@ def test_readme_restore_block_brings_back_a_working_webhook(live_server, db_path
     import httpx
     import producers
     live_server()  # the block backs up while the server runs
-    from conftest import cli_inproc
-    _, human = cli_inproc(db_path, "human", "add", "alice")
-    _, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "triage")
-    _, hook = cli_inproc(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github",
-                         "--queue", "triage", "--allow-all")
+    from conftest import cli
+    _, human = cli(db_path, "human", "add", "alice")
+    _, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "w", "--queues", "triage")
+    _, hook = cli(db_path, "webhook", "create", "--endpoint", endpoint["id"], "--provider", "github",
+                  "--queue", "triage", "--allow-all")
     state = Path(db_path).parent
     script = readme_block("## Backup and restore", page="docs/running.md")
     script = script.replace("STATE=/var/lib/switchboard BACKUPS=/srv/backups",

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from conftest import cli_inproc, workdir
+from conftest import cli, workdir
 from helpers import TLS, assert_storage_intact, connect_db
 
 TODOS = 400
@@ -34,10 +34,10 @@ def log_tail(db_path: str, lines: int = 30) -> str:
 
 
 def principals(db_path: str, queues: str = "build") -> tuple[dict, dict]:
-    code, human = cli_inproc(db_path, "human", "add", "alice")
+    code, human = cli(db_path, "human", "add", "alice")
     assert code == 0 and human["token"].startswith("sbh_"), human
-    code, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "worker", "--queues",
-                                queues)
+    code, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "worker", "--queues",
+                         queues)
     assert code == 0 and endpoint["token"].startswith("sbk_"), endpoint
     return human, endpoint
 

@@ -13,7 +13,7 @@ import uuid
 import httpx
 import producers
 import pytest
-from conftest import cli, cli_inproc, snapshot
+from conftest import cli, snapshot
 from helpers import TLS, add_route, count, hook_token, make_webhook, post_delivery, query
 
 from switchboard.app import create_app
@@ -154,8 +154,8 @@ def test_a_dry_run_reports_the_same_decision_and_writes_nothing(world, alice, ow
 # -- 3. races, against a real server -------------------------------------------------------------------
 
 def test_racing_replays_and_redeliveries_mint_exactly_once(db_path, live_server):
-    assert cli_inproc(db_path, "init")[0] == 0
-    _, human = cli_inproc(db_path, "human", "add", "alice")
+    assert cli(db_path, "init")[0] == 0
+    _, human = cli(db_path, "human", "add", "alice")
     auth = {"Authorization": f"Bearer {human['token']}"}
 
     Alice = types.SimpleNamespace(auth=auth)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import producers
 import pytest
-from conftest import ROOT, LiveServer, cli_inproc
+from conftest import ROOT, LiveServer, cli
 from helpers import add_route, count, query
 
 from switchboard.app import create_app
@@ -149,8 +149,8 @@ def test_a_bulk_replay_larger_than_its_budget_answers_the_same_in_bounded_memory
     delivery at once grew it by several times the total). The trust gate holds them at ingest and the rules are
     saved before any arrives, so nothing but the replay reads them all."""
     db_path = str(tmp_path / "switchboard.db")
-    assert cli_inproc(db_path, "init")[0] == 0
-    token = cli_inproc(db_path, "human", "add", "alice")[1]["token"]
+    assert cli(db_path, "init")[0] == 0
+    token = cli(db_path, "human", "add", "alice")[1]["token"]
     alice = types.SimpleNamespace(auth={"Authorization": f"Bearer {token}"})
     # The replay budget lowered; and the evaluation budget raised from 250 ms, so that reading a 1 MiB envelope on
     # a busy machine is never a timeout fault (which would change the answer this test compares).

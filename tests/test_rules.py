@@ -347,11 +347,11 @@ def test_an_evaluator_that_cannot_run_answers_503_and_stores_nothing(world, alic
 
 
 def test_rules_over_the_cli(db_path, tmp_path):
-    from conftest import cli, cli_inproc
-    cli_inproc(db_path, "human", "add", "alice")
-    _, router = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "triage,hold",
+    from conftest import cli
+    cli(db_path, "human", "add", "alice")
+    _, router = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "router", "--queues", "triage,hold",
                     "--verbs", "all")
-    _, made = cli_inproc(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "github", "--queue", "triage",
+    _, made = cli(db_path, "webhook", "create", "--endpoint", router["id"], "--provider", "github", "--queue", "triage",
                   "--allow-all")
     pack = tmp_path / "pack.json"
     pack.write_text(json.dumps({"rules": [{"id": "hold-bugs", "expr": '.issue.labels | index("bug") != null',

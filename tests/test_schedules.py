@@ -12,7 +12,7 @@ import urllib.parse
 from datetime import datetime
 
 import pytest
-from conftest import ManualClock, World, cli, cli_inproc, snapshot
+from conftest import ManualClock, World, cli, snapshot
 from starlette.testclient import TestClient
 from test_board import post, sign_in
 
@@ -347,9 +347,9 @@ def test_the_board_shows_next_and_last_run_and_the_last_todo_and_pauses_and_resu
 
 
 def test_the_cli_adds_lists_pauses_resumes_and_removes_and_refuses_a_bad_cron(db_path):
-    assert cli_inproc(db_path, "human", "add", "alice")[0] == 0
-    code, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "lane", "--queues",
-                                "chores")
+    assert cli(db_path, "human", "add", "alice")[0] == 0
+    code, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "lane", "--queues",
+                         "chores")
     assert code == 0, endpoint
     before = snapshot(db_path)
     code, refused = cli(db_path, "schedule", "add", endpoint["id"], "--name", "brief", "--queue", "chores",

@@ -12,7 +12,7 @@ import time
 from datetime import datetime
 
 import pytest
-from conftest import ENGINE, LiveServer, cli, cli_inproc
+from conftest import ENGINE, LiveServer, cli
 from helpers import query
 from test_forge_at_most_once import cut_leaders_lock
 from test_postgres import leader_of
@@ -20,9 +20,9 @@ from test_postgres import leader_of
 
 def every_second(db_path: str) -> str:
     """A human, an endpoint and (through the CLI) a schedule every second on it; the schedule's id."""
-    assert cli_inproc(db_path, "human", "add", "alice")[0] == 0
-    code, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "alice", "--name", "lane", "--queues",
-                                "chores")
+    assert cli(db_path, "human", "add", "alice")[0] == 0
+    code, endpoint = cli(db_path, "endpoint", "vend", "--human", "alice", "--name", "lane", "--queues",
+                         "chores")
     assert code == 0, endpoint
     code, schedule = cli(db_path, "schedule", "add", endpoint["id"], "--name", "tick", "--queue", "chores",
                          "--title", "every second", "--every", "1")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 import producers
 import pytest
-from conftest import LiveServer, cli_inproc, free_port
+from conftest import LiveServer, cli, free_port
 from helpers import hook_token, make_webhook, post_delivery
 
 from switchboard.configuration import NOTIFY_EVENTS
@@ -235,8 +235,8 @@ def receiver():
 
 def test_no_secret_of_any_kind_reaches_the_server_log(db_path, receiver):
     found = Secrets()
-    assert cli_inproc(db_path, "init")[0] == 0
-    code, alice = cli_inproc(db_path, "human", "add", "alice")
+    assert cli(db_path, "init")[0] == 0
+    code, alice = cli(db_path, "human", "add", "alice")
     assert code == 0
     found.add("human_token", alice["token"])
     server = LiveServer(db_path, "--notify-allow-private", "--ingest-rate", "0")

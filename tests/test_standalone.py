@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import producers
 import pytest
-from conftest import ROOT, LiveServer, cli, cli_inproc, free_port
+from conftest import ROOT, LiveServer, cli, free_port
 from helpers import connect_db
 
 from switchboard.cli.parser import build_parser
@@ -134,7 +134,7 @@ def test_a_database_restored_without_its_key_is_refused_with_the_fix_named(tmp_p
 @pytest.mark.sqlite_only("file backup and restore")
 def test_backup_and_restore_round_trip_keeps_the_webhook_working(live_server, db_path, tmp_path):
     server = live_server()
-    _, human = cli_inproc(db_path, "human", "add", "alice")
+    _, human = cli(db_path, "human", "add", "alice")
     auth = {"Authorization": f"Bearer {human['token']}"}
     endpoint = httpx.post(server.url + "/api/v1/endpoints", headers=auth,
                           json={"name": "w", "queues": ["triage"]}).json()

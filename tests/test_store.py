@@ -349,12 +349,12 @@ def test_waiting_claim_times_out_empty(world, worker):
 
 
 def test_racing_claims_claim_every_todo_exactly_once(live_server, db_path):
-    from conftest import cli_inproc
+    from conftest import cli
 
     server = live_server()
-    code, human = cli_inproc(db_path, "human", "add", "racer")
+    code, human = cli(db_path, "human", "add", "racer")
     assert code == 0
-    code, endpoint = cli_inproc(db_path, "endpoint", "vend", "--human", "racer", "--name", "pool", "--queues", "build")
+    code, endpoint = cli(db_path, "endpoint", "vend", "--human", "racer", "--name", "pool", "--queues", "build")
     assert code == 0
     human_auth = {"Authorization": f"Bearer {human['token']}"}
     auth = {"Authorization": f"Bearer {endpoint['token']}"}

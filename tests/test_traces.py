@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import producers
 import pytest
-from conftest import ROOT, LiveServer, cli_inproc
+from conftest import ROOT, LiveServer, cli
 from forges import REPO as FORGE_REPO
 from forges import RULES as FORGE_RULES
 from forges import FakeForge
@@ -119,7 +119,7 @@ def otel_environment(receiver: Receiver) -> dict[str, str]:
 
 def deploy(db_path: str, server: LiveServer, directory: Path, queue: str = "lane-s") -> dict:
     """A human, an endpoint draining `queue` (its token in a file) and a GitHub webhook routed to it."""
-    code, human = cli_inproc(db_path, "human", "add", "alice")
+    code, human = cli(db_path, "human", "add", "alice")
     assert code == 0, human
 
     def call(method: str, path: str, **body) -> dict:
@@ -286,7 +286,7 @@ def test_the_seeds_loop_is_one_trace_from_the_issue_to_the_lane_workers_child(db
     model.script = lambda request: sized("S")
     server = LiveServer(db_path, "--notify-allow-private", env=otel_environment(receiver))
     try:
-        code, human = cli_inproc(db_path, "human", "add", "alice")
+        code, human = cli(db_path, "human", "add", "alice")
         assert code == 0, human
 
         def call(method: str, path: str, **body) -> dict:

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 import producers
 import pytest
-from conftest import ROOT, LiveServer, cli_inproc
+from conftest import ROOT, LiveServer, cli
 from helpers import TLS, hook_path
 
 from switchboard.worker.job import Complete, ConfigError, Fail, Job
@@ -295,7 +295,7 @@ def secret_file(path: Path, text: str) -> Path:
 def site(tmp_path_factory):
     directory = tmp_path_factory.mktemp("triage")
     db_path = str(directory / "switchboard.db")
-    code, human = cli_inproc(db_path, "human", "add", "alice")
+    code, human = cli(db_path, "human", "add", "alice")
     assert code == 0, human
     server = LiveServer(db_path)
     model = FakeModel()

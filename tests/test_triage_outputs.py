@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import producers
 import pytest
-from conftest import ROOT, LiveServer, cli_inproc
+from conftest import ROOT, LiveServer, cli
 from forges import REPO, FakeForge
 from helpers import TLS, hook_path
 from test_triage import MODEL, FakeModel, eventually, secret_file, sized, triage_worker_command
@@ -70,7 +70,7 @@ class Site:
 def site(tmp_path_factory):
     directory = tmp_path_factory.mktemp("triage-outputs")
     db = str(directory / "switchboard.db")
-    code, human = cli_inproc(db, "human", "add", "alice")
+    code, human = cli(db, "human", "add", "alice")
     assert code == 0, human
     server = LiveServer(db, "--notify-allow-private")
     model = FakeModel()

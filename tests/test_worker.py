@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, LiveServer, cli_inproc
+from conftest import ROOT, LiveServer, cli
 from helpers import TLS, query
 
 from switchboard.worker.park import (
@@ -191,7 +191,7 @@ class Site:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     db_path = str(tmp_path_factory.mktemp("worker") / "switchboard.db")
-    code, human = cli_inproc(db_path, "human", "add", "alice")
+    code, human = cli(db_path, "human", "add", "alice")
     assert code == 0, human
     server = LiveServer(db_path)
     yield Site(server, human["token"])
@@ -433,7 +433,7 @@ def test_cancelling_a_running_todo_kills_its_child_within_a_third_of_the_lease_p
 
 def test_a_worker_that_cannot_reach_the_server_kills_the_child_when_the_lease_would_lapse(tmp_path, workers):
     db_path = str(tmp_path / "own.db")
-    _, human = cli_inproc(db_path, "human", "add", "bob")
+    _, human = cli(db_path, "human", "add", "bob")
     own_server = LiveServer(db_path)
     try:
         lane = make_lane(own_server, human["token"], tmp_path)
