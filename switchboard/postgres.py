@@ -465,6 +465,9 @@ class Postgres:
             self.synchronous = conn.execute("SHOW synchronous_commit").fetchone()[0]
         self._pool = psycopg_pool.ConnectionPool(url, min_size=1, max_size=pool_size, configure=self._on_connect,
                                                  open=True, timeout=30, name="switchboard")
+        # The first connection is made before anything asks: asked while it was still being made, the pool made a
+        # second one at once (a backend's start is about 7 ms of the server's CPU, and every process paid it)
+        self._pool.wait(timeout=30)
         if listen:
             self._wake_pipe = os.pipe()
             for fd in self._wake_pipe:
