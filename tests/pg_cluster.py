@@ -28,6 +28,9 @@ DEBIAN_BINARIES = "/usr/lib/postgresql/*/bin"
 # Settings for a cluster nobody keeps: none changes what a query returns or which transaction wins.
 SETTINGS = {
     "fsync": "off",
+    # a test's database lives seconds: autovacuum's rounds through hundreds of them were CPU for nothing, and
+    # statistics gathered halfway through a test would change its plans from one run to the next
+    "autovacuum": "off",
     "full_page_writes": "off",
     "max_connections": "200",
     "shared_buffers": "64MB",
