@@ -32,6 +32,7 @@ SETTINGS = {
     # statistics gathered halfway through a test would change its plans from one run to the next
     "autovacuum": "off",
     "full_page_writes": "off",
+    "jit": "off",  # test_bulk.py and test_query_plans.py: 40 s without it, 44-50 s with it
     "max_connections": "200",
     "shared_buffers": "64MB",
     "listen_addresses": "'127.0.0.1'",

@@ -6,10 +6,11 @@
 Postgres is a throw-away cluster this run starts with tests/pg_cluster.py (initdb and pg_ctl in a temporary
 directory on this machine's disk, as the `postgres` user when run as root; 127.0.0.1, trust authentication,
 shared_buffers 64MB, max_connections 200), with durability turned back on: pg_cluster starts it with fsync,
-full_page_writes and autovacuum off, and this run sets them on again (`ALTER SYSTEM`, then `pg_reload_conf()`: all
-three are reloaded without a restart) and reads them back. synchronous_commit is on (the default, and `serve` refuses off),
-wal_sync_method the platform's default (fdatasync on Linux): every commit waits for its WAL fsync, as SQLite mode's
-synchronous=FULL does. The report names every setting as read back, and the run stops if one is off.
+full_page_writes, autovacuum and JIT off, and this run sets them on again (`ALTER SYSTEM`, then
+`pg_reload_conf()`: each is reloaded without a restart) and reads them back. synchronous_commit is on (the
+default, and `serve` refuses off), wal_sync_method the platform's default (fdatasync on Linux): every commit waits
+for its WAL fsync, as SQLite mode's synchronous=FULL does. The report names every setting as read back, and the
+run stops if one is off.
 
 Servers are real `python switchboard.py serve --ingest-rate 0` children on free loopback ports: on a SQLite file
 (synchronous FULL, the default) or on the cluster with `--db postgresql://… --key-file KEY` (32 random bytes,
@@ -140,9 +141,9 @@ CONFIGS = {"sqlite": ("sqlite", 1), "pg1": ("postgres", 1), "pg2": ("postgres", 
 LABELS = {"sqlite": "SQLite mode", "pg1": "Postgres, one process", "pg2": "Postgres, two processes"}
 POSTGRES_SETTINGS = ("server_version", "fsync", "full_page_writes", "synchronous_commit", "wal_sync_method",
                      "wal_level", "shared_buffers", "max_connections", "commit_delay", "checkpoint_timeout",
-                     "max_wal_size", "autovacuum")
-# Durable, and vacuumed as a kept database is (pg_cluster turns autovacuum off for tests)
-DURABLE = {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "on", "autovacuum": "on"}
+                     "max_wal_size", "autovacuum", "jit")
+# Durable, vacuumed and planned as a kept database is (pg_cluster turns autovacuum and JIT off for tests)
+DURABLE = {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "on", "autovacuum": "on", "jit": "on"}
 
 # The raw loop and the peer get more operations than the HTTP runs: at their rates a smaller run lasts a few
 # hundred milliseconds, too short for /proc's 10 ms CPU ticks to say who used what.
@@ -163,13 +164,14 @@ PEER_MISSING = "procrastinate is not installed (`pip install procrastinate`)"
 # ----------------------------------------------------------------------------------------------------
 
 def durable(cluster: pg_cluster.Cluster) -> dict:
-    """Turn fsync, full-page writes and autovacuum back on (pg_cluster turns them off for tests), and read back
-    every setting the report names; raise if a commit would not be durable."""
+    """Turn fsync, full-page writes, autovacuum and JIT back on (pg_cluster turns them off for tests), and read
+    back every setting the report names; raise if a commit would not be durable."""
     with psycopg.connect(cluster.url(), autocommit=True) as conn:
         conn.execute("ALTER SYSTEM SET fsync = on")
         conn.execute("ALTER SYSTEM SET full_page_writes = on")
         conn.execute("ALTER SYSTEM SET synchronous_commit = on")
         conn.execute("ALTER SYSTEM SET autovacuum = on")
+        conn.execute("ALTER SYSTEM SET jit = on")
         conn.execute("SELECT pg_reload_conf()")
     deadline = time.monotonic() + 10
     while True:
