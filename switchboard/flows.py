@@ -736,14 +736,16 @@ class Flows:
     async def background(self) -> None:
         """Every second, look; run a tick (leases, deferrals, rings) only when another connection committed
         (PRAGMA data_version moved: a request, the CLI; on Postgres the counters' change total), or when what the
-        last tick saw falls due. At least every SCHEDULER_IDLE_SECONDS it reads when the next thing falls due again
-        (one statement, next_due), for a due moment that came without a move it sees (a schedule or a pause
-        another process wrote). Idle, that costs one look a second, not a scan. A move is also told to `changes`
+        last tick saw falls due, or when this process has just become the leader (Postgres: the lock may come after
+        the first look, or from a leader that died). At least every SCHEDULER_IDLE_SECONDS it reads when the next
+        thing falls due again (one statement, next_due), for a due moment that came without a move it sees (a
+        schedule or a pause another process wrote). Idle, that costs one look a second, not a scan. A move is also told to `changes`
         (the Board's open streams then read their counts again; idle, they read nothing). One bad round is logged
         and the loop goes on. (Checkpoints are the checkpointer thread's and the writer's: the WAL file keeps its
         size, because a commit that grows the file costs about twice one that reuses it.)"""
         last_look = -math.inf
         seen, due_ms = None, None
+        led = False  # the leader at the last look: a process that has just become the leader ticks at once
         while True:
             try:
                 now = time.monotonic()
@@ -753,11 +755,13 @@ class Flows:
                            else await asyncio.to_thread(self.db.change_marker))
                 if seen is not None and version != seen:
                     self.changes.moved()
-                if self.db.is_leader:
-                    if version == seen and now - last_look >= SCHEDULER_IDLE_SECONDS:
+                leading = self.db.is_leader  # the leader's thread may change it: read once
+                became_leader, led = leading and not led, leading
+                if led:
+                    if not became_leader and version == seen and now - last_look >= SCHEDULER_IDLE_SECONDS:
                         last_look = now
                         due_ms = await self.db.read(next_due)
-                    if version != seen or (due_ms is not None and self.db.clock.now_ms() >= due_ms):
+                    if became_leader or version != seen or (due_ms is not None and self.db.clock.now_ms() >= due_ms):
                         seen, last_look = version, now
                         due_ms = (await self.db.write(scheduler_tick))["next_due"]
                 seen = version

@@ -24,10 +24,11 @@ from producers import github
 from starlette.testclient import TestClient
 from test_notify import Receiver
 
+import switchboard.flows as flows_module
 from switchboard.app import create_app
 from switchboard.board.queries import board_sign_in
 from switchboard.configuration import SCHEMA_VERSION
-from switchboard.postgres import Postgres
+from switchboard.postgres import LEADER_LOCK, Postgres
 from switchboard.store.principals import add_human
 
 pytestmark = pytest.mark.skipif(ENGINE != "postgres", reason="about Postgres mode: SWITCHBOARD_TEST_ENGINE=postgres")
@@ -542,3 +543,29 @@ def test_claims_racing_over_lapsed_leases_expire_each_once(db_path, two_servers)
         db_path, "SELECT count(*) FROM todos WHERE state = 'claimed'")[0][0]
     counted = dict(query(db_path, "SELECT state, n FROM todo_counts WHERE n <> 0"))
     assert counted == dict(query(db_path, "SELECT state, count(*) FROM todos GROUP BY state"))
+
+
+def test_a_process_that_becomes_the_leader_after_its_first_looks_ticks_at_once(db_path, monkeypatch):
+    """The leader's lock may come after the scheduler's first looks (another process held it, then died or let
+    go): the new leader ticks at once, though nothing changed and nothing falls due. It once waited for a change,
+    and a server whose lock came late never ticked on an idle database."""
+    ticks: list[float] = []
+    tick = flows_module.scheduler_tick
+
+    def counted_tick(txn, *args, **kwargs):
+        ticks.append(time.monotonic())
+        return tick(txn, *args, **kwargs)
+
+    monkeypatch.setattr(flows_module, "scheduler_tick", counted_tick)
+    with psycopg.connect(db_path, autocommit=True) as holder:
+        assert holder.execute("SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,)).fetchone()[0]
+        app = create_app(db_path, background=True)
+        with TestClient(app):
+            time.sleep(1.5)  # a look or two while the lock is another's
+            assert not app.state.db.is_leader and ticks == [], ticks
+            holder.execute("SELECT pg_advisory_unlock(%s)", (LEADER_LOCK,))
+            released = time.monotonic()
+            while not ticks and time.monotonic() < released + 10:
+                time.sleep(0.05)
+            assert app.state.db.is_leader and ticks, "the new leader never ticked"
+            assert ticks[0] - released < 3, f"the first tick came {ticks[0] - released:.1f} s after the lock"
