@@ -110,17 +110,17 @@ def test_the_worker_command_starts_without_the_servers_modules():
     assert "switchboard.worker.main" in loaded and not server_side, server_side
 
 
-def test_an_operators_command_starts_without_the_event_loop_and_a_server_without_the_otlp_sdk():
+def test_an_operators_command_starts_without_the_event_loop_and_a_server_without_the_otlp_sdk(tmp_path):
     """A command such as `human list` imports neither asyncio nor the server's modules, and a server with no OTLP
     endpoint set imports nothing of the OpenTelemetry SDK: each was tens of milliseconds of every start, and a
     test suite starts hundreds of them."""
-    code = ("import os, sys, tempfile\nfrom switchboard.cli.entry import main\n"
-            "path = os.path.join(tempfile.mkdtemp(), 'sb.db')\n"
+    code = ("import sys\nfrom switchboard.cli.entry import main\npath = sys.argv[1]\n"
             "assert main(['init', '--db', path, '--json']) == 0 and main(['human', 'list', '--db', path]) == 0\n"
             "cli = sorted(sys.modules)\nfrom switchboard.tracing import start_tracing\n"
             "assert start_tracing({}) is None\nprint(' '.join(cli))\nprint(' '.join(sorted(sys.modules)))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "sb.db")], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     cli, after = (line.split() for line in done.stdout.splitlines()[-2:])
     assert "switchboard.store.principals" in cli, cli
