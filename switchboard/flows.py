@@ -739,10 +739,10 @@ class Flows:
         last tick saw falls due, or when this process has just become the leader (Postgres: the lock may come after
         the first look, or from a leader that died). At least every SCHEDULER_IDLE_SECONDS it reads when the next
         thing falls due again (one statement, next_due), for a due moment that came without a move it sees (a
-        schedule or a pause another process wrote). Idle, that costs one look a second, not a scan. A move is also told to `changes`
-        (the Board's open streams then read their counts again; idle, they read nothing). One bad round is logged
-        and the loop goes on. (Checkpoints are the checkpointer thread's and the writer's: the WAL file keeps its
-        size, because a commit that grows the file costs about twice one that reuses it.)"""
+        schedule or a pause another process wrote). Idle, that costs one look a second, not a scan. A move is also
+        told to `changes` (the Board's open streams then read their counts again; idle, they read nothing). One
+        bad round is logged and the loop goes on. (Checkpoints are the checkpointer thread's and the writer's: the
+        WAL file keeps its size, because a commit that grows the file costs about twice one that reuses it.)"""
         last_look = -math.inf
         seen, due_ms = None, None
         led = False  # the leader at the last look: a process that has just become the leader ticks at once

@@ -703,7 +703,8 @@ class Postgres:
                                     self.on_outbox()
                             else:
                                 self._deliver(json.loads(notice.payload))
-                        woken = waiting.poll(max(0.0, min(next_beat, next_look, next_publish) - time.monotonic()) * 1000)
+                        pause = max(0.0, min(next_beat, next_look, next_publish) - time.monotonic())
+                        woken = waiting.poll(pause * 1000)
                         if any(fd == wake_read for fd, _ in woken):
                             with contextlib.suppress(BlockingIOError):
                                 os.read(wake_read, 4096)

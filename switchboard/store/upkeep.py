@@ -128,7 +128,8 @@ def next_due(txn: Txn) -> int | None:
     lease, deferral, retry, queue, schedule, wait, held, *rung = txn.one(_MOMENTS, (txn.now,))
     moments = [lease, deferral, retry, queue, schedule, wait,
                held + QUARANTINE_DAYS * 86_400_000 if held is not None else None]
-    moments += [last + wait_ms if last is not None else None for last, wait_ms in zip(rung, RERING_AFTER_MS, strict=True)]
+    moments += [last + wait_ms if last is not None else None
+                for last, wait_ms in zip(rung, RERING_AFTER_MS, strict=True)]
     return min((m for m in moments if m is not None), default=None)
 
 
